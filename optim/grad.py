@@ -1,0 +1,46 @@
+"""The ``decoupled_grad`` protocol: one accessor for a parameter's gradient.
+
+Mixed-precision training often keeps gradients in a dtype other than the
+parameter's (fp32 main grads for bf16 params). PyTorch refuses ``param.grad`` of
+another dtype, so such gradients live in ``param.decoupled_grad`` instead
+(the convention of Megatron-LM and Transformer Engine). Every optimizer and
+utility in this toolkit reads gradients through :func:`get_grad` only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["get_grad", "set_grad", "local_tensor"]
+
+DECOUPLED_GRAD_ATTR = "decoupled_grad"
+
+
+def get_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param.decoupled_grad`` if it is set (not None), else ``param.grad``."""
+    grad = getattr(param, DECOUPLED_GRAD_ATTR, None)
+    return grad if grad is not None else param.grad
+
+
+def set_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Store ``grad`` where :func:`get_grad` will find it.
+
+    A gradient of the parameter's own dtype (or ``None``) goes to ``param.grad``;
+    one of another dtype goes to ``param.decoupled_grad``. A stale value in the
+    other slot is cleared, so the two never disagree.
+    """
+    if grad is None or grad.dtype == param.dtype:
+        if getattr(param, DECOUPLED_GRAD_ATTR, None) is not None:
+            setattr(param, DECOUPLED_GRAD_ATTR, None)
+        param.grad = grad
+    else:
+        param.grad = None
+        setattr(param, DECOUPLED_GRAD_ATTR, grad)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local data of a tensor: a DTensor's local shard, else the tensor itself."""
+    # `_local_tensor` rather than `to_local()`: no autograd node, and the very same
+    # storage the DTensor wraps, so in-place writes reach the parameter.
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,68 @@
+"""Precision policy: which dtype each piece of optimizer-side state is kept in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PrecisionPolicy"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionPolicy:
+    """Dtypes of the main (master) params, main grads, gradient communication and Adam state.
+
+    ``None`` for ``main_grads_dtype`` / ``grad_comm_dtype`` means "follow the one
+    before": main grads follow the main params, communication follows the main
+    grads (as in Megatron-FSDP's ``MixedPrecisionPolicy``). Use the
+    ``resolved_*`` properties to read the effective dtypes.
+    """
+
+    main_params_dtype: torch.dtype = torch.float32
+    """dtype of the master copy the update is applied to (the truth; the model param is its cast)."""
+
+    main_grads_dtype: torch.dtype | None = None
+    """dtype gradients are accumulated / reduced into; None = ``main_params_dtype``."""
+
+    grad_comm_dtype: torch.dtype | None = None
+    """dtype gradients travel in over collectives; None = the resolved ``main_grads_dtype``."""
+
+    exp_avg_dtype: torch.dtype = torch.float32
+    """dtype of Adam's first moment (fp32, or bf16 to halve its memory and bytes moved)."""
+
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    """dtype of Adam's second moment (fp32, or bf16)."""
+
+    def __post_init__(self) -> None:
+        for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(
+                    f"PrecisionPolicy.{name}={value!r} is not a floating dtype; "
+                    f"use one of {', '.join(map(str, _FLOAT_DTYPES))}"
+                )
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = getattr(self, name)
+            if value not in _STATE_DTYPES:
+                raise ValueError(
+                    f"PrecisionPolicy.{name}={value!r} is not supported; "
+                    "optimizer state is kept in torch.float32 or torch.bfloat16"
+                )
+        if self.main_params_dtype not in (torch.float32, torch.float64):
+            # A low-precision master loses small updates (lr * update << ulp(param)).
+            raise ValueError(
+                f"PrecisionPolicy.main_params_dtype={self.main_params_dtype} would make the master "
+                "copy low precision and silently drop small updates; use torch.float32"
+            )
+
+    @property
+    def resolved_main_grads_dtype(self) -> torch.dtype:
+        return self.main_grads_dtype if self.main_grads_dtype is not None else self.main_params_dtype
+
+    @property
+    def resolved_grad_comm_dtype(self) -> torch.dtype:
+        return self.grad_comm_dtype if self.grad_comm_dtype is not None else self.resolved_main_grads_dtype

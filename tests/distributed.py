@@ -1,0 +1,111 @@
+"""The one place tests launch ranks: N processes over gloo on CPU.
+
+Usage::
+
+    def _body(rank: int, world_size: int, tmp: str) -> dict:   # module level: it is pickled
+        ...
+        return {"loss": 1.0}                                     # any picklable value
+
+    results = run_ranks(_body, world_size=3, args=(str(tmp_path),))   # list, one per rank
+
+A failure on any rank is re-raised in the test with that rank's traceback.
+Keeping launch details here means a torch API change is a one-file fix.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "RankFailed"]
+
+DEFAULT_TIMEOUT_S = 180.0
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    # Each rank gets one core's worth of threads: 4 ranks on 2 cores with
+    # default threading oversubscribe badly and turn seconds into minutes.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes over gloo.
+
+    ``fn`` must be defined at module level (it is pickled by reference). Returns
+    the per-rank return values in rank order.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, payload = queue.get(timeout=timeout_s)
+            except Exception as exc:  # queue.Empty: a rank hung or died without reporting
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                raise RankFailed(
+                    f"ranks did not all report within {timeout_s:.0f}s "
+                    f"(reported: {sorted(results)}, died with non-zero exit: {dead})"
+                ) from exc
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are likely stuck in a collective now
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise RankFailed("\n".join(failures))
+    return [results[r] for r in range(world_size)]

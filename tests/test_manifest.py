@@ -1,0 +1,57 @@
+import pytest
+
+from checkpoint.manifest import (
+    KeyRecord,
+    Manifest,
+    NotACheckpointError,
+    checksum_file,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+
+
+def _committed(tmp_path) -> Manifest:
+    (tmp_path / "__0_0.distcp").write_bytes(b"0123456789")
+    manifest = Manifest(
+        world_size=2,
+        keys={"model.w": KeyRecord("tensor", "bfloat16", (4, 3)), "extra.step": KeyRecord("bytes")},
+        files={"__0_0.distcp": checksum_file(tmp_path / "__0_0.distcp")},
+    )
+    write_manifest(tmp_path, manifest)
+    return manifest
+
+
+def test_manifest_round_trips_and_is_byte_deterministic(tmp_path):
+    manifest = _committed(tmp_path)
+    assert read_manifest(tmp_path) == manifest
+    first = (tmp_path / "manifest.json").read_bytes()
+    write_manifest(tmp_path, manifest)
+    assert (tmp_path / "manifest.json").read_bytes() == first
+
+
+def test_read_manifest_distinguishes_missing_path_from_uncommitted_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        read_manifest(tmp_path / "nope")
+    with pytest.raises(NotACheckpointError, match="manifest.json"):
+        read_manifest(tmp_path)
+
+
+def test_read_manifest_refuses_another_format_version(tmp_path):
+    _committed(tmp_path)
+    path = tmp_path / "manifest.json"
+    path.write_text(path.read_text().replace('"version": 1', '"version": 99'))
+    with pytest.raises(ValueError, match="version 99"):
+        read_manifest(tmp_path)
+
+
+def test_verify_files_names_truncated_corrupt_and_missing_files(tmp_path):
+    manifest = _committed(tmp_path)
+    assert verify_files(tmp_path, manifest) == []
+    data = tmp_path / "__0_0.distcp"
+    data.write_bytes(b"0123456788")
+    assert "CRC-32" in verify_files(tmp_path, manifest)[0]
+    data.write_bytes(b"01234")
+    assert "truncated" in verify_files(tmp_path, manifest)[0]
+    data.unlink()
+    assert "missing" in verify_files(tmp_path, manifest)[0]
