@@ -9,10 +9,12 @@ utility in this toolkit reads gradients through :func:`get_grad` only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["get_grad", "set_grad", "local_tensor"]
+__all__ = ["get_grad", "set_grad", "local_tensor", "zero_grad"]
 
 DECOUPLED_GRAD_ATTR = "decoupled_grad"
 
@@ -44,3 +46,21 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     # `_local_tensor` rather than `to_local()`: no autograd node, and the very same
     # storage the DTensor wraps, so in-place writes reach the parameter.
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def zero_grad(params: Iterable[torch.Tensor], *, set_to_none: bool = True) -> None:
+    """Clear both gradient slots (``grad`` and ``decoupled_grad``) of every param.
+
+    ``torch.optim.Optimizer.zero_grad`` knows only ``.grad``; use this where
+    gradients may be decoupled. With ``set_to_none=False`` existing buffers are
+    zeroed in place (their storage, and any view of it, is kept).
+    """
+    for param in params:
+        for grad in (param.grad, getattr(param, DECOUPLED_GRAD_ATTR, None)):
+            if grad is not None and not set_to_none:
+                with torch.no_grad():
+                    grad.zero_()
+        if set_to_none:
+            param.grad = None
+            if getattr(param, DECOUPLED_GRAD_ATTR, None) is not None:
+                setattr(param, DECOUPLED_GRAD_ATTR, None)

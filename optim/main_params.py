@@ -1,0 +1,131 @@
+"""Let a stock ``torch.optim`` optimizer honour main params and decoupled gradients.
+
+``torch.optim`` reads ``param.grad`` and updates ``param`` in its own dtype. A
+bf16 parameter whose fp32 gradient lives in ``param.decoupled_grad`` (see
+:mod:`optim.grad`) therefore cannot be stepped as is: ``.grad`` is empty, and
+an update applied in bf16 would drop everything below bf16's resolution.
+
+:func:`enable_main_params` fixes that with the optimizer's own hooks, keeping
+the optimizer a real, unmodified ``torch.optim`` object whose ``param_groups``
+hold the model's parameters (so LR schedulers and ``get_state_dict`` work):
+
+* before ``step``, every parameter with a gradient is pointed (``param.data``)
+  at its main copy in ``main_params_dtype``, kept in the optimizer state under
+  ``"main_param"``, and its ``.grad`` at the gradient from :func:`~optim.grad.get_grad`
+  (cast to the main dtype only if it is not already in it);
+* after ``step``, the updated main copy is cast back into the parameter's own
+  storage, and ``.grad`` is restored to what it was.
+
+Adam's moments are then created in the main dtype too. Parameters already in
+the main dtype with a gradient of that dtype in ``decoupled_grad`` only get
+``.grad`` aliased to it for the step. ``load_state_dict`` keeps the saved dtypes
+of these parameters' state (torch would otherwise cast it to the bf16 param dtype).
+
+Not CUDA-graph safe (the swap happens in Python around the step); use
+``backend="te"`` for graphs with decoupled gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from optim.grad import get_grad
+
+__all__ = ["MAIN_PARAM_KEY", "enable_main_params"]
+
+MAIN_PARAM_KEY = "main_param"
+_HOOKS_ATTR = "_optim_main_params_hooks"
+
+
+class _MainParamsHooks:
+    """The step / load hooks of one optimizer, and what must be undone after the current step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, main_dtype: torch.dtype) -> None:
+        self.optimizer = optimizer
+        self.main_dtype = main_dtype
+        # (param, its own storage or None when only .grad was aliased, the .grad to restore)
+        self._undo: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        self._incoming_state: dict[Any, dict[str, Any]] | None = None
+        self._incoming_groups: list[dict[str, Any]] | None = None
+
+    def register(self) -> list[RemovableHandle]:
+        opt = self.optimizer
+        return [
+            opt.register_step_pre_hook(self.before_step),
+            opt.register_step_post_hook(self.after_step),
+            opt.register_load_state_dict_pre_hook(self.before_load),
+            opt.register_load_state_dict_post_hook(self.after_load),
+        ]
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        assert not self._undo, "step hooks re-entered: a previous step did not finish"
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = get_grad(param)
+                if grad is None:
+                    continue
+                if param.dtype == self.main_dtype:
+                    if grad is not param.grad:  # an fp32 decoupled grad of an fp32 param
+                        self._undo.append((param, None, param.grad))
+                        param.grad = grad.to(self.main_dtype)
+                    continue
+                self._swap_in_main(optimizer, param, grad)
+
+    def _swap_in_main(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor) -> None:
+        state = optimizer.state[param]
+        main = state.get(MAIN_PARAM_KEY)
+        if main is None:
+            # First step: the main copy starts as the exact upcast of the param.
+            main = param.detach().to(self.main_dtype, copy=True)
+        own_storage, old_grad = param.data, param.grad
+        param.grad = None  # set .grad only after .data has the main dtype (torch checks dtypes)
+        param.data = main
+        param.grad = grad if grad.dtype == self.main_dtype else grad.to(self.main_dtype)
+        self._undo.append((param, own_storage, old_grad))
+
+    def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        undo, self._undo = self._undo, []
+        for param, own_storage, old_grad in undo:
+            param.grad = None
+            if own_storage is not None:
+                main = param.data
+                own_storage.copy_(main)
+                param.data = own_storage
+                # Stored after the step so torch's lazy state init (on an empty state) still runs.
+                optimizer.state[param][MAIN_PARAM_KEY] = main
+            param.grad = old_grad
+
+    def before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        # torch casts floating state to each param's dtype on load; remember the saved values.
+        self._incoming_state = state_dict.get("state", {})
+        self._incoming_groups = state_dict.get("param_groups", [])
+
+    def after_load(self, optimizer: torch.optim.Optimizer) -> None:
+        saved_state, saved_groups = self._incoming_state or {}, self._incoming_groups or []
+        self._incoming_state = self._incoming_groups = None
+        for saved_group, group in zip(saved_groups, optimizer.param_groups):
+            for key, param in zip(saved_group["params"], group["params"]):
+                if param.dtype == self.main_dtype or key not in saved_state:
+                    continue
+                for name, value in saved_state[key].items():
+                    if name != "step" and torch.is_tensor(value) and value.is_floating_point():
+                        optimizer.state[param][name] = value.to(device=param.device, dtype=self.main_dtype, copy=True)
+
+
+def enable_main_params(optimizer: torch.optim.Optimizer, main_params_dtype: torch.dtype = torch.float32) -> None:
+    """Make ``optimizer`` step main copies in ``main_params_dtype`` and read gradients via ``get_grad``.
+
+    Side effects: registers step and load-state-dict hooks on ``optimizer``
+    (idempotent); the optimizer state gains a ``"main_param"`` entry for every
+    parameter not already in ``main_params_dtype``. ``optimizer.zero_grad()``
+    still clears ``.grad`` only; clear ``decoupled_grad`` with :func:`optim.zero_grad`.
+    """
+    if getattr(optimizer, _HOOKS_ATTR, None) is not None:
+        return
+    hooks = _MainParamsHooks(optimizer, main_params_dtype)
+    hooks.register()
+    setattr(optimizer, _HOOKS_ATTR, hooks)
+

@@ -1,0 +1,1 @@
+"""Small stand-ins for optional libraries, injected into ``sys.modules`` by test fixtures."""

@@ -1,0 +1,104 @@
+"""Decoupled gradients end to end: clipping and the torch backend step bf16 params from fp32 decoupled grads.
+
+torch.optim reads ``.grad`` and updates a param in its own dtype, so
+``build_optimizer(backend="torch")`` steps fp32 main copies through optimizer
+hooks (optim.main_params). The reference is plain fused AdamW on fp32 copies
+of the params with the fp32 gradients in ``.grad``, clipped by torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from optim import PrecisionPolicy, build_optimizer, clip_grad_norm_, get_grad, set_grad, zero_grad
+
+BF16 = torch.bfloat16
+
+
+def _grads(step: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(s, generator=gen) * (1 + step % 3) for s in shapes]
+
+
+def _pair(shapes: list[tuple[int, ...]]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    bf16 = [torch.nn.Parameter(t.to(BF16)) for t in init]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in bf16]  # the exact upcast, as the main copy starts
+    return bf16, ref
+
+
+def _run(params, ref, steps, opt=None, ref_opt=None, start=0):
+    shapes = [tuple(p.shape) for p in params]
+    opt = opt or build_optimizer(params, "adamw", precision=PrecisionPolicy(), lr=1e-2, weight_decay=0.1)
+    ref_opt = ref_opt or torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    for step in range(start, start + steps):
+        grads = _grads(step, shapes)
+        for p, r, g in zip(params, ref, grads):
+            set_grad(p, g.clone())  # fp32 grad of a bf16 param -> decoupled_grad
+            r.grad = g.clone()
+        norm = clip_grad_norm_(params, max_norm=1.0)
+        ref_norm = torch.nn.utils.get_total_norm([r.grad for r in ref])
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+        # Same norm -> same coefficient -> the fp32 trajectories can be compared bit for bit.
+        torch.nn.utils.clip_grads_with_norm_(ref, 1.0, norm)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+        zero_grad(params)
+        ref_opt.zero_grad()
+    return opt, ref_opt
+
+
+def test_torch_backend_steps_bf16_params_from_fp32_decoupled_grads_like_fp32_adamw():
+    shapes = [(7, 3), (5,), (0, 4)]  # an empty shard included
+    params, ref = _pair(shapes)
+    opt, _ = _run(params, ref, steps=6)
+    for p, r in zip(params, ref):
+        assert p.dtype == BF16 and p.grad is None and getattr(p, "decoupled_grad", None) is None
+        # The fp32 main copy follows fp32 AdamW exactly; the bf16 param is its rounding.
+        assert torch.equal(opt.state[p]["main_param"], r.detach())
+        assert torch.equal(p.detach(), r.detach().to(BF16))
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_torch_backend_resume_from_state_dict_keeps_fp32_main_params_and_moments():
+    shapes = [(6, 2), (3,)]
+    params, ref = _pair(shapes)
+    opt, ref_opt = _run(params, ref, steps=3)
+    saved = opt.state_dict()
+    # A fresh optimizer over the same (bf16) params: torch would cast loaded state to bf16.
+    fresh = build_optimizer(params, "adamw", lr=1e-2, weight_decay=0.1)
+    fresh.load_state_dict(saved)
+    for p in params:
+        assert fresh.state[p]["main_param"].dtype == torch.float32
+        assert torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+    _run(params, ref, steps=2, opt=fresh, ref_opt=ref_opt, start=3)
+    for p, r in zip(params, ref):
+        assert torch.equal(fresh.state[p]["main_param"], r.detach())
+
+
+def test_fp32_param_with_fp32_decoupled_grad_is_stepped_and_grad_slot_restored():
+    p = torch.nn.Parameter(torch.ones(4))
+    r = torch.nn.Parameter(torch.ones(4))
+    opt = build_optimizer([p], "sgd", lr=0.5)
+    g = torch.arange(4.0)
+    p.decoupled_grad = g
+    r.grad = g.clone()
+    opt.step()
+    torch.optim.SGD([r], lr=0.5).step()
+    assert torch.equal(p.detach(), r.detach())
+    assert p.grad is None and get_grad(p) is g
+
+
+def test_zero_grad_clears_both_slots_or_zeroes_them_in_place():
+    p = torch.nn.Parameter(torch.zeros(3, dtype=BF16))
+    g = torch.ones(3)
+    set_grad(p, g)
+    zero_grad([p], set_to_none=False)
+    assert p.decoupled_grad is g and torch.equal(g, torch.zeros(3))
+    zero_grad([p])
+    assert get_grad(p) is None

@@ -1,0 +1,53 @@
+"""bytes_per_param against hand-counted cases, and docs/optim.md generated from it."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from optim import PrecisionPolicy, bytes_per_param
+from optim.memory import memory_table
+
+BF16, FP32 = torch.bfloat16, torch.float32
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "optim.md"
+
+
+@pytest.mark.parametrize(
+    "param_dtype, policy, offload, device, host",
+    [
+        # fp32 param (is the main param) 4 + fp32 grad 4 + exp_avg 4 + exp_avg_sq 4, nothing on the host
+        (FP32, PrecisionPolicy(), 0.0, 16, 0),
+        # offloaded: device keeps param 4 + grad 4; host has main 4 + moments 8 + pinned grad staging 4
+        (FP32, PrecisionPolicy(), 1.0, 8, 16),
+        # bf16 param 2 + fp32 decoupled grad 4 + fp32 master 4 + moments 8
+        (BF16, PrecisionPolicy(), 0.0, 18, 0),
+        # offloaded: device 2 + 4; host master 4 + bf16 moments 4 + grad staging 4 + bf16 param staging 2
+        (BF16, PrecisionPolicy(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), 1.0, 6, 14),
+        # bf16 grads: device 2 + 2, host master 4 + moments 8 + staging 2 + 2
+        (BF16, PrecisionPolicy(main_grads_dtype=BF16), 1.0, 4, 16),
+        # half offloaded fp32: device 8 + 8 * 0.5, host 16 * 0.5
+        (FP32, PrecisionPolicy(), 0.5, 12, 8),
+    ],
+)
+def test_bytes_per_param_matches_hand_counted_cases(param_dtype, policy, offload, device, host):
+    footprint = bytes_per_param(policy, param_dtype, offload)
+    assert (footprint.device, footprint.host) == (device, host)
+    assert footprint.device == sum(footprint.device_parts.values())
+
+
+def test_bf16_state_halves_the_host_bytes_of_adam_moments():
+    fp32_state = bytes_per_param(PrecisionPolicy(), BF16, 1.0)
+    bf16_state = bytes_per_param(PrecisionPolicy(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16), BF16, 1.0)
+    assert fp32_state.host - bf16_state.host == 4
+    assert bf16_state.host_parts["exp_avg"] == 2 and bf16_state.host_parts["exp_avg_sq"] == 2
+
+
+def test_offload_outside_zero_to_one_is_rejected():
+    with pytest.raises(ValueError, match="offload=1.5"):
+        bytes_per_param(None, FP32, 1.5)
+
+
+def test_docs_table_is_the_generated_one():
+    assert memory_table() in DOC.read_text(), "docs/optim.md is stale: regenerate with `python -m optim.memory`"
