@@ -1,3 +1,5 @@
 """Host offload of optimizer state and updates for sharded data-parallel training."""
 
-__all__: list[str] = []
+from offload_fsdp.optimizer import HybridDeviceOptimizer
+
+__all__ = ["HybridDeviceOptimizer"]

@@ -1,0 +1,141 @@
+"""Host buckets: flat per-bucket storage for the offloaded records' masters, grads and state.
+
+A bucket is a run of offloaded records (in parameter order) that share a param
+group, a device, a param dtype and a grad dtype, capped at ``bucket_numel``
+elements. Each bucket owns flat buffers; each record's tensors are views of
+them at ``record.offset``. Buckets are the pipelining unit: the host steps
+bucket *b* while bucket *b+1*'s grads are still arriving and bucket *b-1*'s
+params are already travelling back.
+
+Which buffers are page-locked: only what crosses the bus (grad staging, and the
+buffer H2D copies from). The fp32 master of a low-precision param and the Adam
+moments never leave the host, so they stay pageable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from offload_fsdp.host_memory import HostArena, HostLayout
+from offload_fsdp.records import ParamShard
+
+if TYPE_CHECKING:
+    from offload_fsdp.copy_engine import CopyEngine
+    from offload_fsdp.delegate import DelegatedOptimizer
+
+__all__ = ["HostBucket", "HostBuffers", "build_buckets"]
+
+_FUSED_STATE = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(eq=False, kw_only=True)
+class HostBucket:
+    """Flat host storage and pipeline events for a run of offloaded records."""
+
+    index: int
+    group_index: int
+    device: torch.device
+    param_dtype: torch.dtype
+    master_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    records: list[ParamShard]
+    numel: int
+    engine: CopyEngine
+    master: torch.Tensor | None = None
+    param_stage: torch.Tensor | None = None
+    grad_stage: torch.Tensor | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    """fused path only: flat Adam moments by torch state name (``exp_avg``, ``exp_avg_sq``)"""
+    delegate: DelegatedOptimizer | None = None
+    """fallback path: one ``cpu_optimizer_cls`` instance over this bucket's master views"""
+    d2h_done: torch.Event | None = None
+    h2d_done: torch.Event | None = None
+
+    @property
+    def fused(self) -> bool:
+        return bool(self.state)
+
+
+@dataclass
+class HostBuffers:
+    """The arenas behind all buckets (kept so their memory lives as long as the optimizer)."""
+
+    pinned: HostArena
+    pageable: HostArena
+
+
+def _bucket_key(record: ParamShard) -> tuple:
+    return (record.group_index, record.local.device, record.param.dtype, record.grad_dtype)
+
+
+def build_buckets(
+    records: list[ParamShard],
+    *,
+    bucket_numel: int,
+    master_dtype_of: Callable[[torch.dtype], torch.dtype],
+    state_dtypes: dict[str, torch.dtype] | None,
+    is_fused: Callable[[HostBucket], bool],
+    pin: tuple[bool, bool],
+    engine_for: Callable[[torch.device], CopyEngine],
+) -> tuple[list[HostBucket], HostBuffers]:
+    """Group offloaded ``records`` into buckets, allocate their flat buffers once, fill the views.
+
+    ``master_dtype_of`` maps a param dtype to its host master dtype; ``state_dtypes``
+    gives the fused path's moment dtypes; buckets for which ``is_fused`` holds get
+    flat moment storage (the others are served by a delegated optimizer). ``pin`` = (pin grads, pin params). Side effect: sets each record's
+    ``bucket``/``offset``/``master``/``param_stage``/``grad_stage``. Masters and
+    staging are NOT initialised from the params here (the caller fetches them).
+    """
+    buckets: list[HostBucket] = []
+    for record in (r for r in records if r.offloaded):
+        key = _bucket_key(record)
+        last = buckets[-1] if buckets else None
+        if last is None or _bucket_key(last.records[0]) != key or (last.numel and last.numel + record.numel > bucket_numel):
+            last = HostBucket(
+                index=len(buckets), group_index=record.group_index, device=record.local.device,
+                param_dtype=record.param.dtype, master_dtype=master_dtype_of(record.param.dtype),
+                grad_dtype=record.grad_dtype, records=[], numel=0, engine=engine_for(record.local.device),
+            )  # fmt: skip
+            buckets.append(last)
+        record.bucket, record.offset = last, last.numel
+        last.records.append(record)
+        last.numel += record.numel
+
+    pin_grads, pin_params = pin
+    pinned, pageable = HostLayout(), HostLayout()
+    handles = []
+    for b in buckets:
+        separate = b.master_dtype != b.param_dtype
+        h = {"grad": (pinned if pin_grads else pageable, (pinned if pin_grads else pageable).add(b.numel, b.grad_dtype))}
+        # The H2D source is pinned; a separate fp32 master never crosses the bus.
+        src_layout = pinned if pin_params else pageable
+        h["param_stage"] = (src_layout, src_layout.add(b.numel, b.param_dtype)) if separate else None
+        m_layout = pageable if separate else src_layout
+        h["master"] = (m_layout, m_layout.add(b.numel, b.master_dtype))
+        if state_dtypes is not None and is_fused(b):
+            for name in _FUSED_STATE:
+                h[name] = (pageable, pageable.add(b.numel, state_dtypes[name]))
+        handles.append(h)
+
+    arenas = {id(pinned): pinned.allocate(pin=True), id(pageable): pageable.allocate(pin=False)}
+
+    def view(entry):
+        layout, handle = entry
+        return arenas[id(layout)].view(handle)
+
+    for b, h in zip(buckets, handles):
+        b.grad_stage = view(h["grad"])
+        b.master = view(h["master"])
+        b.param_stage = view(h["param_stage"]) if h["param_stage"] is not None else None
+        b.state = {name: view(h[name]) for name in _FUSED_STATE if name in h}
+        for r in b.records:
+            sl = slice(r.offset, r.offset + r.numel)
+            shape = r.local.shape
+            r.master = b.master[sl].view(shape)
+            r.grad_stage = b.grad_stage[sl].view(shape)
+            r.param_stage = b.param_stage[sl].view(shape) if b.param_stage is not None else None
+    return buckets, HostBuffers(pinned=arenas[id(pinned)], pageable=arenas[id(pageable)])

@@ -1,0 +1,128 @@
+"""One instance of an ordinary optimizer class over many records' working tensors.
+
+Used for the device share (``gpu_optimizer_cls`` updating the local params, or
+their fp32 masters, directly) and for host buckets whose class has no bucketed
+fused kernel (``cpu_optimizer_cls`` over the bucket's master views). Either way
+it is ONE optimizer object for many parameters, with one param group per
+wrapper group so hyper-parameters keep their grouping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offload_fsdp.records import ParamShard
+
+__all__ = ["DelegatedOptimizer"]
+
+_NOT_HYPER = ("params", "param_names")
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+class DelegatedOptimizer:
+    """``cls`` over the ``working`` tensors of ``records``; groups mirror the wrapper's groups.
+
+    Preconditions: every record has ``working`` set (a plain tensor). The caller
+    sets ``working.grad`` before :meth:`step` and clears it after.
+    """
+
+    def __init__(self, cls: type[torch.optim.Optimizer], records: list[ParamShard], groups: list[dict[str, Any]], *, where: str) -> None:
+        self.cls, self.records, self.where = cls, records, where
+        by_group: dict[int, list[ParamShard]] = {}
+        for r in records:
+            by_group.setdefault(r.group_index, []).append(r)
+        self.group_indices = sorted(by_group)
+        inner_groups = [
+            {**hyperparameters(groups[g]), "params": [r.working for r in by_group[g]]} for g in self.group_indices
+        ]
+        try:
+            self.inner = cls(inner_groups)
+        except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
+            raise TypeError(
+                f"{cls.__name__} could not be built over {where} tensors ({exc}); "
+                f"pass a {'cpu' if where == 'host' else 'gpu'}_optimizer_cls that supports them"
+            ) from exc
+
+    def sync_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
+        """Copy the wrapper's current hyper-parameters (lr, betas, ...) into the inner groups."""
+        for inner_group, g in zip(self.inner.param_groups, self.group_indices):
+            inner_group.update(hyperparameters(groups[g]))
+
+    def step(self, groups: list[dict[str, Any]]) -> None:
+        """Run the inner step with the wrapper's hyper-parameters, then expose any new state."""
+        self.sync_hyperparameters(groups)
+        self.step_inner_only()
+        self.expose(self.records)
+
+    def expose(self, records: list[ParamShard]) -> None:
+        """(Re)build each record's public state from the inner state, sharing its storage."""
+        for r in records:
+            inner = self.inner.state.get(r.working)
+            if not inner:
+                continue
+            public = r.state if r.state is not None else {}
+            for k, v in inner.items():
+                if not isinstance(v, torch.Tensor):
+                    public[k] = v
+                elif k not in public or not isinstance(public[k], torch.Tensor) or public[k].data_ptr() != v.data_ptr() or public[k].shape != v.shape:
+                    public[k] = r.wrap(v)
+            if r.has_separate_master and "master_param" not in public:
+                public["master_param"] = r.wrap(r.working)
+            r.state, r.inner_state = public, inner
+
+    def forget(self, record: ParamShard) -> None:
+        """Drop ``record``'s state, so its next step starts fresh as in torch."""
+        self.inner.state.pop(record.working, None)
+        record.state = record.inner_state = None
+
+    def materialize(self, records: list[ParamShard], groups: list[dict[str, Any]]) -> None:
+        """Create the inner state of ``records`` without changing them: a zero-grad step at lr=0, state zeroed.
+
+        The working tensors are snapshotted and restored, so even a class that moves
+        params at lr=0 (or decays them) leaves them bit-identical; all state values
+        (``step`` included) are then set to zero.
+        """
+        if not records:
+            return
+        snapshot = [r.working.clone() for r in records]
+        for r in records:
+            r.working.grad = torch.zeros_like(r.working)
+        self.sync_hyperparameters(groups)
+        saved = []
+        for inner_group in self.inner.param_groups:
+            saved.append(inner_group["lr"])
+            lr = inner_group["lr"]
+            inner_group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        try:
+            self.step_inner_only()
+        finally:
+            for inner_group, lr in zip(self.inner.param_groups, saved):
+                inner_group["lr"] = lr
+            for r, before in zip(records, snapshot):
+                r.working.copy_(before)
+                r.working.grad = None
+        for r in records:
+            inner = self.inner.state.get(r.working, {})
+            for k, v in inner.items():
+                if isinstance(v, torch.Tensor):
+                    v.zero_()
+                elif isinstance(v, (int, float)):
+                    inner[k] = type(v)(0)
+        self.expose(records)
+
+    def step_inner_only(self) -> None:
+        """``inner.step()``, turning a host-incompatible class's failure into a TypeError that says so."""
+        try:
+            self.inner.step()
+        except (RuntimeError, NotImplementedError) as exc:
+            if self.where != "host":
+                raise
+            raise TypeError(
+                f"{self.cls.__name__} cannot run on host (CPU) tensors: {exc}. Pass cpu_optimizer_cls= "
+                "a class that runs on the CPU (e.g. torch.optim.AdamW)"
+            ) from exc

@@ -1,0 +1,142 @@
+"""The host Adam/AdamW step over a whole bucket, in cache-sized pieces.
+
+Memory traffic is the cost of a host optimizer step (about 28 bytes per fp32
+parameter), so every cast is folded into the same pass instead of running as a
+separate sweep over the bucket: the bucket's flat range is walked in pieces of
+``PIECE_NUMEL`` elements; for each piece, whatever is not fp32 (a bf16 grad, bf16
+moments, a bf16 master when ``param_update_in_fp32=False``) is upcast into a
+small reusable fp32 scratch that stays in cache, torch's fused Adam(W) kernel
+runs on the piece, and the results are cast back (params into the bf16 staging
+buffer H2D copies from). One kernel call per piece, covering every record in it.
+
+Records without a gradient this step are left out of the kernel call (no update,
+no weight decay, no step count), exactly like torch skips params whose grad is None.
+
+bf16 moments are written back with *stochastic* rounding: with round-to-nearest,
+``exp_avg_sq * 0.999`` rounds back to ``exp_avg_sq`` (the change is below half a
+bf16 ulp), so the second moment would stop decaying. The random bits are taken
+from the low mantissa bits of fp32 values computed in the same pass (the other
+moment and the master), so they cost no extra memory traffic and are a pure
+function of the optimizer state: resuming from a state dict stays bit-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from offload_fsdp.buckets import HostBucket
+from offload_fsdp.records import ParamShard
+
+__all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step"]
+
+PIECE_NUMEL = 1 << 16
+"""Elements per piece: 64K fp32 x 4 streams (param, grad, 2 moments) = 1 MiB, within L2."""
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """Scalar hyper-parameters of one Adam/AdamW group, read fresh from ``param_groups`` each step."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    maximize: bool
+    decoupled: bool
+
+    @classmethod
+    def from_group(cls, group: dict[str, Any], *, decoupled_default: bool) -> AdamHyper:
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]), maximize=bool(group.get("maximize", False)),
+            decoupled=bool(group.get("decoupled_weight_decay", decoupled_default)),
+        )  # fmt: skip
+
+
+class FusedScratch:
+    """fp32 scratch pieces reused by every bucket (allocated once, lazily)."""
+
+    def __init__(self, numel: int = PIECE_NUMEL) -> None:
+        self.numel = numel
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._buffers:
+            self._buffers[name] = torch.empty(self.numel, dtype=torch.float32)
+        return self._buffers[name]
+
+
+def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:
+    """fp32 view of ``flat[start:stop]``: the buffer itself if fp32, else an upcast copy in scratch."""
+    if flat.dtype == torch.float32:
+        return flat[start:stop]
+    out = scratch.get(name)[: stop - start]
+    out.copy_(flat[start:stop])
+    return out
+
+
+def _stochastic_round_into(dst: torch.Tensor, src: torch.Tensor, noise_from: torch.Tensor) -> None:
+    """``dst`` (bf16) <- ``src`` (fp32, clobbered) rounded stochastically using ``noise_from``'s low bits."""
+    bits = src.view(torch.int32)
+    noise = noise_from.view(torch.int32).bitwise_and(0xFFFF)
+    # Adding a uniform 16-bit value to the magnitude bits then truncating rounds up
+    # with probability equal to the dropped fraction (works for either sign).
+    bits.add_(noise).bitwise_and_(-65536)
+    dst.copy_(src)  # exact: the low 16 bits are zero now
+
+
+def _segments(records: list[ParamShard], start: int, stop: int) -> list[tuple[int, int, ParamShard]]:
+    """(begin, end, record) of each active record's overlap with the piece [start, stop)."""
+    out = []
+    for r in records:
+        b, e = max(start, r.offset), min(stop, r.offset + r.numel)
+        if b < e:
+            out.append((b, e, r))
+    return out
+
+
+@torch.no_grad()
+def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch) -> None:
+    """One Adam/AdamW update of ``active`` records of ``bucket`` (their ``step`` already incremented).
+
+    Preconditions: staged grads have landed (``wait_grads``), the previous H2D no
+    longer reads the bucket (``wait_params_free``), every active record has
+    exposed state. Side effects: master, moments and param staging of the active
+    records are updated in place.
+    """
+    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+    active = sorted(active, key=lambda r: r.offset)
+    lo, hi = active[0].offset, max(r.offset + r.numel for r in active)
+    m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
+    master, stage = bucket.master, bucket.param_stage
+    for start in range(lo, hi, scratch.numel):
+        stop = min(start + scratch.numel, hi)
+        segs = _segments(active, start, stop)
+        if not segs:
+            continue
+        p = _as_fp32(master, start, stop, scratch, "param")
+        g = _as_fp32(bucket.grad_stage, start, stop, scratch, "grad")
+        m = _as_fp32(m_flat, start, stop, scratch, "exp_avg")
+        v = _as_fp32(v_flat, start, stop, scratch, "exp_avg_sq")
+        views = [slice(b - start, e - start) for b, e, _ in segs]
+        kernel(
+            [p[s] for s in views], [g[s] for s in views], [m[s] for s in views], [v[s] for s in views], [],
+            [r.state["step"] for _, _, r in segs],
+            lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
+            eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+        )  # fmt: skip
+        # Cast back whole pieces: records without a grad in the piece are unchanged,
+        # and a cast of an unchanged exact upcast is the identity.
+        if master.dtype != torch.float32:
+            master[start:stop].copy_(p)
+        if m_flat.dtype != torch.float32:
+            _stochastic_round_into(m_flat[start:stop], m, noise_from=v)  # v: fp32, not yet rounded
+        if v_flat.dtype != torch.float32:
+            _stochastic_round_into(v_flat[start:stop], v, noise_from=p)
+        if stage is not None:
+            stage[start:stop].copy_(p)

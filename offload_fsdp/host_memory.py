@@ -1,0 +1,91 @@
+"""Exactly-sized host buffers, optionally page-locked, carved into aligned views.
+
+Why not ``torch.empty(..., pin_memory=True)`` per buffer: torch's pinned-memory
+caching allocator rounds every request up to a power of two, so a 5 GiB
+optimizer state would reserve 8 GiB of page-locked RAM (memory the OS can no
+longer page or give to other processes). Instead all host buffers of one kind
+are planned first, allocated as ONE ordinary (pageable) byte tensor of the
+exact total size, and that range is page-locked in place with
+``cudaHostRegister``. Reserved == used, up to 64-byte alignment padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["HostArena", "HostLayout"]
+
+logger = logging.getLogger(__name__)
+
+_ALIGN_BYTES = 64  # one cache line: keeps every view's start vector-aligned for the fused kernels
+
+
+@dataclass
+class HostLayout:
+    """Planner: collects (numel, dtype) requests, then allocates them as one arena."""
+
+    requests: list[tuple[int, torch.dtype, int]] = field(default_factory=list)
+    """(numel, dtype, byte offset) of each request, in order"""
+    nbytes: int = 0
+
+    def add(self, numel: int, dtype: torch.dtype) -> int:
+        """Reserve room for a flat buffer; returns its handle for :meth:`HostArena.view`."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offset = -(-self.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        self.requests.append((numel, dtype, offset))
+        self.nbytes = offset + numel * itemsize
+        return len(self.requests) - 1
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(n * torch.empty((), dtype=d).element_size() for n, d, _ in self.requests)
+
+    def allocate(self, *, pin: bool) -> HostArena:
+        return HostArena(self, pin=pin)
+
+
+def _register_pinned(storage: torch.Tensor) -> bool:
+    """Page-lock ``storage`` in place; returns False (logged) when the runtime cannot."""
+    if not torch.cuda.is_available() or storage.numel() == 0:
+        return False
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(storage.data_ptr(), storage.numel(), 0)
+    if int(err) != 0:
+        logger.warning("cudaHostRegister of %d bytes failed (error %s); host buffers stay pageable", storage.numel(), err)
+        return False
+    # Unregister exactly once, when the byte tensor itself is collected (views keep it alive).
+    weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr())
+    return True
+
+
+class HostArena:
+    """One exact-size host allocation; :meth:`view` returns the flat buffer of a request.
+
+    Zero-initialised (also touches every page up front, so the first step does
+    not pay page faults). ``pinned`` tells whether page-locking succeeded.
+    """
+
+    def __init__(self, layout: HostLayout, *, pin: bool) -> None:
+        self.layout = layout
+        self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        self.pinned = False
+        if pin and layout.nbytes:
+            if torch.cuda.is_available():
+                self.pinned = _register_pinned(self.storage)
+            elif torch.accelerator.is_available():
+                # No exact-size registration API outside CUDA: accept the allocator's rounding.
+                self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+                self.pinned = True
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.storage.numel()
+
+    def view(self, handle: int) -> torch.Tensor:
+        numel, dtype, offset = self.layout.requests[handle]
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.storage[offset : offset + numel * itemsize].view(dtype)

@@ -1,0 +1,593 @@
+"""``HybridDeviceOptimizer``: a share of the optimizer's work on the host, over local shards.
+
+Construction decides, once and deterministically, where each parameter's
+update runs (:func:`offload_fsdp.records.partition`):
+
+* **offloaded** records: a host master (fp32 for low-precision params), host
+  grad staging and host optimizer state in flat per-bucket buffers
+  (:mod:`offload_fsdp.buckets`). A step copies grads D2H (their own dtype),
+  runs the update bucket by bucket on the host with torch's fused Adam(W)
+  kernel in cache-sized pieces (:mod:`offload_fsdp.fused_step`) or, for other
+  classes, one ``cpu_optimizer_cls`` instance per bucket, and copies the
+  updated params H2D (:mod:`offload_fsdp.copy_engine`).
+* **device** records: one ``gpu_optimizer_cls`` instance updates the local
+  params (or their device fp32 masters) in place.
+
+Without an accelerator every parameter lives on the CPU and the same code runs
+with a synchronous copy engine: offloaded records still go through separate
+host masters, staging and the bucketed step, so ``offload_fraction`` 0, 0.5
+and 1 exercise different code everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+import weakref
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from offload_fsdp.buckets import HostBucket, build_buckets
+from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
+from offload_fsdp.delegate import DelegatedOptimizer
+from offload_fsdp.fused_step import AdamHyper, FusedScratch, adam_bucket_step
+from offload_fsdp.records import ParamShard, build_records, partition
+from optim.grad import get_grad, local_tensor
+from optim.precision import PrecisionPolicy
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_NUMEL = 1 << 24
+"""16M elements (64 MiB of fp32 master) per bucket: big enough that per-bucket
+overheads vanish, small enough that D2H / host step / H2D of neighbouring
+buckets overlap."""
+
+_FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"offload_fraction must be a number in [0, 1], got {value!r}")
+    value = float(value)
+    if math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {value!r}")
+    return value
+
+
+def _check_optimizer_cls(cls: Any, arg: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"{arg} must be a torch.optim.Optimizer subclass, got {cls!r}")
+    if issubclass(cls, HybridDeviceOptimizer):
+        raise TypeError(f"{arg} cannot be HybridDeviceOptimizer itself; pass the class it should run")
+
+
+class HybridDeviceOptimizer(torch.optim.Optimizer):
+    """Keeps ``offload_fraction`` of the local-shard elements' optimizer work on the host.
+
+    Args:
+        params_or_optimizer: parameters / param groups (``(name, param)`` pairs give
+            error messages the FQN), or an existing ``torch.optim.Optimizer`` to wrap:
+            its class, groups, hyper-parameters and any state are taken over.
+        offload_fraction: share (in [0, 1]) of trainable local elements whose update
+            runs on the host, as a whole-parameter prefix in parameter order.
+        cpu_optimizer_cls: class of the host update; default the wrapped optimizer's
+            class, else ``torch.optim.AdamW``. ``Adam``/``AdamW`` (without amsgrad) use a
+            bucketed fused kernel; any other class runs as one instance per bucket.
+        gpu_optimizer_cls: class of the device update; default ``cpu_optimizer_cls``.
+        param_update_in_fp32: low-precision params get an fp32 master that is the truth
+            (the param is its cast); saved as ``master_param`` in the state.
+        pin_cpu_grads / pin_cpu_params: page-lock the host buffers that cross the bus
+            (ignored without an accelerator).
+        overlap_cpu_optimizer_d2h_h2d: copies on side streams, D2H started from
+            post-accumulate-grad hooks; False = blocking copies.
+        precision: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` of host Adam moments (bf16
+            halves their memory and bytes moved), ``main_params_dtype`` of masters,
+            ``main_grads_dtype`` (when set) of host grad staging.
+        bucket_numel: elements per host bucket (the pipelining unit).
+        **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
+
+    Side effects of construction: host buffers are allocated once (exact size),
+    masters are copied from the params, hooks are registered on offloaded params,
+    and the partition is logged at INFO.
+    """
+
+    def __init__(
+        self,
+        params_or_optimizer: Iterable[Any] | torch.optim.Optimizer,
+        offload_fraction: float = 1.0,
+        *,
+        cpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
+        gpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
+        param_update_in_fp32: bool = True,
+        pin_cpu_grads: bool = True,
+        pin_cpu_params: bool = True,
+        overlap_cpu_optimizer_d2h_h2d: bool = True,
+        precision: PrecisionPolicy | None = None,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        **defaults: Any,
+    ) -> None:
+        self._built = False
+        fraction = _check_fraction(offload_fraction)
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+        groups, opt_defaults, cpu_cls, wrapped = self._resolve_groups(params_or_optimizer, cpu_optimizer_cls, defaults)
+        gpu_cls = gpu_optimizer_cls if gpu_optimizer_cls is not None else cpu_cls
+        _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
+        super().__init__(groups, opt_defaults)
+        self.offload_fraction = fraction
+        self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_cls, gpu_cls
+        self.param_update_in_fp32 = param_update_in_fp32
+        self.precision = precision if precision is not None else PrecisionPolicy()
+        self.overlap = overlap_cpu_optimizer_d2h_h2d
+        self._scratch = FusedScratch()
+        self._engines: dict[torch.device, CopyEngine] = {}
+
+        self._records = build_records(self.param_groups)
+        partition(self._records, fraction)
+        for r in self._records:
+            if r.offloaded:
+                r.grad_dtype = self.precision.main_grads_dtype or r.param.dtype
+        accelerated = torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in self._records)
+        self._buckets, self._host_buffers = build_buckets(
+            self._records,
+            bucket_numel=bucket_numel,
+            master_dtype_of=self._master_dtype,
+            state_dtypes={"exp_avg": self.precision.exp_avg_dtype, "exp_avg_sq": self.precision.exp_avg_sq_dtype},
+            is_fused=self._bucket_is_fused,
+            pin=(pin_cpu_grads and accelerated, pin_cpu_params and accelerated),
+            engine_for=self._engine_for,
+        )
+        self._init_host_copies()
+        self._device_delegate = self._build_device_delegate()
+        self._hook_handles = self._register_hooks() if self.overlap else []
+        self._warn_unused_precision()
+        self._log_partition()
+        self._built = True
+        if wrapped is not None and wrapped.state:
+            self.load_state_dict(wrapped.state_dict())
+
+    # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _resolve_groups(
+        params_or_optimizer: Any, cpu_cls: type | None, defaults: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], type, torch.optim.Optimizer | None]:
+        """Complete param groups + defaults, from the wrapped optimizer or a probe of ``cpu_cls``."""
+        if isinstance(params_or_optimizer, HybridDeviceOptimizer):
+            raise TypeError("cannot wrap a HybridDeviceOptimizer in another; wrap the underlying optimizer")
+        if isinstance(params_or_optimizer, torch.optim.Optimizer):
+            wrapped = params_or_optimizer
+            if defaults:
+                raise ValueError(
+                    f"hyper-parameters {sorted(defaults)} were passed together with an optimizer to wrap; "
+                    "set them on the wrapped optimizer (its groups are taken over as they are)"
+                )
+            cls = cpu_cls if cpu_cls is not None else type(wrapped)
+            _check_optimizer_cls(cls, "cpu_optimizer_cls")
+            return [dict(g) for g in wrapped.param_groups], dict(wrapped.defaults), cls, wrapped
+        cls = cpu_cls if cpu_cls is not None else torch.optim.AdamW
+        _check_optimizer_cls(cls, "cpu_optimizer_cls")
+        # A throw-away instance validates the hyper-parameters and fills every group
+        # with the class's defaults; it allocates no state (torch state is lazy).
+        probe = cls(params_or_optimizer, **defaults)
+        return [dict(g) for g in probe.param_groups], dict(probe.defaults), cls, None
+
+    def _master_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if not self.param_update_in_fp32:
+            return dtype
+        return torch.promote_types(dtype, self.precision.main_params_dtype)
+
+    def _group_is_fused(self, group: dict[str, Any]) -> bool:
+        return (
+            self.cpu_optimizer_cls in _FUSED_CLASSES
+            and not group.get("amsgrad", False)
+            and not group.get("differentiable", False)
+        )
+
+    def _bucket_is_fused(self, bucket: HostBucket) -> bool:
+        return (
+            self._group_is_fused(self.param_groups[bucket.group_index])
+            and bucket.param_dtype in _FUSED_DTYPES
+            and bucket.grad_dtype in _FUSED_DTYPES
+            and bucket.master_dtype in _FUSED_DTYPES
+        )
+
+    def _engine_for(self, device: torch.device) -> CopyEngine:
+        key = device if (device.type != "cpu" and self.overlap) else torch.device("cpu")
+        if key not in self._engines:
+            self._engines[key] = StreamCopyEngine(device) if key.type != "cpu" else SyncCopyEngine()
+        return self._engines[key]
+
+    @torch.no_grad()
+    def _init_host_copies(self) -> None:
+        """Fill host masters / param staging from the params; attach fallback delegates."""
+        for bucket in self._buckets:
+            for r in bucket.records:
+                bucket.engine.fetch(r.push_source, r.local)
+                if r.param_stage is not None:
+                    r.master.copy_(r.param_stage)
+                r.working = r.master
+            if not bucket.fused:
+                bucket.delegate = DelegatedOptimizer(
+                    self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
+                )
+
+    @torch.no_grad()
+    def _build_device_delegate(self) -> DelegatedOptimizer | None:
+        records = [r for r in self._records if r.trainable and not r.offloaded]
+        for r in records:
+            master_dtype = self._master_dtype(r.param.dtype)
+            # A device fp32 master for low-precision params; otherwise the local param itself.
+            r.working = r.local.to(master_dtype, copy=True) if master_dtype != r.param.dtype else r.local
+        if not records:
+            return None
+        return DelegatedOptimizer(self.gpu_optimizer_cls, records, self.param_groups, where="device")
+
+    def _register_hooks(self) -> list[Any]:
+        """Post-accumulate-grad hooks that start an offloaded grad's D2H as soon as it is final."""
+        handles = []
+        self_ref = weakref.ref(self)
+        for r in self._records:
+            if not r.offloaded:
+                continue
+
+            def hook(param: torch.Tensor, record: ParamShard = r) -> None:
+                opt = self_ref()
+                grad = get_grad(param)
+                if opt is None or grad is None or grad.layout != torch.strided:
+                    return  # errors are raised by step(), with the param's name
+                local = local_tensor(grad)
+                if local.dtype == record.grad_dtype and local.shape == record.local.shape:
+                    opt._stage_grad(record, local)
+
+            handles.append(r.param.register_post_accumulate_grad_hook(hook))
+        return handles
+
+    def _warn_unused_precision(self) -> None:
+        low = {self.precision.exp_avg_dtype, self.precision.exp_avg_sq_dtype} != {torch.float32}
+        delegated = any(not r.offloaded or not r.bucket.fused for r in self._records if r.trainable)
+        if low and delegated:
+            warnings.warn(
+                "PrecisionPolicy exp_avg/exp_avg_sq dtypes apply to the host fused Adam(W) path only; "
+                "parameters updated by a delegated optimizer keep that class's own state dtype",
+                stacklevel=3,
+            )
+
+    def _log_partition(self) -> None:
+        def nbytes(rs: list[ParamShard]) -> int:
+            return sum(r.numel * r.param.element_size() for r in rs)
+
+        host = [r for r in self._records if r.offloaded]
+        device = [r for r in self._records if r.trainable and not r.offloaded]
+        pinned = self._host_buffers.pinned
+        logger.info(
+            "HybridDeviceOptimizer partition (offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
+            "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
+            "(page-locked: %s); pageable host bytes %d",
+            self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
+            len(device), sum(r.numel for r in device), nbytes(device), len(self._buckets),
+            pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, self._host_buffers.pageable.reserved_bytes,
+        )  # fmt: skip
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise ValueError(
+                "HybridDeviceOptimizer sizes its host buffers once at construction and cannot add a param "
+                "group later; build a new HybridDeviceOptimizer over all parameter groups instead"
+            )
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ step
+
+    def _collect_active(self) -> list[tuple[ParamShard, torch.Tensor]]:
+        """(record, local grad) of every record with a gradient; validates them, naming the param."""
+        active = []
+        for r in self._records:
+            grad = get_grad(r.param)
+            if grad is None:
+                continue
+            if grad.layout != torch.strided:
+                raise ValueError(f"parameter {r.name!r} has a sparse gradient ({grad.layout}); HybridDeviceOptimizer "
+                                 "supports dense gradients only (use a dense embedding, sparse=False)")  # fmt: skip
+            if not r.trainable:
+                raise ValueError(
+                    f"parameter {r.name!r} has a gradient but requires_grad was False when the optimizer was "
+                    "built, so no update space exists for it; build the optimizer after unfreezing it"
+                )
+            local = local_tensor(grad)
+            if local.shape != r.local.shape:
+                raise ValueError(
+                    f"gradient of parameter {r.name!r} has local shape {tuple(local.shape)}, expected "
+                    f"{tuple(r.local.shape)}; gradients must be sharded like their parameter"
+                )
+            if r.offloaded and local.dtype != r.grad_dtype:
+                raise TypeError(
+                    f"gradient of parameter {r.name!r} has dtype {local.dtype} but its host staging is "
+                    f"{r.grad_dtype}; pass precision=PrecisionPolicy(main_grads_dtype={local.dtype}) so grads "
+                    "are staged in their own dtype"
+                )
+            active.append((r, local))
+        return active
+
+    def _stage_grad(self, record: ParamShard, grad: torch.Tensor) -> None:
+        """Copy ``grad`` to the record's host staging unless this very grad, unmodified, is already there.
+
+        The key includes the tensor's version counter: accumulation into the grad
+        (next micro-batch) or in-place edits after backward (clipping, unscaling)
+        bump it, so the grad is copied again. Keys are cleared after each step and
+        by zero_grad, so a reused allocation can never match a stale key.
+        """
+        key = (id(grad), grad.data_ptr(), grad._version)
+        if record.staged_grad_key == key:
+            return
+        record.bucket.engine.stage_grad(record.bucket, record.grad_stage, grad)
+        record.staged_grad_key = key
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One update of every parameter with a gradient (torch semantics for gradless params).
+
+        Order: queue all D2H grad copies, queue the device share's update, then per
+        bucket: wait for its grads, update on the host, queue its H2D. When this
+        returns the host work is done and the main stream is ordered after the H2D.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        active = self._collect_active()
+        if not active:
+            return loss
+        grads = {id(r): g for r, g in active}
+        engines = list({id(e): e for e in self._engines.values()}.values())
+        for engine in engines:
+            engine.begin_step()
+        try:
+            with record_function("HybridDeviceOptimizer.d2h"):
+                for r, g in active:
+                    if r.offloaded:
+                        self._stage_grad(r, g)
+            self._step_device([(r, g) for r, g in active if not r.offloaded])
+            for bucket in self._buckets:
+                bucket_active = [r for r in bucket.records if id(r) in grads]
+                if bucket_active:
+                    self._step_bucket(bucket, bucket_active)
+        finally:
+            for engine in engines:
+                engine.end_step()
+            for r in self._records:
+                r.staged_grad_key = None
+        for r, _ in active:
+            self._publish(r)
+        return loss
+
+    def _step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
+        if not active:
+            return
+        assert self._device_delegate is not None
+        previous = [(r, r.working.grad) for r, _ in active]
+        for r, g in active:
+            r.working.grad = g if g.dtype == r.working.dtype else g.to(r.working.dtype)
+        try:
+            self._device_delegate.step(self.param_groups)
+        finally:
+            # Restore, not clear: when the working tensor IS the param, its .grad is the user's grad.
+            for r, before in previous:
+                r.working.grad = before
+        for r, _ in active:
+            if r.working is not r.local:
+                r.local.copy_(r.working)  # the param is the cast of its fp32 master
+
+    def _step_bucket(self, bucket: HostBucket, active: list[ParamShard]) -> None:
+        bucket.engine.wait_grads(bucket)
+        bucket.engine.wait_params_free(bucket)
+        group = self.param_groups[bucket.group_index]
+        with record_function("HybridDeviceOptimizer.host_step"):
+            if bucket.fused:
+                if group.get("amsgrad", False):
+                    raise ValueError(
+                        f"param group {bucket.group_index}: amsgrad was turned on after construction; the host "
+                        "fused path has no max_exp_avg_sq buffer. Build the optimizer with amsgrad=True instead"
+                    )
+                for r in active:
+                    if r.state is None:
+                        self._materialize_fused(r)
+                torch._foreach_add_([r.state["step"] for r in active], 1.0)
+                hyper = AdamHyper.from_group(group, decoupled_default=self.cpu_optimizer_cls is torch.optim.AdamW)
+                adam_bucket_step(bucket, active, hyper, self._scratch)
+            else:
+                for r in active:
+                    r.working.grad = r.grad_stage if r.grad_stage.dtype == r.working.dtype else r.grad_stage.to(r.working.dtype)
+                try:
+                    bucket.delegate.step(self.param_groups)
+                finally:
+                    for r in active:
+                        r.working.grad = None
+                for r in active:
+                    if r.param_stage is not None:
+                        r.param_stage.copy_(r.master)
+        with record_function("HybridDeviceOptimizer.h2d"):
+            bucket.engine.push_params(bucket, [(r.local, r.push_source) for r in active])
+
+    # ------------------------------------------------------------------ state
+
+    def _publish(self, record: ParamShard) -> None:
+        if record.state is not None:
+            self.state[record.param] = record.state
+
+    def _materialize_fused(self, r: ParamShard) -> None:
+        sl = slice(r.offset, r.offset + r.numel)
+        shape = r.local.shape
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        for name, flat in r.bucket.state.items():
+            flat[sl].zero_()
+            state[name] = r.wrap(flat[sl].view(shape))
+        if r.has_separate_master:
+            state["master_param"] = r.wrap(r.master)
+        r.state = state
+
+    def _forget(self, r: ParamShard) -> None:
+        if r.state is None:
+            return
+        delegate = self._delegate_of(r)
+        if delegate is not None:
+            delegate.forget(r)
+        r.state = None
+        self.state.pop(r.param, None)
+
+    def _delegate_of(self, r: ParamShard) -> DelegatedOptimizer | None:
+        if r.offloaded:
+            return r.bucket.delegate
+        return self._device_delegate
+
+    @torch.no_grad()
+    def materialize_state(self) -> None:
+        """Create every trainable parameter's state (zeros, ``step`` 0) without changing any parameter.
+
+        The state has exactly the keys the wrapped class creates on its first step
+        (plus ``master_param`` for low-precision params), so an in-place checkpoint
+        load has tensors to fill. Uses no gradients of the user and no randomness;
+        parameters and their gradients are left untouched. Idempotent.
+        """
+        pending: dict[int, tuple[DelegatedOptimizer, list[ParamShard]]] = {}
+        for r in self._records:
+            if not r.trainable or r.state is not None:
+                continue
+            delegate = self._delegate_of(r)
+            if delegate is None:
+                self._materialize_fused(r)
+            else:
+                pending.setdefault(id(delegate), (delegate, []))[1].append(r)
+        for delegate, records in pending.values():
+            delegate.materialize(records, self.param_groups)
+        for r in self._records:
+            self._publish(r)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh masters (host or device) from the current params, where the params changed.
+
+        Call after writing new values into the model's parameters (e.g. loading
+        weights): otherwise the next step would start from the stale master and
+        silently revert them. A master whose cast still equals its param is kept
+        (it holds more precision than the param); one whose param differs is
+        replaced by the param's value.
+        """
+        for bucket in self._buckets:
+            bucket.engine.wait_params_free(bucket)
+            for r in bucket.records:
+                if r.param_stage is None:
+                    bucket.engine.fetch(r.master, r.local)
+                    continue
+                fresh = torch.empty_like(r.param_stage)
+                bucket.engine.fetch(fresh, r.local)
+                if not torch.equal(fresh, r.param_stage):
+                    r.param_stage.copy_(fresh)
+                    r.master.copy_(fresh)
+        for r in self._records:
+            if not r.offloaded and r.working is not None and r.working is not r.local:
+                if not torch.equal(r.working.to(r.param.dtype), r.local):
+                    r.working.copy_(r.local)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
+        super().zero_grad(set_to_none=set_to_none)
+        for r in self._records:
+            decoupled = getattr(r.param, "decoupled_grad", None)
+            if decoupled is not None:
+                if set_to_none:
+                    r.param.decoupled_grad = None
+                else:
+                    decoupled.zero_()
+            r.staged_grad_key = None
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a torch-convention optimizer state dict in place (positional param matching).
+
+        Saved state is copied into this optimizer's own (host or device) tensors,
+        keeping dtypes (bf16 moments stay bf16) and buckets. Params absent from the
+        saved state get no state, as in torch. Masters are refreshed from the current
+        params, then overwritten by a saved ``master_param``, and the params are set
+        to their master's cast. Hyper-parameters come from the saved groups.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}; build the optimizer with the same groups as the one saved"
+            )
+        for i, (ours, theirs) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(ours["params"]) != len(theirs["params"]):
+                raise ValueError(
+                    f"parameter group {i} has {len(ours['params'])} params but the loaded group has "
+                    f"{len(theirs['params'])}; build the optimizer with the same groups as the one saved"
+                )
+        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        saved_state = state_dict["state"]
+        self.reload_model_params()
+        self.materialize_state()
+        for r, sid in zip(self._records, saved_ids):
+            saved = saved_state.get(sid)
+            if saved is None or not r.trainable:
+                self._forget(r)
+                continue
+            self._load_record(r, saved)
+        for ours, theirs in zip(self.param_groups, saved_groups):
+            ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _load_record(self, r: ParamShard, saved: dict[str, Any]) -> None:
+        expected = set(r.state) - {"master_param"}
+        got = set(saved) - {"master_param"}
+        if expected != got:
+            raise ValueError(
+                f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
+                f"({self.cpu_optimizer_cls.__name__ if r.offloaded else self.gpu_optimizer_cls.__name__}); "
+                "was it saved with another optimizer class or options (e.g. amsgrad)?"
+            )
+        for key, value in saved.items():
+            if key == "master_param":
+                continue
+            dst = r.state[key]
+            if not isinstance(dst, torch.Tensor):
+                r.state[key] = value
+                if r.inner_state is not None:
+                    r.inner_state[key] = value
+                continue
+            src = local_tensor(value) if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            dst_local = local_tensor(dst)
+            if src.shape != dst_local.shape:
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {r.name!r} has local shape {tuple(src.shape)}, "
+                    f"expected {tuple(dst_local.shape)}; load through checkpoint.load to reshard"
+                )
+            dst_local.copy_(src)
+        master = saved.get("master_param")
+        if master is not None and r.has_separate_master:
+            src = local_tensor(master)
+            target = r.master if r.offloaded else r.working
+            if src.shape != target.shape:
+                raise ValueError(
+                    f"master_param of parameter {r.name!r} has local shape {tuple(src.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(src)
+            if r.offloaded:
+                r.param_stage.copy_(r.master)
+                r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
+            else:
+                r.local.copy_(r.working)

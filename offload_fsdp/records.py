@@ -1,0 +1,182 @@
+"""One record per parameter shard, and the deterministic host/device partition.
+
+A :class:`ParamShard` is everything the optimizer knows about one parameter's
+*local* shard: the parameter, its name, where its update runs, its slices of
+the host buckets, the tensor a delegated optimizer updates, and its public
+optimizer state. There are no side maps keyed by parameter: code that needs a
+fact about a parameter reads it from the record.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial
+
+from checkpoint.shard_spec import ShardSpec, shard_spec_of
+from optim.grad import local_tensor
+
+if TYPE_CHECKING:
+    from offload_fsdp.buckets import HostBucket
+
+__all__ = ["ParamShard", "build_records", "partition"]
+
+
+@dataclass(eq=False, kw_only=True)
+class ParamShard:
+    """Everything about one parameter's local shard (identity-compared; one per parameter)."""
+
+    param: torch.Tensor
+    """the parameter as the user gave it (a plain tensor, a DTensor, or a flat-shard tensor)"""
+    name: str
+    """fully-qualified name when known (named params), else its position ``param_groups[g][i]``"""
+    index: int
+    """position in the flattened parameter order: the integer id used by ``state_dict()``"""
+    group_index: int
+    """index of its group in ``optimizer.param_groups`` (hyper-parameters are read from there)"""
+    shard_spec: ShardSpec | None = None
+    """flat-shard / box description for plain-tensor shards (None for whole tensors and DTensors)"""
+    offloaded: bool = False
+    """True when its update runs on the host (fp32 master + state in host buckets)"""
+    grad_dtype: torch.dtype | None = None
+    """dtype gradients are staged in on the host (offloaded only): the grad's own dtype"""
+
+    # --- host side (offloaded records) ---
+    bucket: HostBucket | None = None
+    offset: int = 0
+    """first element of this shard in its bucket's flat buffers"""
+    master: torch.Tensor | None = None
+    """host copy the update is applied to (fp32 master, or the param dtype without fp32 update)"""
+    param_stage: torch.Tensor | None = None
+    """host buffer in the param's dtype that H2D copies from, when it differs from ``master``"""
+    grad_stage: torch.Tensor | None = None
+    """host buffer the gradient is copied into (its own dtype)"""
+    staged_grad_key: tuple[int, int, int] | None = None
+    """(id, data_ptr, version) of the device grad last copied into ``grad_stage`` this step"""
+
+    # --- delegated optimizers (device share, and host buckets without a fused kernel) ---
+    working: torch.Tensor | None = None
+    """plain tensor a delegated optimizer instance updates (the local param, or an fp32 master)"""
+
+    # --- public optimizer state ---
+    state: dict[str, Any] | None = None
+    """the dict exposed as ``optimizer.state[param]`` once state exists (None before)"""
+    inner_state: dict[str, Any] | None = field(default=None, repr=False)
+    """the delegated optimizer's own state dict for ``working`` (delegated records only)"""
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The rank-local data (re-read each time: FSDP may swap the DTensor's local tensor)."""
+        return local_tensor(self.param)
+
+    @property
+    def numel(self) -> int:
+        return self.local.numel()
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+    @property
+    def is_dtensor(self) -> bool:
+        return isinstance(self.param, DTensor)
+
+    @property
+    def push_source(self) -> torch.Tensor:
+        """The host tensor holding the updated param in its own dtype (what H2D copies)."""
+        assert self.master is not None
+        return self.param_stage if self.param_stage is not None else self.master
+
+    @property
+    def has_separate_master(self) -> bool:
+        """True when a master of higher precision than the param exists (stored as ``master_param``)."""
+        master = self.master if self.offloaded else self.working
+        return master is not None and master.dtype != self.param.dtype
+
+    def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Present a local state tensor like the param: a DTensor with its mesh/placements, else as is.
+
+        Only tensors shaped like the local shard are wrapped; scalars (``step``) stay plain,
+        as in torch's own optimizers over DTensor params.
+        """
+        if not self.is_dtensor or tensor.shape != self.local.shape:
+            return tensor
+        param = self.param
+        return DTensor.from_local(
+            tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+
+def _name_of(group: dict[str, Any], group_index: int, position: int) -> str:
+    names = group.get("param_names")
+    if names is not None and position < len(names):
+        return str(names[position])
+    return f"param_groups[{group_index}]['params'][{position}]"
+
+
+def _validate(param: torch.Tensor, name: str) -> ShardSpec | None:
+    """Reject parameters this optimizer cannot serve, naming them; return the flat-shard spec if any."""
+    if param.device.type == "meta":
+        raise ValueError(
+            f"parameter {name!r} is on the meta device; materialize the model (e.g. to_empty + init) "
+            "before building HybridDeviceOptimizer"
+        )
+    if param.layout != torch.strided:
+        raise TypeError(f"parameter {name!r} has layout {param.layout}; only dense (strided) parameters are supported")
+    if not param.is_floating_point():
+        raise TypeError(f"parameter {name!r} has dtype {param.dtype}; only floating point parameters can be optimized")
+    if isinstance(param, DTensor):
+        if any(isinstance(p, Partial) for p in param.placements):
+            raise ValueError(
+                f"parameter {name!r} is a DTensor with a Partial placement {param.placements}; "
+                "only Shard/Replicate parameters have a well-defined local shard to update"
+            )
+        if not param._local_tensor.is_contiguous():
+            raise ValueError(f"parameter {name!r}: its local shard is not contiguous; cannot stage it in flat buffers")
+        return None
+    if not param.is_contiguous():
+        raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
+    spec = shard_spec_of(param)
+    if spec is not None:
+        spec.check_local(param, name=name)
+    return spec
+
+
+def build_records(param_groups: list[dict[str, Any]]) -> list[ParamShard]:
+    """One validated record per parameter, in ``param_groups`` order (the state-dict id order)."""
+    records: list[ParamShard] = []
+    for group_index, group in enumerate(param_groups):
+        for position, param in enumerate(group["params"]):
+            name = _name_of(group, group_index, position)
+            spec = _validate(param, name)
+            records.append(
+                ParamShard(param=param, name=name, index=len(records), group_index=group_index, shard_spec=spec)
+            )
+    return records
+
+
+def partition(records: list[ParamShard], offload_fraction: float) -> None:
+    """Mark a prefix (in parameter order) of the trainable records as offloaded; deterministic.
+
+    Whole parameters move; a parameter goes to the host when the midpoint of its
+    element range lies within the first ``offload_fraction`` of all trainable
+    local elements, so the host share is the closest whole-parameter prefix to
+    the requested fraction. 0 offloads nothing, 1 everything (empty shards
+    included). Frozen parameters are never offloaded (they are never updated).
+    Each rank partitions its own local shard independently: no communication.
+    """
+    trainable = [r for r in records if r.trainable]
+    total = sum(r.numel for r in trainable)
+    target = offload_fraction * total
+    seen = 0
+    for record in trainable:
+        if offload_fraction >= 1.0:
+            record.offloaded = True
+        elif offload_fraction <= 0.0:
+            record.offloaded = False
+        else:
+            record.offloaded = seen + record.numel / 2 <= target and not math.isclose(target, 0.0)
+        seen += record.numel
