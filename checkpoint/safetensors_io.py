@@ -1,0 +1,199 @@
+"""Hugging Face-style sharded safetensors: streaming export and a reader for import.
+
+Export writes ``model-0000k-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...},
+"weight_map": {name: file}}``), the layout ``transformers`` loads. The file
+format is simple and public (8-byte little-endian header length, a JSON header
+of ``dtype`` / ``shape`` / ``data_offsets``, then raw row-major bytes), so each
+shard is written here directly: its header is known from shapes alone, and
+tensors are appended one at a time. ``safetensors.torch.save_file`` would need
+a whole shard (gigabytes) in memory at once.
+
+Non-tensor values (optimizer hyper-parameters, ``extra`` entries) cannot live
+in a safetensors file; when exported they go into the index under
+``metadata.fsdp_ckpt_objects`` as JSON, and import reads them back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.stream import Entry
+
+__all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_safetensors"]
+
+logger = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+OBJECTS_KEY = "fsdp_ckpt_objects"
+KEYS_FIELD = "fsdp_ckpt_keys"
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+_ALIGN = 8
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(items: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` in order into shards of at most ``max_shard_bytes``.
+
+    A tensor larger than the limit gets a shard of its own (as ``transformers`` does).
+    """
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in items:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return [s for s in shards if s] or [[]]
+
+
+def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...], int]], full_keys: bool) -> bytes:
+    # KEYS_FIELD tells import whether names are whole checkpoint keys or bare model fqns
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", KEYS_FIELD: "full" if full_keys else "model"}}
+    offset = 0
+    for name, dtype, shape, nbytes in specs:
+        if dtype not in _DTYPES:
+            raise ValueError(f"{name!r} has dtype {dtype}, which safetensors cannot store; export with --format torch")
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    # pad with spaces so the data starts 8-byte aligned (readers may mmap it)
+    raw += b" " * (-(len(raw) + 8) % _ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def write_safetensors(
+    directory: Path,
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]],
+    values: Iterator[tuple[str, torch.Tensor]],
+    *,
+    objects: dict[str, Any] | None = None,
+    full_keys: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write ``shards`` (names, dtypes, shapes per file) from ``values`` yielded in the same order.
+
+    Files are fsynced; the index is written last, so a directory with an index
+    is complete. Returns the file names written. Raises ``ValueError`` when a
+    value's dtype or shape differs from its planned spec.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file_name, shard in zip(names, shards):
+        specs = [(n, d, s, Entry(n, "tensor", d, s).nbytes) for n, d, s in shard]
+        with open(directory / file_name, "wb") as f:
+            f.write(_header(specs, full_keys))
+            for name, dtype, shape, nbytes in specs:
+                got_name, tensor = next(values)
+                if got_name != name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                    raise ValueError(
+                        f"{got_name!r} arrived as {tensor.dtype} {list(tensor.shape)} where {name!r} "
+                        f"{dtype} {list(shape)} was planned (internal error; report it)"
+                    )
+                f.write(_tensor_bytes(tensor))
+                weight_map[name] = file_name
+                total += nbytes
+                if on_bytes is not None:
+                    on_bytes(nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+    index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    if objects:
+        index["metadata"][OBJECTS_KEY] = objects
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names
+
+
+class SafetensorsSource:
+    """Tensors of one ``.safetensors`` file or an HF directory (index json, or every ``*.safetensors``).
+
+    Keys are the file's names, prefixed by ``prefix`` (``"model."`` by default,
+    so HF weights become model keys), except in files that ``fsdp-ckpt export``
+    marked as holding whole checkpoint keys. Reads one tensor at a time.
+    """
+
+    def __init__(self, path: str | Path, *, prefix: str = "model.") -> None:
+        from safetensors import safe_open  # optional dependency: imported where used
+
+        self._safe_open = safe_open
+        path = Path(path)
+        self.objects: dict[str, Any] = {}
+        if path.is_dir():
+            files = self._files_of_dir(path)
+        else:
+            files = [path]
+        self._where: dict[str, tuple[Path, str]] = {}
+        self.entries: dict[str, Entry] = {}
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    full = (f.metadata() or {}).get(KEYS_FIELD) == "full"
+                    for name in f.keys():
+                        piece = f.get_slice(name)
+                        key = name if full else prefix + name
+                        dtype = _from_safetensors_dtype(piece.get_dtype(), name)
+                        self.entries[key] = Entry(key, "tensor", dtype, tuple(piece.get_shape()))
+                        self._where[key] = (file, name)
+            except Exception as exc:
+                raise ValueError(f"{str(file)!r} is not a readable safetensors file ({exc}); check the file") from exc
+        for key in self.objects:
+            self.entries[key] = Entry(key, "object")
+        self.entries = dict(sorted(self.entries.items()))
+
+    def _files_of_dir(self, path: Path) -> list[Path]:
+        index = path / INDEX_NAME
+        if index.exists():
+            try:
+                data = json.loads(index.read_text())
+                files = sorted(set(data["weight_map"].values()))
+                self.objects = dict(data.get("metadata", {}).get(OBJECTS_KEY, {}))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{str(index)!r} is not a valid safetensors index ({exc}); re-export it") from exc
+            missing = [f for f in files if not (path / f).exists()]
+            if missing:
+                raise FileNotFoundError(f"{str(index)!r} lists {missing} but they are not in {str(path)!r}; copy them there")
+            return [path / f for f in files]
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{str(path)!r} holds no *.safetensors files; pass a safetensors file or HF model directory")
+        return files
+
+    def read(self, key: str) -> Any:
+        if key in self.objects:
+            return self.objects[key]
+        file, name = self._where[key]
+        with self._safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _from_safetensors_dtype(code: str, name: str) -> torch.dtype:
+    by_code = {v: k for k, v in _DTYPES.items()}
+    if code not in by_code:
+        raise ValueError(f"tensor {name!r} has safetensors dtype {code}, which fsdp-ckpt does not import")
+    return by_code[code]

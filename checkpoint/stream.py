@@ -1,0 +1,249 @@
+"""Read a checkpoint directory one tensor at a time, with bounded memory.
+
+:class:`CheckpointReader` opens any DCP directory (``.metadata`` + ``*.distcp``):
+an ``fsdp_dtensor`` checkpoint (with ``manifest.json``) or one written by plain
+``torch.distributed.checkpoint.save`` (no manifest: manifest checks are skipped
+and :attr:`CheckpointReader.note` says so). It never loads the whole
+checkpoint: :meth:`CheckpointReader.read` assembles one key's full tensor from
+its stored chunks through DCP's own public load path (``dcp.load`` with
+``no_dist=True`` and a reader that reuses the already-parsed metadata), so the
+peak is that tensor plus the largest chunk it is read from.
+
+The same small :class:`Source` protocol is implemented by the import readers
+(safetensors, torch files), so transforms and writers never care where tensors
+come from.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+
+__all__ = ["CheckpointReader", "Entry", "Source", "dtype_name", "parse_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_METADATA_NAME = ".metadata"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What is known about one stored key before reading it."""
+
+    key: str
+    kind: str
+    """"tensor" or "object" (a pickled non-tensor value, e.g. a learning rate)"""
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = ()
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    """stored pieces as (offsets, sizes); empty for sources that are not DCP directories"""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind != "tensor":
+            return 0
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Source(Protocol):
+    """Anything the CLI converts from: a checkpoint directory, a safetensors set, a torch file."""
+
+    entries: dict[str, Entry]
+
+    def read(self, key: str) -> Any:
+        """The full value of ``key`` (a tensor in its global shape, or a plain object)."""
+        ...
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the manifest's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                  "float": "float32", "fp64": "float64", "double": "float64"}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A user-typed dtype (``bf16``, ``float32``, ``torch.float16``) as a floating ``torch.dtype``."""
+    clean = _DTYPE_ALIASES.get(name.lower(), name.lower().removeprefix("torch."))
+    dtype = getattr(torch, clean, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown floating dtype {name!r}; use one of bf16, fp16, fp32, fp64")
+    return dtype
+
+
+class _MetadataReusingReader(dcp.FileSystemReader):
+    """A FileSystemReader that hands back metadata parsed once, so reading N keys parses it once, not N times."""
+
+    def __init__(self, path: Path, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._parsed = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._parsed
+
+
+class CheckpointReader:
+    """A DCP checkpoint directory opened for streaming reads.
+
+    Raises ``FileNotFoundError`` when ``path`` does not exist and ``ValueError``
+    when it is not a DCP directory or its manifest is unreadable. Opening reads
+    only ``.metadata`` and ``manifest.json``.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"checkpoint path {str(self.path)!r} does not exist; check the path")
+        if not self.path.is_dir():
+            raise ValueError(
+                f"{str(self.path)!r} is a file, not a checkpoint directory; "
+                "pass the directory that holds .metadata"
+            )
+        if not (self.path / _METADATA_NAME).exists():
+            raise ValueError(
+                f"{str(self.path)!r} has no {_METADATA_NAME}: not a DCP checkpoint "
+                "(an unfinished save, or the wrong directory); pass a directory written by "
+                "checkpoint.save or torch.distributed.checkpoint.save"
+            )
+        self.manifest: Manifest | None = None
+        self.note: str | None = None
+        if (self.path / MANIFEST_NAME).exists():
+            self.manifest = read_manifest(self.path)
+        else:
+            self.note = (
+                f"no {MANIFEST_NAME}: a plain DCP directory (or an uncommitted save); "
+                "manifest checks (file sizes, checksums, commit) are skipped"
+            )
+        try:
+            self.metadata: Metadata = dcp.FileSystemReader(self.path).read_metadata()
+        except Exception as exc:  # a truncated pickle raises anything from EOFError to UnpicklingError
+            raise ValueError(
+                f"{str(self.path / _METADATA_NAME)!r} cannot be read ({type(exc).__name__}: {exc}); "
+                "the checkpoint is damaged: re-save it or restore the file"
+            ) from exc
+        self.entries: dict[str, Entry] = {
+            key: _entry(key, md) for key, md in sorted(self.metadata.state_dict_metadata.items())
+        }
+
+    @property
+    def committed(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def world_size(self) -> int | None:
+        """Ranks that wrote it: from the manifest, else the number of distinct data files."""
+        if self.manifest is not None:
+            return self.manifest.world_size
+        return len(self.data_files()) or None
+
+    def data_files(self) -> set[str]:
+        """Names (relative to the directory) of every data file ``.metadata`` points into."""
+        return {info.relative_path for info in (self.metadata.storage_data or {}).values()}
+
+    def files_of(self, key: str) -> list[str]:
+        """The data files holding ``key``'s chunks (for error messages)."""
+        return sorted({
+            info.relative_path
+            for index, info in (self.metadata.storage_data or {}).items()
+            if isinstance(index, MetadataIndex) and index.fqn == key
+        })
+
+    def read(self, key: str) -> Any:
+        """``key``'s full value: a tensor in its global shape, or the stored object."""
+        return self.read_many([key])[key]
+
+    def read_many(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Several keys in one DCP load (one pass over the files they live in)."""
+        keys = list(keys)
+        state: dict[str, Any] = {}
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None:
+                raise KeyError(f"{key!r} is not in checkpoint {str(self.path)!r}")
+            # Tensors are allocated at their global shape and filled in place;
+            # a non-tensor placeholder is replaced by the unpickled object.
+            state[key] = torch.empty(entry.shape, dtype=entry.dtype) if entry.kind == "tensor" else None
+        try:
+            with warnings.catch_warnings():
+                # no_dist=True is deliberate: a reader process needs no process group
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+                dcp.load(state, storage_reader=_MetadataReusingReader(self.path, self.metadata), no_dist=True)
+        except Exception as exc:
+            files = sorted({f for key in keys for f in self.files_of(key)})
+            raise ValueError(
+                f"reading {_short(keys)} from {str(self.path)!r} failed (files {files}): "
+                f"{_one_line(exc)}; run `fsdp-ckpt verify` on it, then restore or re-save the damaged file"
+            ) from exc
+        return state
+
+    def iter_values(self, keys: Iterable[str], *, batch_bytes: int = 64 << 20) -> Iterator[tuple[str, Any]]:
+        """``(key, value)`` in order, reading small keys in batches of about ``batch_bytes``.
+
+        Batching spares one DCP load per tiny tensor; memory stays bounded by
+        ``max(batch_bytes, largest tensor)`` plus one stored chunk.
+        """
+        batch: list[str] = []
+        size = 0
+        for key in keys:
+            nbytes = self.entries[key].nbytes
+            if batch and size + nbytes > batch_bytes:
+                yield from self._read_batch(batch)
+                batch, size = [], 0
+            batch.append(key)
+            size += nbytes
+        if batch:
+            yield from self._read_batch(batch)
+
+    def _read_batch(self, keys: list[str]) -> Iterator[tuple[str, Any]]:
+        values = self.read_many(keys)
+        for key in keys:
+            yield key, values.pop(key)
+
+
+def _entry(key: str, md: Any) -> Entry:
+    if isinstance(md, TensorStorageMetadata):
+        return Entry(
+            key=key,
+            kind="tensor",
+            dtype=md.properties.dtype,
+            shape=tuple(int(s) for s in md.size),
+            chunks=tuple(
+                (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in md.chunks
+            ),
+        )
+    if isinstance(md, BytesStorageMetadata):
+        return Entry(key=key, kind="object")
+    raise ValueError(f"key {key!r} has storage metadata of unknown type {type(md).__name__}; upgrade offload-fsdp")
+
+
+def _short(keys: list[str]) -> str:
+    return repr(keys[0]) if len(keys) == 1 else f"{len(keys)} keys ({keys[0]!r}, ...)"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"

@@ -1,0 +1,144 @@
+"""One ``torch.save`` file: streaming export and a reader for import.
+
+``torch.save`` wants every tensor in memory at once. Export instead writes the
+file's skeleton first (``torch.serialization.skip_data`` with fake tensors:
+the zip records are laid out, the storage bytes left empty), maps it back with
+``torch.load(mmap=True)`` over a shared mapping, and fills one tensor at a time
+in place. After each tensor its pages are handed back to the kernel
+(``madvise(MADV_DONTNEED)``: the data stays in the page cache and reaches the
+file), so resident memory stays near one tensor. The result is an ordinary
+file that ``torch.load(weights_only=True)`` reads.
+
+Import reads with ``torch.load(mmap=True, weights_only=True)``, so it, too,
+touches one tensor at a time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from checkpoint.stream import Entry
+
+__all__ = ["TorchFileSource", "write_torch_file"]
+
+logger = logging.getLogger(__name__)
+
+_FULL_PREFIXES = ("model.", "optimizer.", "extra.")
+
+
+def write_torch_file(
+    path: Path,
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    objects: dict[str, Any],
+    values: Iterator[tuple[str, torch.Tensor]],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Write ``{name: tensor} | objects`` as one torch file, filling tensors from ``values`` in ``specs`` order.
+
+    Writes under ``path.tmp`` and renames when complete (fsynced), so ``path``
+    is never a half-written file.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    skeleton: dict[str, Any] = {}
+    with FakeTensorMode():
+        for name, dtype, shape in specs:
+            skeleton[name] = torch.empty(shape, dtype=dtype)
+    skeleton.update(objects)
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(skeleton, tmp)
+    del skeleton
+    # MAP_SHARED: writes into the loaded tensors go to the file, not to private copies
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        mapped = torch.load(tmp, mmap=True, weights_only=True)
+    for name, dtype, shape in specs:
+        got_name, tensor = next(values)
+        dst = mapped[name]
+        if got_name != name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"{got_name!r} arrived where {name!r} was planned (internal error; report it)")
+        dst.copy_(tensor)
+        _release_pages(dst)
+        if on_bytes is not None:
+            on_bytes(Entry(name, "tensor", dtype, shape).nbytes)
+        del dst, tensor
+    del mapped
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Drop ``t``'s pages from this process's resident set (Linux); they stay dirty in the page cache."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0 or not hasattr(os, "sysconf"):
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + nbytes - start
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madv_dontneed = 4
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), madv_dontneed)
+    except (OSError, AttributeError):  # not Linux: memory is merely higher, the file is the same
+        pass
+
+
+class TorchFileSource:
+    """The values of one ``torch.save`` file of a state dict, read through a memory map.
+
+    Key naming: a dict whose keys already look like checkpoint keys
+    (``model.*`` plus ``optimizer.*`` / ``extra.*``) is taken as is; a dict
+    nested by component (``{"model": {...}, "optimizer": {...}}``) is
+    flattened with dots; any other dict is a model state dict and gets
+    ``prefix``. ``prefix=""`` forces names to be taken as is.
+    """
+
+    def __init__(self, path: str | Path, *, prefix: str | None = None) -> None:
+        path = Path(path)
+        try:
+            data = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as exc:
+            raise ValueError(
+                f"{str(path)!r} is not a torch file that loads with weights_only=True "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); pass a state-dict file"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"{str(path)!r} holds a {type(data).__name__}, not a state dict; pass a dict of tensors")
+        flat = _flatten(data)
+        if prefix is None:
+            full = all(k.startswith(_FULL_PREFIXES) for k in flat) and any(
+                not k.startswith("model.") for k in flat
+            )
+            nested = isinstance(data.get("model"), dict)
+            prefix = "" if full or nested else "model."
+        self._values = {prefix + k: v for k, v in flat.items()}
+        self.entries: dict[str, Entry] = {}
+        for key, value in sorted(self._values.items()):
+            if isinstance(value, torch.Tensor):
+                self.entries[key] = Entry(key, "tensor", value.dtype, tuple(value.shape))
+            else:
+                self.entries[key] = Entry(key, "object")
+
+    def read(self, key: str) -> Any:
+        value = self._values[key]
+        return value
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
+            out.update(_flatten(v, name + "."))
+        else:
+            out[name] = v
+    return out

@@ -1,0 +1,380 @@
+"""Key transforms shared by ``fsdp-ckpt`` reshard / export / import.
+
+Three kinds of rule act on a key's *parameter name* (its fqn), so one rule
+moves a weight and its optimizer state together:
+
+* **split** a fused tensor along a dim into named parts
+  (SwiGLU ``mlp.linear_fc1.weight`` -> ``mlp.linear_fc1_w.weight``, ``..._v``; QKV),
+* **merge** named parts back into one tensor (the exact inverse of a split with
+  the same arguments),
+* **rename** by regular expression (``re.sub`` on the fqn).
+
+Split and merge match the names as stored; renames run last, on the result.
+Names in split / merge rules are templates in which ``*`` stands for any text
+(``layers.*.mlp.linear_fc1.weight``); every ``*`` of a part name takes the
+value its position matched in the fused name.
+
+Where the fqn sits in a key follows ``torch.distributed.checkpoint.state_dict``:
+``model.<fqn>``, ``optimizer.state.<fqn>.<state>``,
+``optimizer.param_groups.<fqn>.<option>``. Other keys (``extra.*``) pass
+through unchanged. A tensor whose shape cannot be split (a scalar ``step``)
+is copied to every part; merging such parts keeps the first one.
+
+Planning uses shapes only (:func:`plan`), so a writer knows every output's
+size before reading a byte; :func:`materialize` then builds one output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.stream import Entry
+
+__all__ = [
+    "Merge", "Rename", "Rules", "Split", "Target", "join_key", "materialize", "parse_part_list", "plan",
+    "split_key", "stream_targets",
+]
+
+_PREFIXES = ("model.", "optimizer.state.", "optimizer.param_groups.")
+
+
+def split_key(key: str) -> tuple[str, str, str] | None:
+    """``optimizer.state.a.b.exp_avg`` -> ``("optimizer.state.", "a.b", ".exp_avg")``; None for other keys."""
+    if key.startswith("model."):
+        return "model.", key[len("model."):], ""
+    for prefix in _PREFIXES[1:]:
+        if key.startswith(prefix):
+            fqn, dot, last = key[len(prefix):].rpartition(".")
+            if dot and fqn:
+                return prefix, fqn, "." + last
+    return None
+
+
+def join_key(parts: tuple[str, str, str]) -> str:
+    return "".join(parts)
+
+
+def _template_regex(template: str) -> re.Pattern[str]:
+    return re.compile("(.+?)".join(re.escape(p) for p in template.split("*")) + r"\Z")
+
+
+def _fill(template: str, values: Sequence[str]) -> str:
+    pieces = template.split("*")
+    out = pieces[0]
+    for value, piece in zip(values, pieces[1:]):
+        out += value + piece
+    return out
+
+
+@dataclass(frozen=True)
+class Rename:
+    pattern: str
+    """a Python regular expression, searched in the fqn"""
+    replacement: str
+    """``re.sub`` replacement (``\\1`` refers to groups)"""
+
+    def __post_init__(self) -> None:
+        try:
+            compiled = re.compile(self.pattern)
+            compiled.sub(self.replacement, "")  # a bad group reference only shows up when substituting
+        except re.error as exc:
+            raise ValueError(f"bad rename rule {self.pattern!r} -> {self.replacement!r}: {exc}; fix the regex") from exc
+
+    def apply(self, fqn: str) -> str:
+        try:
+            return re.sub(self.pattern, self.replacement, fqn)
+        except (re.error, IndexError) as exc:
+            raise ValueError(f"rename rule {self.pattern!r} -> {self.replacement!r} fails on {fqn!r}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Split:
+    fused: str
+    """name template of the fused tensor, e.g. ``layers.*.mlp.linear_fc1.weight``"""
+    dim: int
+    parts: tuple[str, ...]
+    """name templates of the parts, in order along ``dim``"""
+    sizes: tuple[int, ...] | None = None
+    """part sizes along ``dim``; None splits evenly"""
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parts", tuple(self.parts))
+        if len(self.parts) < 2:
+            raise ValueError(f"rule for {self.fused!r} needs at least two part names, got {list(self.parts)}")
+        stars = self.fused.count("*")
+        for part in self.parts:
+            if part.count("*") != stars:
+                raise ValueError(
+                    f"part {part!r} has {part.count('*')} '*' but {self.fused!r} has {stars}; "
+                    "give every name the same number of '*'"
+                )
+        if self.sizes is not None:
+            object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
+            if len(self.sizes) != len(self.parts) or any(s < 0 for s in self.sizes):
+                raise ValueError(f"rule for {self.fused!r}: sizes {list(self.sizes)} must be one non-negative size per part")
+        object.__setattr__(self, "_regex", _template_regex(self.fused))
+
+    def match_fused(self, fqn: str) -> tuple[str, ...] | None:
+        m = self._regex.match(fqn)
+        return None if m is None else m.groups()
+
+    def part_regexes(self) -> list[re.Pattern[str]]:
+        return [_template_regex(p) for p in self.parts]
+
+    def part_sizes(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Sizes along ``dim`` for a fused tensor of ``shape`` (``key`` names it in errors)."""
+        if self.dim >= len(shape):
+            raise ValueError(f"cannot split {key!r} of shape {list(shape)} along dim {self.dim}; fix the rule's dim")
+        total = shape[self.dim]
+        if self.sizes is None:
+            if total % len(self.parts):
+                raise ValueError(
+                    f"{key!r} has {total} along dim {self.dim}, not divisible into {len(self.parts)} parts; "
+                    "give explicit sizes (name:size)"
+                )
+            return (total // len(self.parts),) * len(self.parts)
+        if sum(self.sizes) != total:
+            raise ValueError(
+                f"split sizes {list(self.sizes)} add up to {sum(self.sizes)} but {key!r} has {total} "
+                f"along dim {self.dim}; fix the sizes"
+            )
+        return self.sizes
+
+
+Merge = Split
+"""A merge rule has the same fields as the split it undoes."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    renames: tuple[Rename, ...] = ()
+    splits: tuple[Split, ...] = ()
+    merges: tuple[Split, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.renames or self.splits or self.merges)
+
+    def rename(self, fqn: str) -> str:
+        for rule in self.renames:
+            fqn = rule.apply(fqn)
+        return fqn
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Rules:
+        """Rules from JSON: ``{"rename": [[pat, repl]], "split": [{fused, dim, parts, sizes?}], "merge": [...]}``."""
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(
+                renames=tuple(Rename(p, r) for p, r in data.get("rename", [])),
+                splits=tuple(Split(**s) for s in data.get("split", [])),
+                merges=tuple(Split(**s) for s in data.get("merge", [])),
+            )
+        except FileNotFoundError:
+            raise FileNotFoundError(f"rules file {str(path)!r} does not exist; check the path") from None
+        except (json.JSONDecodeError, TypeError, AttributeError) as exc:
+            raise ValueError(f"rules file {str(path)!r} is not valid: {exc}; see `fsdp-ckpt export --help`") from exc
+
+    def merged_with(self, other: Rules) -> Rules:
+        return Rules(self.renames + other.renames, self.splits + other.splits, self.merges + other.merges)
+
+
+def parse_part_list(text: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """``"a.*.w:4,a.*.v:4"`` -> ``(("a.*.w", "a.*.v"), (4, 4))``; sizes None when none are given."""
+    names, sizes = [], []
+    for item in text.split(","):
+        name, colon, size = item.strip().rpartition(":")
+        if not colon:
+            name, size = item.strip(), ""
+        names.append(name)
+        if size:
+            if not size.isdigit():
+                raise ValueError(f"part {item!r}: size {size!r} is not a whole number; write name:size")
+            sizes.append(int(size))
+    if sizes and len(sizes) != len(names):
+        raise ValueError(f"parts {text!r}: give a size for every part or for none")
+    return tuple(names), (tuple(sizes) if sizes else None)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One output value and how to build it from source keys."""
+
+    name: str
+    kind: str
+    """"tensor" or "object\""""
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    sources: tuple[str, ...]
+    op: str = "copy"
+    """"copy" (one source), "slice" (``sources[0]`` narrowed), "cat" (sources concatenated), "first\""""
+    dim: int = 0
+    start: int = 0
+    length: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return Entry(self.name, self.kind, self.dtype, self.shape).nbytes
+
+
+def plan(entries: dict[str, Entry], rules: Rules) -> list[Target]:
+    """The outputs of applying ``rules`` to ``entries``, in a stable order (parts of one source adjacent).
+
+    Raises ``ValueError`` naming the key when a rule cannot apply (bad dim,
+    sizes that do not add up, a missing part, two outputs with one name).
+    """
+    targets: list[Target] = []
+    consumed: set[str] = set()
+    for key, entry in entries.items():
+        if key in consumed:
+            continue
+        made = _split_targets(key, entry, rules) or _merge_targets(key, entries, rules, consumed)
+        if made is None:
+            made = [_copy_target(key, entry)]
+        targets.extend(made)
+    renamed = [_renamed(t, rules) for t in targets]
+    seen: dict[str, str] = {}
+    for t, original in zip(renamed, targets):
+        if t.name in seen:
+            raise ValueError(
+                f"rules map both {seen[t.name]!r} and {original.sources[0]!r} to {t.name!r}; "
+                "make the rename rules one-to-one"
+            )
+        seen[t.name] = original.sources[0]
+    return renamed
+
+
+def _copy_target(key: str, entry: Entry) -> Target:
+    return Target(key, entry.kind, entry.dtype, entry.shape, (key,))
+
+
+def _renamed(target: Target, rules: Rules) -> Target:
+    parts = split_key(target.name)
+    if parts is None or not rules.renames:
+        return target
+    prefix, fqn, suffix = parts
+    return _replace(target, name=prefix + rules.rename(fqn) + suffix)
+
+
+def _replace(target: Target, **changes: Any) -> Target:
+    fields = dict(target.__dict__)
+    fields.update(changes)
+    return Target(**fields)
+
+
+def _split_targets(key: str, entry: Entry, rules: Rules) -> list[Target] | None:
+    parts = split_key(key)
+    if parts is None:
+        return None
+    prefix, fqn, suffix = parts
+    for rule in rules.splits:
+        values = rule.match_fused(fqn)
+        if values is None:
+            continue
+        names = [prefix + _fill(p, values) + suffix for p in rule.parts]
+        if entry.kind != "tensor" or len(entry.shape) <= rule.dim or entry.shape == ():
+            # A per-parameter scalar (step, lr): every part gets the same value.
+            if entry.kind == "tensor" and entry.shape and prefix == "model.":
+                rule.part_sizes(key, entry.shape)  # raises the helpful "bad dim" error for weights
+            return [Target(n, entry.kind, entry.dtype, entry.shape, (key,)) for n in names]
+        sizes = rule.part_sizes(key, entry.shape)
+        out, start = [], 0
+        for name, size in zip(names, sizes):
+            shape = entry.shape[: rule.dim] + (size,) + entry.shape[rule.dim + 1 :]
+            out.append(Target(name, "tensor", entry.dtype, shape, (key,), "slice", rule.dim, start, size))
+            start += size
+        return out
+    return None
+
+
+def _merge_targets(key: str, entries: dict[str, Entry], rules: Rules, consumed: set[str]) -> list[Target] | None:
+    parts = split_key(key)
+    if parts is None:
+        return None
+    prefix, fqn, suffix = parts
+    for rule in rules.merges:
+        regexes = rule.part_regexes()
+        m = regexes[0].match(fqn)
+        if m is None:
+            continue
+        values = m.groups()
+        sources = [prefix + _fill(p, values) + suffix for p in rule.parts]
+        missing = [s for s in sources if s not in entries]
+        if missing:
+            raise ValueError(f"cannot merge into {prefix + _fill(rule.fused, values) + suffix!r}: {missing} not found; fix the merge rule")
+        consumed.update(sources)
+        name = prefix + _fill(rule.fused, values) + suffix
+        first = entries[sources[0]]
+        if first.kind != "tensor" or len(first.shape) <= rule.dim:
+            return [Target(name, first.kind, first.dtype, first.shape, tuple(sources), "first")]
+        shapes = [entries[s].shape for s in sources]
+        for s, shape in zip(sources, shapes):
+            other = shape[: rule.dim] + shape[rule.dim + 1 :]
+            if len(shape) != len(first.shape) or other != first.shape[: rule.dim] + first.shape[rule.dim + 1 :]:
+                raise ValueError(f"cannot merge {s!r} of shape {list(shape)} with {sources[0]!r} of shape {list(first.shape)} along dim {rule.dim}")
+            if entries[s].dtype != first.dtype:
+                raise ValueError(f"cannot merge {s!r} ({entries[s].dtype}) with {sources[0]!r} ({first.dtype}): dtypes differ")
+        total = sum(shape[rule.dim] for shape in shapes)
+        shape = first.shape[: rule.dim] + (total,) + first.shape[rule.dim + 1 :]
+        return [Target(name, "tensor", first.dtype, shape, tuple(sources), "cat", rule.dim)]
+    return None
+
+
+def materialize(target: Target, fetch: Callable[[str], Any]) -> Any:
+    """Build ``target``'s value; ``fetch(key)`` returns a source's full value."""
+    if target.op == "copy":
+        return fetch(target.sources[0])
+    if target.op == "first":
+        return fetch(target.sources[0])
+    if target.op == "slice":
+        # clone: a view would keep the whole fused tensor alive after the caller drops it
+        return fetch(target.sources[0]).narrow(target.dim, target.start, target.length).clone()
+    if target.op == "cat":
+        return torch.cat([fetch(s) for s in target.sources], dim=target.dim)
+    raise AssertionError(f"unknown op {target.op!r}")
+
+
+def stream_targets(
+    source: Any,
+    targets: Sequence[Target],
+    *,
+    cast: Callable[[Target, Any], Any] | None = None,
+    batch_bytes: int = 64 << 20,
+) -> Iterator[tuple[Target, Any]]:
+    """``(target, value)`` for each target in order, reading each source key once.
+
+    A source value is held only until the last target built from it is
+    yielded, so memory stays near the largest tensor (or the largest merge).
+    ``source`` may offer ``iter_values(keys, batch_bytes=)`` to read small keys
+    in batches; otherwise ``read(key)`` is called per key.
+    """
+    last_use: dict[str, int] = {}
+    order: list[str] = []
+    for i, target in enumerate(targets):
+        for key in target.sources:
+            if key not in last_use:
+                order.append(key)
+            last_use[key] = i
+    if hasattr(source, "iter_values"):
+        values = source.iter_values(order, batch_bytes=batch_bytes)
+    else:
+        values = ((key, source.read(key)) for key in order)
+    held: dict[str, Any] = {}
+    for i, target in enumerate(targets):
+        for key in target.sources:
+            while key not in held:
+                got, value = next(values)
+                held[got] = value
+        value = materialize(target, held.__getitem__)
+        for key in target.sources:
+            if last_use[key] == i:
+                del held[key]
+        yield target, (cast(target, value) if cast is not None else value)
