@@ -1,0 +1,123 @@
+"""clip_grad_norm_ in one process: equal to torch.nn.utils.clip_grad_norm_ on the same gradients."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from optim import clip_grad_norm_, get_grad, graph_safe_grads, set_grad
+
+SHAPES = [(5, 3), (7,), (0, 4), (1, 1)]  # an empty tensor included
+
+
+def _params(seed: int, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in SHAPES]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=gen) * scale).to(dtype)
+    return params
+
+
+def _reference(params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    ref = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    for r, p in zip(ref, params):
+        r.grad = get_grad(p).detach().float().clone()
+    return ref
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_norm_and_clipped_grads_match_torch(norm_type, foreach, max_norm):
+    params = _params(0)
+    ref = _reference(params)
+    norm = clip_grad_norm_(params, max_norm, norm_type, foreach=foreach)
+    # torch cannot take the inf-norm of an empty tensor (it adds nothing to any norm): leave it out there.
+    ref_norm = torch.nn.utils.clip_grad_norm_([r for r in ref if r.numel()], max_norm, norm_type)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_decoupled_fp32_grads_of_bf16_params_are_read_and_clipped_in_place():
+    params = _params(1, torch.bfloat16)
+    for p in params:
+        set_grad(p, p.grad.float())  # now in decoupled_grad; p.grad is None
+    storages = [p.decoupled_grad.data_ptr() for p in params]
+    ref = _reference(params)
+    norm = clip_grad_norm_(params, 0.1)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref, 0.1), rtol=1e-6, atol=0)
+    assert [p.decoupled_grad.data_ptr() for p in params] == storages and all(p.grad is None for p in params)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.decoupled_grad, r.grad)
+
+
+def test_bf16_grads_are_accumulated_in_fp32():
+    params = _params(2, torch.bfloat16)
+    ref = _reference(params)  # the fp32 norm of the very same bf16 values
+    torch.testing.assert_close(clip_grad_norm_(params, 1e6), torch.nn.utils.get_total_norm([r.grad for r in ref]))
+
+
+def test_params_without_grads_are_skipped_and_no_grads_give_zero():
+    params = _params(3)
+    params[1].grad = None
+    ref = _reference([p for p in params if p.grad is not None])
+    torch.testing.assert_close(clip_grad_norm_(params, 1.0), torch.nn.utils.clip_grad_norm_(ref, 1.0))
+    assert clip_grad_norm_([torch.nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_norm_raises_on_request_and_otherwise_propagates_like_torch(bad):
+    params = _params(4)
+    params[0].grad[0, 0] = bad
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(params, 1.0, error_if_nonfinite=True)
+    ref = _reference(params)
+    norm = clip_grad_norm_(params, 1.0)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    torch.testing.assert_close(norm, ref_norm, equal_nan=True)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r.grad, equal_nan=True)
+
+
+def test_unsupported_norm_type_is_rejected():
+    with pytest.raises(ValueError, match="norm_type"):
+        clip_grad_norm_(_params(5), 1.0, norm_type=0)
+
+
+def test_graph_safe_grads_keep_their_storage_through_clipping_and_zeroing():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    handle = graph_safe_grads(model.parameters())
+    pointers = [p.grad.data_ptr() for p in model.parameters()]
+    for _ in range(2):
+        model(torch.randn(5, 3)).square().sum().backward()
+        clip_grad_norm_(model.parameters(), 0.01)
+        assert [p.grad.data_ptr() for p in model.parameters()] == pointers
+        handle.zero_()
+    assert all(not p.grad.any() for p in model.parameters())
+
+
+def test_graph_safe_grads_put_other_dtypes_in_decoupled_grad():
+    p = torch.nn.Parameter(torch.zeros(3, 2, dtype=torch.bfloat16))
+    handle = graph_safe_grads([p], grad_dtype=torch.float32)
+    (buffer,) = handle.buffers.values()
+    assert p.grad is None and p.decoupled_grad.dtype == torch.float32
+    assert p.decoupled_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+@pytest.mark.cuda
+def test_gradients_split_between_host_and_device_give_the_single_device_norm():
+    params = _params(6)
+    ref = _reference(params)
+    for p in params[::2]:
+        p.data, p.grad = p.data.cuda(), p.grad.cuda()
+    for norm_type in (2.0, math.inf):
+        ref_norm = torch.nn.utils.get_total_norm([r.grad for r in ref], norm_type)
+        norm = clip_grad_norm_(params, 1e6, norm_type)
+        torch.testing.assert_close(norm.cpu(), ref_norm, rtol=1e-6, atol=0)
+    clip_grad_norm_(params, 0.5)
+    torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad.cpu(), r.grad, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,160 @@
+"""clip_grad_norm_ on 1-4 gloo ranks equals the single-process reference, with one all_reduce.
+
+Each launch checks, on shapes that force uneven and empty shards:
+FSDP2 ``fully_shard`` DTensor grads, flat-shard params (ShardSpec) with fp32
+decoupled grads of bf16 params, a whole (replicated) plain param, all of them
+mixed in one call, and on 4 ranks HSDP (replicate x shard mesh), where the
+replicas must not be counted twice. The reference is
+``torch.nn.utils.clip_grad_norm_`` on unsharded copies in the same process.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+NORM_TYPES = (2.0, 1.0, math.inf)
+FLAT_SHAPES = [(5, 3), (2,), (3, 1, 2)]  # 15, 2 and 6 elements: some ranks get nothing
+
+
+@contextmanager
+def _count_all_reduce():
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("group"))
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
+
+
+def _model() -> torch.nn.Module:
+    # Rows per weight: 5, 2, 7 -> uneven on 2-4 ranks, empty shards for the 2-row layer on 3 and 4.
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2), torch.nn.Linear(2, 7))
+
+
+def _fsdp_and_reference(mesh) -> tuple[torch.nn.Module, torch.nn.Module]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batch = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))  # same on every rank
+    model(batch).square().sum().backward()  # FSDP averages identical grads: equal to the reference
+    reference(batch).square().sum().backward()
+    return model, reference
+
+
+def _flat_shards(rank: int, world_size: int) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """bf16 flat-shard params with fp32 decoupled grads, and their whole fp32 reference params."""
+    from checkpoint.shard_spec import ShardSpec, attach_shard_spec
+
+    gen = torch.Generator().manual_seed(2)
+    shards, whole = [], []
+    for shape in FLAT_SHAPES:
+        grad = torch.randn(shape, generator=gen)
+        numel = grad.numel()
+        per_rank = -(-numel // world_size)
+        start, end = min(rank * per_rank, numel), min((rank + 1) * per_rank, numel)
+        shard = torch.nn.Parameter(torch.zeros(end - start, dtype=torch.bfloat16))
+        attach_shard_spec(shard, ShardSpec(shape, flat_start=start))
+        shard.decoupled_grad = grad.reshape(-1)[start:end].clone()
+        shards.append(shard)
+        ref = torch.nn.Parameter(torch.zeros(shape))
+        ref.grad = grad
+        whole.append(ref)
+    return shards, whole
+
+
+def _replicated_plain() -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    param = torch.nn.Parameter(torch.zeros(4))
+    param.grad = torch.tensor([3.0, -1.0, 0.5, 2.0])
+    ref = torch.nn.Parameter(torch.zeros(4))
+    ref.grad = param.grad.clone()
+    return param, ref
+
+
+def _norms(params, norm_type, **kwargs) -> tuple[float, int]:
+    from optim import grad_norm
+
+    with _count_all_reduce() as calls:
+        norm = grad_norm(params, norm_type, **kwargs)
+    return norm.item(), len(calls)
+
+
+def _ref_norm(params, norm_type) -> float:
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+    return torch.nn.utils.get_total_norm(grads, norm_type).item()
+
+
+def _check_clipped(params, refs, max_norm, **kwargs) -> None:
+    from optim import clip_grad_norm_, get_grad
+
+    clip_grad_norm_(params, max_norm, **kwargs)
+    torch.nn.utils.clip_grad_norm_(refs, max_norm)
+    for param, ref in zip(params, refs):
+        grad = get_grad(param)
+        if hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        else:
+            spec = getattr(param, "fsdp_shard_spec", None)
+            if spec is not None:
+                full = ref.grad.reshape(-1)[spec.flat_start : spec.flat_start + grad.numel()]
+                torch.testing.assert_close(grad, full, rtol=1e-5, atol=1e-7)
+                continue
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-5, atol=1e-7)
+
+
+def _clip_checks(rank: int, world_size: int) -> dict[str, list]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results: dict[str, list] = {}
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, reference = _fsdp_and_reference(mesh)
+    shards, whole = _flat_shards(rank, world_size)
+    plain, plain_ref = _replicated_plain()
+    everything = [*model.parameters(), *shards, plain]
+    everything_ref = [*reference.parameters(), *whole, plain_ref]
+    for norm_type in NORM_TYPES:
+        results[f"fsdp2 p={norm_type}"] = [*_norms(model.parameters(), norm_type), _ref_norm(reference.parameters(), norm_type)]
+        results[f"flat p={norm_type}"] = [*_norms(shards, norm_type), _ref_norm(whole, norm_type)]
+        results[f"mixed p={norm_type}"] = [*_norms(everything, norm_type), _ref_norm(everything_ref, norm_type)]
+    results["flat, explicit group"] = [*_norms(shards, 2.0, mesh_or_group=dist.group.WORLD), _ref_norm(whole, 2.0)]
+    results["flat, 1-D mesh"] = [*_norms(shards, 2.0, mesh_or_group=mesh), _ref_norm(whole, 2.0)]
+    _check_clipped(everything, everything_ref, max_norm=0.05)
+    if world_size == 4:
+        hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        hsdp, hsdp_ref = _fsdp_and_reference(hsdp_mesh)
+        assert "Replicate" in str(next(hsdp.parameters()).grad.placements)
+        for norm_type in NORM_TYPES:
+            results[f"hsdp p={norm_type}"] = [*_norms(hsdp.parameters(), norm_type), _ref_norm(hsdp_ref.parameters(), norm_type)]
+        _check_clipped(list(hsdp.parameters()), list(hsdp_ref.parameters()), max_norm=0.05)
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_clip_norm_on_local_shards_equals_single_process_reference_with_one_all_reduce(world_size):
+    per_rank = run_ranks(_clip_checks, world_size)
+    assert per_rank[0].keys() >= {"fsdp2 p=2.0", "flat p=inf", "mixed p=1.0"}
+    if world_size == 4:
+        assert "hsdp p=2.0" in per_rank[0]
+    for rank, results in enumerate(per_rank):
+        for name, (norm, all_reduces, ref) in results.items():
+            assert norm == pytest.approx(ref, rel=1e-5), f"rank {rank}, {name}: {norm} != reference {ref}"
+            assert all_reduces == 1, f"rank {rank}, {name}: {all_reduces} all_reduce calls, expected one"
