@@ -14,10 +14,12 @@ no weight decay, no step count), exactly like torch skips params whose grad is N
 
 bf16 moments are written back with *stochastic* rounding: with round-to-nearest,
 ``exp_avg_sq * 0.999`` rounds back to ``exp_avg_sq`` (the change is below half a
-bf16 ulp), so the second moment would stop decaying. The random bits are taken
-from the low mantissa bits of fp32 values computed in the same pass (the other
-moment and the master), so they cost no extra memory traffic and are a pure
-function of the optimizer state: resuming from a state dict stays bit-exact.
+bf16 ulp), so the second moment would stop decaying. The rounding noise is
+counter-based, not drawn from a generator: a fixed table of uniform 16-bit
+values (one per piece position) shifted by a golden-ratio multiple of (step,
+piece offset, moment), so each element sees an equidistributed sequence over
+steps. It is a pure function of the state, so resume stays bit-exact, and it
+costs two integer passes over a cache-resident piece.
 """
 
 from __future__ import annotations
@@ -58,17 +60,29 @@ class AdamHyper:
         )  # fmt: skip
 
 
+_GOLDEN = 40503  # round(65536 / golden ratio): consecutive steps spread the noise evenly over [0, 65536)
+
+
 class FusedScratch:
-    """fp32 scratch pieces reused by every bucket (allocated once, lazily)."""
+    """fp32 scratch pieces and the rounding-noise table, reused by every bucket (allocated once, lazily)."""
 
     def __init__(self, numel: int = PIECE_NUMEL) -> None:
         self.numel = numel
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if name not in self._buffers:
-            self._buffers[name] = torch.empty(self.numel, dtype=torch.float32)
+            self._buffers[name] = torch.empty(self.numel, dtype=dtype)
         return self._buffers[name]
+
+    def noise(self, n: int, counter: int) -> torch.Tensor:
+        """16-bit rounding noise for ``n`` elements: the fixed table shifted by ``counter``."""
+        if "table" not in self._buffers:
+            gen = torch.Generator().manual_seed(0x5EED)  # fixed: the noise must not depend on global RNG state
+            self._buffers["table"] = torch.randint(0, 1 << 16, (self.numel,), dtype=torch.int32, generator=gen)
+        out = self.get("noise", torch.int32)[:n]
+        torch.add(self._buffers["table"][:n], (counter * _GOLDEN) & 0xFFFF, out=out)
+        return out.bitwise_and_(0xFFFF)
 
 
 def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:
@@ -80,10 +94,9 @@ def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, n
     return out
 
 
-def _stochastic_round_into(dst: torch.Tensor, src: torch.Tensor, noise_from: torch.Tensor) -> None:
-    """``dst`` (bf16) <- ``src`` (fp32, clobbered) rounded stochastically using ``noise_from``'s low bits."""
+def _stochastic_round_into(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> None:
+    """``dst`` (bf16) <- ``src`` (fp32, clobbered) rounded stochastically with 16-bit ``noise``."""
     bits = src.view(torch.int32)
-    noise = noise_from.view(torch.int32).bitwise_and(0xFFFF)
     # Adding a uniform 16-bit value to the magnitude bits then truncating rounds up
     # with probability equal to the dropped fraction (works for either sign).
     bits.add_(noise).bitwise_and_(-65536)
@@ -134,9 +147,12 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         # and a cast of an unchanged exact upcast is the identity.
         if master.dtype != torch.float32:
             master[start:stop].copy_(p)
-        if m_flat.dtype != torch.float32:
-            _stochastic_round_into(m_flat[start:stop], m, noise_from=v)  # v: fp32, not yet rounded
-        if v_flat.dtype != torch.float32:
-            _stochastic_round_into(v_flat[start:stop], v, noise_from=p)
+        if m_flat.dtype != torch.float32 or v_flat.dtype != torch.float32:
+            # counter: (step, position in the bucket, which moment) -> distinct, reproducible noise
+            counter = int(segs[0][2].state["step"]) * 7919 + start // scratch.numel * 104729
+            if m_flat.dtype != torch.float32:
+                _stochastic_round_into(m_flat[start:stop], m, scratch.noise(stop - start, counter))
+            if v_flat.dtype != torch.float32:
+                _stochastic_round_into(v_flat[start:stop], v, scratch.noise(stop - start, counter + 1))
         if stage is not None:
             stage[start:stop].copy_(p)
