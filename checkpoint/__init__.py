@@ -1,5 +1,59 @@
-"""The ``fsdp_dtensor`` checkpoint format on top of torch.distributed.checkpoint."""
+"""The ``fsdp_dtensor`` checkpoint format on top of torch.distributed.checkpoint.
 
+Everyday use::
+
+    checkpoint.save(path, model=model, optimizer=opt, extra={"step": step})
+    extra = checkpoint.load(path, model=model, optimizer=opt)      # any world size / layout
+
+Lower level: :func:`save_state_dict` / :func:`load_state_dict` for any nested
+dict of tensors, DTensors, flat-shard tensors and :func:`shard` objects.
+
+Writing a checkpoint laid out for M ranks from one process (what
+``fsdp-ckpt reshard`` / ``import`` use), or from each rank without any
+collective::
+
+    for rank in range(M):
+        checkpoint.write_rank(path, rank, M, state_dict_of_rank)   # values may be shard(...) objects
+    checkpoint.commit(path, M)
+
+See :mod:`checkpoint.atomic` for the crash-safe replace of an existing
+checkpoint and :mod:`checkpoint.layout` for how regions become chunks.
+"""
+
+from checkpoint.api import LoadResult, async_save, load, save
+from checkpoint.atomic import resolve_for_load
+from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
+from checkpoint.shard import CheckpointShard, shard
+from checkpoint.state_dict_io import (
+    CheckpointCorruptError,
+    LoadReport,
+    OpenCheckpoint,
+    load_state_dict,
+    open_checkpoint,
+    save_state_dict,
+)
 
-__all__ = ["FORMAT_VERSION", "Manifest", "NotACheckpointError", "read_manifest"]
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "FORMAT_VERSION",
+    "CheckpointCorruptError",
+    "CheckpointShard",
+    "LoadReport",
+    "LoadResult",
+    "Manifest",
+    "NotACheckpointError",
+    "OpenCheckpoint",
+    "async_save",
+    "commit",
+    "load",
+    "load_state_dict",
+    "merge_metadata",
+    "open_checkpoint",
+    "read_manifest",
+    "resolve_for_load",
+    "save",
+    "save_state_dict",
+    "shard",
+    "write_rank",
+]

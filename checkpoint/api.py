@@ -1,0 +1,211 @@
+"""``checkpoint.save`` / ``checkpoint.load``: model + optimizer + extra, any world size and layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpoint.async_save import async_save_state_dict
+from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
+from checkpoint.training_state import (
+    MASTER_PARAM,
+    materialize_optimizer_state,
+    model_entries,
+    optimizer_entries,
+    param_fqns,
+)
+
+__all__ = ["LoadResult", "async_save", "load", "save"]
+
+logger = logging.getLogger(__name__)
+
+
+class LoadResult(dict):
+    """The ``extra`` dict saved with the checkpoint, plus what the load skipped (non-strict).
+
+    ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys`` are empty after a strict load.
+    """
+
+    def __init__(self, extra: dict[str, Any], report: LoadReport) -> None:
+        super().__init__(extra)
+        self.report = report
+        self.missing_keys = report.missing_keys
+        self.unexpected_keys = report.unexpected_keys
+        self.mismatched_keys = report.mismatched_keys
+
+
+def _training_state(model, optimizer, extra) -> dict[str, Any]:
+    if optimizer is not None and model is None:
+        raise ValueError("saving an optimizer needs its model too (state is keyed by parameter names)")
+    state: dict[str, Any] = {}
+    if model is not None:
+        state["model"] = model_entries(model)
+    if optimizer is not None:
+        entries = optimizer_entries(optimizer, optimizer.state_dict(), param_fqns(model), for_save=True)
+        state["optimizer"] = {"state": entries.state, "param_groups": entries.param_groups}
+    if extra:
+        state["extra"] = dict(extra)
+    return state
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Any] | None = None,
+    async_: bool = False,
+    **options: Any,
+) -> Future | None:
+    """Save ``model``, ``optimizer`` and ``extra`` (step, RNG states, scheduler state...) at ``path``.
+
+    Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
+    ``max_chunk_bytes``, ``process_group`` (see :func:`checkpoint.save_state_dict`).
+    With ``async_=True`` returns a future once the state is staged (see
+    :func:`checkpoint.async_save`).
+    """
+    state = _training_state(model, optimizer, extra)
+    if async_:
+        return async_save_state_dict(state, path, **options)
+    save_state_dict(state, path, **options)
+    return None
+
+
+def async_save(path: str | os.PathLike, **kwargs: Any) -> Future:
+    """``save(path, ..., async_=True)``: returns a ``concurrent.futures.Future`` resolving when committed."""
+    return save(path, async_=True, **kwargs)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+    verify: str = "sizes",
+) -> LoadResult:
+    """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
+
+    Any world size and layout; no communication. The optimizer's lazy state
+    is created first (so parameters that never had a gradient load fine), and
+    a ``HybridDeviceOptimizer``'s host masters are refreshed from the loaded
+    weights (``reload_model_params``) before saved masters are applied.
+    ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
+    on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
+    """
+    opened = open_checkpoint(path, verify=verify)
+    saved = opened.metadata.state_dict_metadata
+    targets: dict[str, Any] = {}
+    optional: set[str] = set()
+    scope: list[str] = []
+    if optimizer is not None and model is None:
+        raise ValueError("loading an optimizer needs its model too (state is keyed by parameter names)")
+    if model is not None:
+        targets.update({f"model.{k}": v for k, v in model_entries(model).items()})
+        scope.append("model.")
+    opt_plan = None
+    if optimizer is not None:
+        opt_plan = _OptimizerLoad(optimizer, model, saved)
+        targets.update(opt_plan.targets)
+        optional |= opt_plan.optional
+        scope.append("optimizer.state.")
+    extra_targets = _extra_placeholders(opened.metadata)
+    targets.update(extra_targets)
+    report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope))
+    if opt_plan is not None:
+        opt_plan.finish(values, report)
+    return LoadResult(_unflatten_extra(opened.metadata, extra_targets, values), report)
+
+
+class _OptimizerLoad:
+    """The optimizer's share of a load: targets before reading, ``load_state_dict`` after."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+        self.optimizer = optimizer
+        self.saved_keys = set(saved)
+        fqns = param_fqns(model)
+        fresh = {fqns[i] for i in materialize_optimizer_state(optimizer) if i in fqns}
+        self.osd = optimizer.state_dict()
+        self.entries = optimizer_entries(optimizer, self.osd, fqns, for_save=False)
+        saved_fqns = {k[len("optimizer.state.") :].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")}
+        # State created here for a parameter the checkpoint has none for is dropped again after the load.
+        self.unsaved = {f for f in fresh if f not in saved_fqns}
+        self.targets: dict[str, Any] = {}
+        self.optional: set[str] = set()
+        self.state_keys: dict[str, tuple[str, str]] = {}
+        for fqn, entry in self.entries.state.items():
+            if fqn in self.unsaved:
+                continue
+            for name, value in entry.items():
+                key = f"optimizer.state.{fqn}.{name}"
+                self.targets[key] = value
+                self.state_keys[key] = (fqn, name)
+                if name == MASTER_PARAM:
+                    self.optional.add(key)  # not stored when equal to the weight; rebuilt from it
+        self.group_keys: list[tuple[int, str, str]] = []
+        for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
+            for hyper in osd_group:
+                if hyper == "params" or not names:
+                    continue
+                # Ours / flattened torch layout first, then torch's unflattened one.
+                for key in (f"optimizer.param_groups.{names[0]}.{hyper}", f"optimizer.param_groups.{g_index}.{hyper}"):
+                    if key in saved:
+                        self.targets[key] = None
+                        self.optional.add(key)
+                        self.group_keys.append((g_index, hyper, key))
+                        break
+
+    def finish(self, values: dict[str, Any], report: LoadReport) -> None:
+        """Hand the filled state dict to the optimizer. Precondition: the model's weights are loaded."""
+        state = self.osd["state"]
+        index_of = self.entries.index_of
+        for key, (fqn, name) in self.state_keys.items():
+            if key in values:
+                state[index_of[fqn]][name] = values[key]
+            loaded = key in self.saved_keys and not _skipped(key, report)
+            if name == MASTER_PARAM and not loaded:
+                # Not saved: keep the master reload_model_params() rebuilds from the loaded weight.
+                state[index_of[fqn]].pop(MASTER_PARAM, None)
+        for fqn in self.unsaved:
+            state.pop(index_of[fqn], None)
+        for g_index, hyper, key in self.group_keys:
+            if key in values:
+                self.osd["param_groups"][g_index][hyper] = values[key]
+        if hasattr(self.optimizer, "reload_model_params"):
+            # Masters from the just-loaded weights first; masters saved in the checkpoint then win.
+            self.optimizer.reload_model_params()
+        self.optimizer.load_state_dict(self.osd)
+
+
+def _skipped(key: str, report: LoadReport) -> bool:
+    return key in report.missing_keys or any(m.startswith(f"{key}:") for m in report.mismatched_keys)
+
+
+def _extra_placeholders(metadata) -> dict[str, Any]:
+    """Targets for every saved ``extra.*`` key: empty tensors of the saved shape, ``None`` for other values."""
+    targets: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith("extra."):
+            if isinstance(item, TensorStorageMetadata):
+                targets[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
+            else:
+                targets[key] = None
+    return targets
+
+
+def _unflatten_extra(metadata, targets: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The nested ``extra`` dict as saved (DCP's planner data maps each dotted key back to its path)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    paths = metadata.planner_data or {}
+    nested: dict[str, Any] = {}
+    for key, target in targets.items():
+        value = values.get(key, target)
+        path = paths.get(key, ("extra", key[len("extra.") :]))
+        set_element(nested, path, value)
+    return nested.get("extra", {})

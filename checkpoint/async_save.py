@@ -1,0 +1,102 @@
+"""Asynchronous save: the caller blocks only while the state is copied to host memory.
+
+Staging takes a host snapshot of every local tensor (a device tensor is
+copied device -> host once, into pinned memory when CUDA is available; a
+host-resident tensor, like a ``HybridDeviceOptimizer``'s state, is copied
+host -> host, no device round trip), then one background thread writes the
+snapshot through :func:`checkpoint.save_state_dict` on a dedicated gloo
+process group, so its collectives never interleave with training's.
+
+Staging memory is bounded by one checkpoint: a new async save first waits for
+the previous one to finish, so at most one snapshot is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
+from checkpoint.convert import convert_tree
+from checkpoint.shard import CheckpointShard
+
+__all__ = ["async_save_state_dict", "stage"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_in_flight: Future | None = None
+_group = None
+
+
+def _background_group():
+    """A gloo group of all ranks, created once, for the writer thread's collectives."""
+    global _group
+    if _group is None and dist.is_available() and dist.is_initialized():
+        _group = dist.new_group(backend="gloo")
+    return _group
+
+
+def stage(state_dict: dict[str, Any], *, rank: int, scale: bool, max_chunk_bytes: int | None) -> dict[str, Any]:
+    """A host snapshot of ``state_dict`` with every tensor as a :class:`CheckpointShard` over a private copy."""
+    converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
+    pin = torch.cuda.is_available()
+    copied_from_device = False
+
+    def snapshot(tree):
+        nonlocal copied_from_device
+        if isinstance(tree, dict):
+            return {k: snapshot(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [snapshot(v) for v in tree]
+        if isinstance(tree, CheckpointShard):
+            local = tree.local
+            on_device = local.device.type != "cpu"
+            copy = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin and on_device)
+            copy.copy_(local, non_blocking=on_device)
+            copied_from_device |= on_device
+            return CheckpointShard(copy, tree.spec, writes=tree.writes, max_chunk_bytes=tree.max_chunk_bytes)
+        return tree
+
+    staged = snapshot(converted)
+    if copied_from_device:
+        # The non-blocking D2H copies must land before the writer thread reads the snapshot.
+        torch.cuda.synchronize()
+    return staged
+
+
+def async_save_state_dict(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    mode: str = "collective",
+    max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    process_group: dist.ProcessGroup | None = None,
+) -> Future:
+    """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
+
+    Returns a ``concurrent.futures.Future`` whose ``result()`` is ``None`` once
+    the checkpoint is committed (and re-raises the save's error otherwise).
+    """
+    global _executor, _in_flight
+    from checkpoint.state_dict_io import save_state_dict
+
+    with _lock:
+        if _in_flight is not None:
+            wait([_in_flight])  # bound staging memory: one snapshot alive at a time (its error stays in its future)
+        group = process_group if process_group is not None else _background_group()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-async-save")
+        _in_flight = _executor.submit(
+            save_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
+        )
+        return _in_flight

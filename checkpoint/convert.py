@@ -1,0 +1,83 @@
+"""Turn state-dict values (tensors, DTensors, flat-shard params, shards) into :class:`CheckpointShard`.
+
+Everything a rank saves or loads goes through :func:`to_checkpointable`, so
+every tensor, however it is sharded, is stored the same way: in its global
+shape, as locally computed chunks of bounded size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from checkpoint.shard import CheckpointShard
+from checkpoint.shard_spec import ShardSpec, shard_spec_of
+
+__all__ = ["convert_tree", "to_checkpointable"]
+
+
+def to_checkpointable(
+    value: Any,
+    *,
+    name: str,
+    rank: int = 0,
+    replicas_on_rank0_only: bool = False,
+    max_chunk_bytes: int | None = None,
+) -> Any:
+    """``value`` as a :class:`CheckpointShard` if it is a tensor, else unchanged.
+
+    * ``DTensor``: its local tensor at the box DTensor computes for this rank;
+    * a tensor carrying a :class:`ShardSpec` (flat-shard params): that region;
+    * any other tensor: the whole tensor (a replica on every rank).
+
+    With ``replicas_on_rank0_only`` (scale mode, where there is no global plan
+    to de-duplicate replicas) only one rank writes each replicated region.
+    Loading writes into the local tensor in place.
+    """
+    if isinstance(value, CheckpointShard):
+        return CheckpointShard(value.local, value.spec, writes=value.writes, max_chunk_bytes=max_chunk_bytes)
+    if isinstance(value, DTensor):
+        return _from_dtensor(value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes)
+    if not isinstance(value, torch.Tensor):
+        return value
+    spec = shard_spec_of(value)
+    if spec is not None:
+        if spec.is_flat and not value.is_contiguous():
+            raise ValueError(f"{name}: a flat-range shard must be contiguous to be saved or loaded in place")
+        return CheckpointShard(value.detach(), spec, max_chunk_bytes=max_chunk_bytes)
+    spec = ShardSpec(tuple(value.shape), offsets=(0,) * value.dim())
+    writes = rank == 0 or not replicas_on_rank0_only
+    return CheckpointShard(value.detach(), spec, writes=writes, max_chunk_bytes=max_chunk_bytes)
+
+
+def _from_dtensor(value: DTensor, *, name: str, replicas_on_rank0_only: bool, max_chunk_bytes: int | None):
+    if any(isinstance(p, Partial) for p in value.placements):
+        raise ValueError(f"{name}: a DTensor with Partial placements cannot be checkpointed; reduce it first")
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    local = value._local_tensor.detach()
+    if coordinate is None:
+        # This rank is not in the DTensor's mesh: it holds nothing of it.
+        spec = ShardSpec(tuple(value.shape), offsets=(0,) * value.dim())
+        return CheckpointShard(local.new_empty((0,) * value.dim()), spec, writes=False, max_chunk_bytes=max_chunk_bytes)
+    local_shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    if tuple(local.shape) != tuple(local_shape):
+        raise ValueError(f"{name}: DTensor local shape {tuple(local.shape)} is not the expected {tuple(local_shape)}")
+    writes = True
+    if replicas_on_rank0_only:
+        # HSDP / replicate dims: the replica at coordinate 0 of every Replicate dim writes.
+        writes = all(c == 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
+    spec = ShardSpec(tuple(value.shape), offsets=tuple(offsets))
+    return CheckpointShard(local, spec, writes=writes, max_chunk_bytes=max_chunk_bytes)
+
+
+def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
+    """:func:`to_checkpointable` on every leaf of nested dicts (lists / tuples are leaves unless they hold tensors)."""
+    if isinstance(tree, dict):
+        return {k: convert_tree(v, f"{prefix}{k}.", **kwargs) for k, v in tree.items()}
+    if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
+        return [convert_tree(v, f"{prefix}{i}.", **kwargs) for i, v in enumerate(tree)]
+    return to_checkpointable(tree, name=prefix.rstrip("."), **kwargs)

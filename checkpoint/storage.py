@@ -1,0 +1,197 @@
+"""DCP storage writer for the ``fsdp_dtensor`` format: deterministic, checksummed, committed last.
+
+:class:`FsdpWriter` is DCP's ``FileSystemWriter`` with four changes, all made
+through its public extension points (subclass overrides, no patching):
+
+* ``storage_meta()`` returns ``None``: DCP's default records a random
+  ``save_id`` and the (temporary) path in ``.metadata``, which would make two
+  saves of the same state differ;
+* every data file's size and CRC-32 are computed while it is written (one
+  pass over the bytes) and travel to the committing rank inside DCP's own
+  write results (stripped again before ``.metadata`` is written);
+* in the default *collective* mode, the coordinator's ``finish`` writes
+  ``.metadata``, then ``manifest.json`` (the commit record), then swaps the
+  staging directory into place (:mod:`checkpoint.atomic`);
+* in *scale* mode (``use_collectives=False``, or :func:`checkpoint.write_rank`)
+  each rank writes its data file, its own ``__<rank>.metadata`` and a
+  ``__<rank>.files.json`` with its files' records; :func:`checkpoint.commit.commit`
+  merges them later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from checkpoint.manifest import MANIFEST_NAME, FileRecord
+
+__all__ = ["FILES_SIDECAR", "FsdpWriter", "quiet_single_process", "rank_files_sidecar"]
+
+FILES_SIDECAR = ".files.json"
+_FILE_RECORD_FQN = "__fsdp_dtensor_file_record__"
+
+
+def rank_files_sidecar(rank: int) -> str:
+    return f"__{rank}{FILES_SIDECAR}"
+
+
+class _CrcStream(io.RawIOBase):
+    """A write-only file that keeps the CRC-32 and size of what went through it."""
+
+    def __init__(self, raw: io.BufferedWriter) -> None:
+        self.raw = raw
+        self.crc = 0
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        view = memoryview(b).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return self.raw.write(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        if not self.raw.closed:
+            self.raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.raw.close()
+        super().close()
+
+
+class _CrcFileSystem(FileSystem):
+    """DCP's local file system, recording ``name -> FileRecord`` for every file written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, FileRecord] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        with open(path, "wb") as raw:
+            stream = _CrcStream(raw)
+            try:
+                yield stream
+            finally:
+                self.records[path.name] = FileRecord(size=stream.size, crc32=stream.crc)
+
+
+class FsdpWriter(FileSystemWriter):
+    """Writes one staging directory; see the module docstring.
+
+    ``on_commit(metadata, files)`` runs on the coordinator in collective mode
+    after ``.metadata`` is on disk; ``force_rank`` makes a single process write
+    as that rank (scale mode, used by :func:`checkpoint.write_rank`).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, on_commit=None, force_rank: int | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.fs = _CrcFileSystem()
+        self.on_commit = on_commit
+        self.force_rank = force_rank
+
+    def storage_meta(self):
+        return None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.is_coordinator = is_coordinator
+        if self.force_rank is not None:
+            self.rank = self.force_rank
+            self.use_collectives = False
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.fs.mkdir(self.path)
+        if self.rank in (None, 0):
+            # A manifest left in the staging dir by a killed save must not outlive this one's files.
+            stale = Path(self.path) / MANIFEST_NAME
+            if stale.exists():
+                stale.unlink()
+        if not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        return plan
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner):
+        future = super().write_data(plan, planner)
+        results = list(future.value())
+        # File records ride along with DCP's write results to the committing rank.
+        results += [
+            WriteResult(index=MetadataIndex(f"{_FILE_RECORD_FQN}{name}"), size_in_bytes=rec.size, storage_data=rec)
+            for name, rec in sorted(self.fs.records.items())
+        ]
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files: dict[str, FileRecord] = {}
+        clean: list[list[WriteResult]] = []
+        for rank_results in results:
+            kept = []
+            for wr in rank_results:
+                if wr.index.fqn.startswith(_FILE_RECORD_FQN):
+                    files[wr.index.fqn[len(_FILE_RECORD_FQN) :]] = wr.storage_data
+                else:
+                    kept.append(wr)
+            clean.append(kept)
+        if not self.use_collectives:
+            # Scale mode: the records go first, the rank's metadata (DCP renames it into place) last.
+            sidecar = Path(self.path) / rank_files_sidecar(self.rank)
+            _write_json_durably(sidecar, {k: [v.size, v.crc32] for k, v in sorted(files.items())})
+        super().finish(metadata, clean)
+        if self.use_collectives and self.on_commit is not None:
+            self.on_commit(metadata, files)
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """Silence DCP's warning that it saves / loads in one process: here that is asked for, not guessed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _write_json_durably(path: Path, data: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_rank_files(directory: Path, rank: int) -> dict[str, FileRecord]:
+    path = directory / rank_files_sidecar(rank)
+    data = json.loads(path.read_text())
+    return {k: FileRecord(size=v[0], crc32=v[1]) for k, v in data.items()}

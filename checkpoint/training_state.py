@@ -1,0 +1,194 @@
+"""What a model and an optimizer contribute to a checkpoint, keyed like ``torch.distributed.checkpoint.state_dict``.
+
+Keys (after DCP's dotted flattening):
+
+* ``model.<fqn>``: every entry of ``model.state_dict()`` (FSDP2 gives sharded
+  DTensors; flat-shard params are recognised by their ``fsdp_shard_spec``);
+* ``optimizer.state.<fqn>.<name>``: optimizer state per parameter FQN (never
+  parameter ids), e.g. ``exp_avg``, ``exp_avg_sq``, ``step``;
+* ``optimizer.param_groups.<fqn>.<key>``: each parameter's group
+  hyper-parameters (the layout of ``get_state_dict`` with
+  ``flatten_optimizer_state_dict=True``); on load the unflattened torch layout
+  ``optimizer.param_groups.<index>.<key>`` is read too.
+
+``master_param`` (the fp32 master of a low-precision parameter) is stored only
+when it carries information the saved weight does not: a master exactly equal
+to ``weight.float()`` is skipped and rebuilt from the weight on load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from checkpoint.shard import CheckpointShard
+from checkpoint.shard_spec import shard_spec_of
+
+__all__ = [
+    "MASTER_PARAM",
+    "OptimizerEntries",
+    "clean_fqn",
+    "materialize_optimizer_state",
+    "model_entries",
+    "optimizer_entries",
+    "param_fqns",
+]
+
+MASTER_PARAM = "master_param"
+_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def clean_fqn(name: str) -> str:
+    """Drop the names wrappers insert (``torch.compile``, activation checkpointing), as torch's ``get_state_dict`` does."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _module(model: torch.nn.Module) -> torch.nn.Module:
+    # DDP's "module." prefix is not part of the model's names.
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def param_fqns(model: torch.nn.Module) -> dict[int, str]:
+    """``id(param) -> fqn`` (the first name of a tied parameter)."""
+    names: dict[int, str] = {}
+    for name, p in _module(model).named_parameters():
+        names.setdefault(id(p), clean_fqn(name))
+    return names
+
+
+def model_entries(model: torch.nn.Module) -> dict[str, Any]:
+    """``fqn -> tensor`` sharing storage with the model, so loading into it writes the model in place."""
+    module = _module(model)
+    specs = {clean_fqn(n): shard_spec_of(p) for n, p in module.named_parameters()}
+    entries: dict[str, Any] = {}
+    for name, value in module.state_dict().items():
+        fqn = clean_fqn(name)
+        spec = specs.get(fqn)
+        if spec is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = CheckpointShard(value, spec)  # state_dict() detaches, dropping the param's attribute
+        entries[fqn] = value
+    return entries
+
+
+def _params_in_order(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@dataclass
+class OptimizerEntries:
+    """An optimizer's checkpoint entries, keyed by parameter FQN, and where they live in its state dict."""
+
+    state: dict[str, dict[str, Any]]
+    """fqn -> state name -> value (the very tensors of the optimizer's state dict)"""
+    param_groups: dict[str, dict[str, Any]]
+    """fqn -> its group's hyper-parameters"""
+    index_of: dict[str, Any]
+    """fqn -> the parameter's key in ``state_dict()["state"]``"""
+    group_members: list[list[str]]
+    """per param group, the FQNs of its parameters"""
+
+
+def optimizer_entries(
+    optimizer: torch.optim.Optimizer,
+    osd: dict[str, Any],
+    fqns: dict[int, str],
+    *,
+    for_save: bool,
+) -> OptimizerEntries:
+    """Entries built from ``osd = optimizer.state_dict()`` (torch convention: params numbered across groups).
+
+    Tensors are the very tensors of ``osd`` (so a load fills them in place),
+    wrapped as shards where the parameter is a flat / box shard.
+    ``for_save`` drops masters equal to their weight.
+    """
+    params = _params_in_order(optimizer)
+    index_to_param: dict[Any, torch.Tensor] = {}
+    members: list[list[str]] = []
+    position = 0
+    for osd_group in osd["param_groups"]:
+        names = []
+        for index in osd_group["params"]:
+            param = params[position]
+            position += 1
+            if id(param) not in fqns:
+                raise ValueError(
+                    f"an optimizer parameter of shape {tuple(param.shape)} is not a parameter of the model; "
+                    "pass the model whose parameters the optimizer updates"
+                )
+            index_to_param[index] = param
+            names.append(fqns[id(param)])
+        members.append(names)
+    state: dict[str, dict[str, Any]] = {}
+    index_of: dict[str, Any] = {}
+    for index, param in index_to_param.items():
+        index_of[fqns[id(param)]] = index
+    for index, param_state in osd["state"].items():
+        param = index_to_param[index]
+        fqn = fqns[id(param)]
+        spec = shard_spec_of(param)
+        entry = {}
+        for name, value in param_state.items():
+            if for_save and name == MASTER_PARAM and _master_is_redundant(value, param):
+                continue
+            if spec is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                if value.shape == param.shape:
+                    value = CheckpointShard(value, spec)
+            entry[name] = value
+        state[fqn] = entry
+    groups: dict[str, dict[str, Any]] = {}
+    for names, osd_group in zip(members, osd["param_groups"]):
+        hyper = {k: v for k, v in osd_group.items() if k != "params"}
+        for fqn in names:
+            groups[fqn] = dict(hyper)
+    return OptimizerEntries(state, groups, index_of, members)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # Not optim.grad.local_tensor: checkpoint/ must import without the optim package.
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _master_is_redundant(master: torch.Tensor, param: torch.Tensor) -> bool:
+    master, weight = _local(master), _local(param)
+    if master.shape != weight.shape:
+        return False
+    # Exactly the weight, widened: it can be rebuilt from the saved weight with no loss.
+    return bool(torch.equal(master, weight.to(device=master.device, dtype=master.dtype)))
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Create the lazy state of every parameter that has none, without changing any parameter.
+
+    Uses the optimizer's own ``materialize_state()`` when it has one
+    (``HybridDeviceOptimizer``); otherwise one step with zero gradients and
+    ``lr = 0`` on exactly the parameters without state (the others get no
+    gradient, so their state does not move). Returns the ids of the
+    parameters whose state was created here.
+    """
+    params = _params_in_order(optimizer)
+    missing = [p for p in params if not optimizer.state.get(p)]
+    if not missing:
+        return set()
+    if hasattr(optimizer, "materialize_state"):
+        optimizer.materialize_state()
+        return {id(p) for p in missing}
+    missing_ids = {id(p) for p in missing}
+    saved_grads = [(p, p.grad) for p in params]
+    saved_lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        for p, grad in saved_grads:
+            p.grad = grad
+    return missing_ids

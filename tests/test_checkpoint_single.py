@@ -1,0 +1,287 @@
+"""Single-process behaviour of the fsdp_dtensor format: resume, determinism, errors, atomicity, interop."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import checkpoint
+from checkpoint.atomic import old_path, staging_path
+from checkpoint.manifest import NotACheckpointError, read_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _train(model, opt, sched, steps: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(4, 6, generator=gen)).square().sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _setup(seed=0, lr=1e-2):
+    model = _model(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def test_resume_is_bit_exact_with_adamw_and_lr_scheduler(tmp_path):
+    model, opt, sched = _setup()
+    _train(model, opt, sched, 3, seed=1)
+    checkpoint.save(tmp_path / "c", model=model, optimizer=opt, extra={"step": 3, "sched": sched.state_dict()})
+    _train(model, opt, sched, 3, seed=2)
+
+    model2, opt2, sched2 = _setup(seed=5, lr=0.5)  # other weights, other lr: all must come from the checkpoint
+    extra = checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
+    sched2.load_state_dict(extra["sched"])
+    assert extra["step"] == 3
+    _train(model2, opt2, sched2, 3, seed=2)
+    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), name
+    assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
+
+
+def test_two_saves_of_the_same_state_are_byte_identical(tmp_path):
+    model, opt, sched = _setup()
+    _train(model, opt, sched, 1, seed=1)
+    extra = {"step": 1, "rng": torch.get_rng_state()}
+    checkpoint.save(tmp_path / "a", model=model, optimizer=opt, extra=extra)
+    checkpoint.save(tmp_path / "b", model=model, optimizer=opt, extra=extra)
+    names = sorted(os.listdir(tmp_path / "a"))
+    assert names == sorted(os.listdir(tmp_path / "b")) and ".metadata" in names
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_loading_reports_missing_path_uncommitted_dir_and_damaged_files_by_name(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        checkpoint.load(tmp_path / "nowhere", model=_model())
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(NotACheckpointError, match="half"):
+        checkpoint.load(tmp_path / "half", model=_model())
+
+    model = _model()
+    checkpoint.save(tmp_path / "c", model=model)
+    data = tmp_path / "c" / "__0_0.distcp"
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="__0_0.distcp.*CRC"):
+        checkpoint.load(tmp_path / "c", model=_model(), verify="full")
+    data.write_bytes(bytes(blob[:-10]))
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="__0_0.distcp.*truncated"):
+        checkpoint.load(tmp_path / "c", model=_model())
+
+
+def test_strict_load_names_mis_shaped_missing_and_unexpected_keys_and_non_strict_returns_them(tmp_path):
+    checkpoint.save(tmp_path / "c", model=_model())
+    other = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError) as info:
+        checkpoint.load(tmp_path / "c", model=other)
+    message = str(info.value)
+    assert "model.2.weight: saved (3, 5) vs local (4, 5)" in message
+    assert "missing: model.3.weight" in message
+    before = other[2].weight.detach().clone()
+    result = checkpoint.load(tmp_path / "c", model=other, strict=False)
+    assert sorted(result.missing_keys) == ["model.3.bias", "model.3.weight"]
+    assert {k.split(":")[0] for k in result.mismatched_keys} == {"model.2.weight", "model.2.bias"}
+    assert torch.equal(other[2].weight, before)  # mis-shaped keys are left alone
+    assert torch.equal(other[0].weight, _model()[0].weight)
+
+    smaller = torch.nn.Sequential(torch.nn.Linear(6, 5))
+    result = checkpoint.load(tmp_path / "c", model=smaller, strict=False)
+    assert sorted(result.unexpected_keys) == ["model.2.bias", "model.2.weight"]
+
+
+def test_plain_dcp_reads_ours_and_ours_reads_plain_dcp(tmp_path):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model, opt, sched = _setup()
+    _train(model, opt, sched, 2, seed=1)
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt, extra={"step": 2})
+    dcp_to_torch_save(tmp_path / "ours", tmp_path / "ours.pt")
+    flat = torch.load(tmp_path / "ours.pt", weights_only=False)
+    assert torch.equal(flat["model"]["0.weight"], model[0].weight)
+    assert torch.equal(flat["optimizer"]["state"]["2.bias"]["exp_avg"], opt.state[model[2].bias]["exp_avg"])
+
+    # ours -> plain DCP + torch's flattened optimizer state dict
+    model2, opt2, _ = _setup(seed=3)
+    checkpoint.load(tmp_path / "ours", model=model2, optimizer=opt2)  # materialise the state's shape
+    msd, osd = get_state_dict(model2, opt2, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    for t in msd.values():
+        t.zero_()
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "ours", no_dist=True)
+    assert torch.equal(msd["2.weight"], model[2].weight)
+
+    # plain DCP (torch's default, unflattened optimizer layout) -> ours
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    manifestless = tmp_path / "plain"
+    with pytest.raises(NotACheckpointError):
+        checkpoint.load(manifestless, model=model2)
+    state = {"model": checkpoint.load_state_dict.__module__ and {k: torch.zeros_like(v) for k, v in msd.items()}}
+    dcp.load(state, checkpoint_id=manifestless, no_dist=True)
+    assert torch.equal(state["model"]["0.bias"], model[0].bias)
+
+
+def test_a_plain_dcp_checkpoint_committed_with_a_manifest_loads_optimizer_state_and_groups(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from checkpoint.commit import build_manifest
+    from checkpoint.manifest import checksum_file, write_manifest
+
+    model, opt, sched = _setup()
+    _train(model, opt, sched, 2, seed=1)
+    msd, osd = get_state_dict(model, opt)
+    metadata = dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    files = {p.name: checksum_file(p) for p in (tmp_path / "plain").iterdir()}
+    write_manifest(tmp_path / "plain", build_manifest(metadata, files, 1))
+
+    model2, opt2, _ = _setup(seed=3, lr=0.7)
+    checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"])
+
+
+def test_params_that_never_had_a_gradient_keep_no_state_after_a_load(tmp_path):
+    model, opt, _ = _setup()
+    model[0].weight.requires_grad_(False)  # gets no gradient, so AdamW never creates its state
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path / "c", model=model, optimizer=opt)
+    model[0].weight.requires_grad_(True)
+    model2, opt2, _ = _setup(seed=4)
+    checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
+    assert not opt2.state.get(model2[0].weight)
+    assert torch.equal(opt2.state[model2[2].weight]["exp_avg"], opt.state[model[2].weight]["exp_avg"])
+
+
+def test_write_rank_then_commit_builds_a_checkpoint_for_m_ranks_from_one_process(tmp_path):
+    full = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3)
+    bounds = [0, 10, 10, 21]  # rank 1 holds an empty flat range
+    for rank in range(3):
+        local = full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone()
+        checkpoint.write_rank(tmp_path / "c", rank, 3, {"w": checkpoint.shard(local, (7, 3), flat_start=bounds[rank]), "n": 5})
+    assert not (tmp_path / "c").exists()  # nothing visible before the commit
+    checkpoint.commit(tmp_path / "c", 3)
+    assert read_manifest(tmp_path / "c").world_size == 3
+    # per-rank metadata merged away; rank 1's copy of the replicated "n" is unreferenced and pruned
+    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp", "__2_0.distcp", "manifest.json"]
+    target = {"w": torch.zeros(7, 3), "n": None}
+    checkpoint.load_state_dict(target, tmp_path / "c")
+    assert torch.equal(target["w"], full) and target["n"] == 5
+
+    checkpoint.write_rank(tmp_path / "d", 0, 2, {"w": checkpoint.shard(full[:3].clone(), (7, 3), offsets=(0, 0))})
+    with pytest.raises(ValueError, match="rank 1 did not finish"):
+        checkpoint.commit(tmp_path / "d", 2)
+    checkpoint.write_rank(tmp_path / "d", 1, 2, {"w": checkpoint.shard(full[4:].clone(), (7, 3), offsets=(4, 0))})
+    with pytest.raises(ValueError, match="w: chunks hold 18 of its 21"):
+        checkpoint.commit(tmp_path / "d", 2)
+    assert not (tmp_path / "d").exists()
+
+
+def test_chunks_are_bounded_and_load_into_another_flat_layout(tmp_path):
+    full = torch.randn(40, 8)
+    checkpoint.save_state_dict({"w": full}, tmp_path / "c", max_chunk_bytes=5 * 8 * 4)
+    opened = checkpoint.open_checkpoint(tmp_path / "c")
+    chunks = opened.metadata.state_dict_metadata["w"].chunks
+    assert len(chunks) == 8 and all(c.sizes[0] * 8 * 4 <= 160 for c in chunks)
+    local = torch.zeros(100)
+    checkpoint.load_state_dict({"w": checkpoint.shard(local, (40, 8), flat_start=123)}, tmp_path / "c")
+    assert torch.equal(local, full.reshape(-1)[123:223])
+
+
+def test_an_interrupted_swap_loads_the_previous_checkpoint_and_the_next_save_recovers(tmp_path):
+    path = tmp_path / "c"
+    checkpoint.save_state_dict({"w": torch.ones(3)}, path)
+    os.replace(path, old_path(path))  # what a kill between the two renames leaves
+    target = {"w": torch.zeros(3)}
+    checkpoint.load_state_dict(target, path)
+    assert torch.equal(target["w"], torch.ones(3))
+    checkpoint.save_state_dict({"w": torch.full((3,), 2.0)}, path)
+    assert not old_path(path).exists() and not staging_path(path).exists()
+    checkpoint.load_state_dict(target, path)
+    assert torch.equal(target["w"], torch.full((3,), 2.0))
+
+
+def test_async_save_blocks_only_for_staging_and_saves_the_state_at_call_time(tmp_path):
+    model = _model()
+    expected = model[0].weight.detach().clone()
+    future = checkpoint.async_save(tmp_path / "c", model=model, extra={"step": 7})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # training goes on while the save is written
+    assert future.result(timeout=60) is None
+    model2 = _model(seed=9)
+    extra = checkpoint.load(tmp_path / "c", model=model2)
+    assert torch.equal(model2[0].weight, expected) and extra["step"] == 7
+
+
+_SAVE_LOOP = r"""
+import sys, torch, checkpoint
+path = sys.argv[1]
+print("started", flush=True)
+for i in range(10_000):
+    checkpoint.save_state_dict({"a": torch.full((256, 1024), float(i)), "b": torch.full((300,), float(i)), "i": i}, path)
+    print("saved", i, flush=True)
+"""
+
+
+def _start_loop(path: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, str(path)], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_for(proc: subprocess.Popen, prefix: str) -> int:
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError("the save loop exited early")
+        if line.startswith(prefix):
+            return int(line.split()[1]) if prefix == "saved" else -1
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_leaves_a_loadable_unmixed_checkpoint(tmp_path):
+    delays = [0.0, 0.017, 0.06]
+    procs = [_start_loop(tmp_path / f"c{i}") for i in range(len(delays))]
+    fresh = _start_loop(tmp_path / "fresh")
+    _wait_for(fresh, "started")
+    for proc, delay in zip(procs, delays):
+        _wait_for(proc, "saved")
+    time.sleep(0.05)
+    os.kill(fresh.pid, signal.SIGKILL)
+    for proc, delay in zip(procs, delays):
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs + [fresh]:
+        proc.wait()
+    for i in range(len(delays)):
+        target = {"a": torch.zeros(256, 1024), "b": torch.zeros(300), "i": None}
+        checkpoint.load_state_dict(target, tmp_path / f"c{i}", verify="full")
+        value = float(target["i"])
+        assert bool((target["a"] == value).all()) and bool((target["b"] == value).all())
+    target = {"a": torch.zeros(256, 1024), "b": torch.zeros(300), "i": None}
+    try:
+        checkpoint.load_state_dict(target, tmp_path / "fresh", verify="full")
+    except FileNotFoundError as exc:
+        assert "fresh" in str(exc)
+    else:
+        assert bool((target["a"] == float(target["i"])).all())
