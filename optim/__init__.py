@@ -5,7 +5,7 @@ Transformer Engine / apex backends, optional host offload), gradient clipping on
 local shards, CUDA-graph-safe gradients and the memory model behind docs/optim.md.
 """
 
-from optim.build import BACKENDS, FusedCPUAdam, FusedCPUAdamW, build_optimizer
+from optim.build import BACKENDS, build_optimizer
 from optim.clip import clip_grad_norm_, grad_norm
 from optim.graph_safe import GraphSafeGrads, graph_safe_grads
 from optim.grad import get_grad, local_tensor, set_grad, zero_grad
@@ -15,8 +15,6 @@ from optim.precision import PrecisionPolicy
 
 __all__ = [
     "BACKENDS",
-    "FusedCPUAdam",
-    "FusedCPUAdamW",
     "GraphSafeGrads",
     "MemoryFootprint",
     "PrecisionPolicy",

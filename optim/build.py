@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from optim.fused_adapters import build_apex_adam, build_te_adam, plan_fused_adam
+from optim.fused_adapters import build_fused_adam, fused_adam_class, plan_for_main_params, plan_fused_adam
 from optim.grad import local_tensor
 from optim.main_params import enable_main_params
 from optim.precision import PrecisionPolicy
 
-__all__ = ["BACKENDS", "build_optimizer", "FusedCPUAdam", "FusedCPUAdamW"]
+__all__ = ["BACKENDS", "build_optimizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +37,6 @@ _TORCH_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "sgd": torch.optim.SGD,
 }
-
-
-class FusedCPUAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` with the fused kernel on by default: the host optimizer of an offloaded step."""
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("fused", True)
-        super().__init__(params, **kwargs)
-
-
-class FusedCPUAdam(torch.optim.Adam):
-    """``torch.optim.Adam`` with the fused kernel on by default (host optimizer of an offloaded step)."""
-
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("fused", True)
-        super().__init__(params, **kwargs)
 
 
 def _tensors_of(params: list[Any]) -> list[torch.Tensor]:
@@ -143,23 +127,23 @@ def _build_offloaded(
         raise ImportError(
             f"offload_fraction needs offload_fsdp.HybridDeviceOptimizer, which is not importable ({exc})"
         ) from exc
-    cpu_cls = FusedCPUAdamW if name == "adamw" else FusedCPUAdam
-    gpu_cls: Any = cpu_cls
+    # Exactly torch's class: HybridDeviceOptimizer runs its bucketed fused host kernel for
+    # torch.optim.Adam / AdamW themselves (a subclass would fall back to per-bucket instances).
+    cpu_cls = _TORCH_CLASSES[name]
+    gpu_cls: type[torch.optim.Optimizer] = cpu_cls
+    kwargs = dict(hp)
     if backend in ("te", "apex"):
-        # The device share is stepped by the fused library optimizer, built with the same plan.
-        plan = plan_fused_adam(tensors, policy or PrecisionPolicy())
-        builder = build_te_adam if backend == "te" else build_apex_adam
-
-        def gpu_cls(group_params: Any, **group_hp: Any) -> torch.optim.Optimizer:
-            return builder(list(group_params), plan, adam_w_mode=(name == "adamw"), **group_hp)
-
+        plan = plan_for_main_params(policy or PrecisionPolicy())
+        gpu_cls = fused_adam_class(backend, plan, adam_w_mode=(name == "adamw"))
+    elif "fused" not in kwargs and "foreach" not in kwargs and _fused_fits(tensors):
+        kwargs["fused"] = True  # the device share's torch optimizer; the host share is fused regardless
     return HybridDeviceOptimizer(
         params,
         offload_fraction=offload_fraction,
         cpu_optimizer_cls=cpu_cls,
         gpu_optimizer_cls=gpu_cls,
         precision=policy,
-        **hp,
+        **kwargs,
     )
 
 
@@ -185,7 +169,9 @@ def build_optimizer(
       moment dtypes from the policy.
     * ``backend="apex"``: NVIDIA apex ``FusedAdam`` (fp32 moments, ``.grad`` only).
     * ``offload_fraction``: an ``offload_fsdp.HybridDeviceOptimizer`` whose host
-      step is torch's fused Adam(W) on CPU, honouring ``precision``.
+      step is torch's fused Adam(W) kernel on CPU, honouring ``precision`` (bf16
+      host moments included); its device share is stepped by the torch class or
+      by the te / apex ``FusedAdam`` over the fp32 masters.
     * ``cuda_graphs=True``: a capturable optimizer (device-side step and lr).
 
     Raises ``ValueError`` for an unknown name / backend or a combination the
@@ -216,5 +202,4 @@ def build_optimizer(
     if backend_key == "torch":
         return _build_torch(params, tensors, name_key, policy, cuda_graphs, hyperparameters)
     plan = plan_fused_adam(tensors, policy, cuda_graphs=cuda_graphs)
-    builder = build_te_adam if backend_key == "te" else build_apex_adam
-    return builder(params, plan, adam_w_mode=(name_key == "adamw"), **hyperparameters)
+    return build_fused_adam(backend_key, params, plan, adam_w_mode=(name_key == "adamw"), **hyperparameters)

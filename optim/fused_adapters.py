@@ -33,7 +33,7 @@ import torch
 
 from optim.precision import PrecisionPolicy
 
-__all__ = ["FusedAdamPlan", "plan_fused_adam", "build_te_adam", "build_apex_adam"]
+__all__ = ["FusedAdamPlan", "plan_fused_adam", "build_fused_adam", "fused_adam_class", "plan_for_main_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,24 @@ def plan_fused_adam(
         exp_avg_sq_dtype=policy.exp_avg_sq_dtype,
         capturable=cuda_graphs,
         param_dtypes=param_dtypes,
+    )
+
+
+def plan_for_main_params(policy: PrecisionPolicy) -> FusedAdamPlan:
+    """The plan for an optimizer handed main params directly (``HybridDeviceOptimizer``'s device share).
+
+    ``HybridDeviceOptimizer`` gives its ``gpu_optimizer_cls`` the fp32 masters
+    (or the fp32 params themselves) with the gradient in ``.grad``: no master
+    weights, no decoupled gradients; the moments still follow the policy.
+    """
+    return FusedAdamPlan(
+        master_weights=False,
+        master_weight_dtype=policy.main_params_dtype,
+        use_decoupled_grad=False,
+        exp_avg_dtype=policy.exp_avg_dtype,
+        exp_avg_sq_dtype=policy.exp_avg_sq_dtype,
+        capturable=False,
+        param_dtypes=frozenset({policy.main_params_dtype}),
     )
 
 
@@ -138,13 +156,7 @@ def _accepted(cls: Callable[..., Any], kwargs: dict[str, Any], required: set[str
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def build_te_adam(
-    params: list[Any], plan: FusedAdamPlan, *, adam_w_mode: bool, **hp: Any
-) -> torch.optim.Optimizer:
-    """``transformer_engine.pytorch.optimizers.FusedAdam`` configured by ``plan``.
-
-    ``params`` is what the optimizer receives (tensors or param-group dicts).
-    """
+def _te_class_and_kwargs(plan: FusedAdamPlan, adam_w_mode: bool) -> tuple[type, dict[str, Any]]:
     if plan.master_weights and plan.master_weight_dtype not in (torch.float32, torch.float16):
         raise ValueError(
             f"Transformer Engine FusedAdam keeps master weights in fp32 or fp16, not "
@@ -169,15 +181,10 @@ def build_te_adam(
     required = {"adam_w_mode"} | {
         k for k, v in kwargs.items() if k != "adam_w_mode" and v not in (False, torch.float32)
     }
-    kwargs = _accepted(cls, kwargs, required, TE_INSTALL_HINT)
-    logger.info("building transformer_engine FusedAdam with %s", kwargs)
-    return cls(params, **hp, **kwargs)
+    return cls, _accepted(cls, kwargs, required, TE_INSTALL_HINT)
 
 
-def build_apex_adam(
-    params: list[Any], plan: FusedAdamPlan, *, adam_w_mode: bool, **hp: Any
-) -> torch.optim.Optimizer:
-    """``apex.optimizers.FusedAdam`` configured by ``plan``; refuses what apex cannot do."""
+def _apex_class_and_kwargs(plan: FusedAdamPlan, adam_w_mode: bool) -> tuple[type, dict[str, Any]]:
     if plan.use_decoupled_grad:
         raise ValueError(
             "apex FusedAdam reads gradients from .grad only, but this policy keeps gradients of another dtype "
@@ -202,6 +209,38 @@ def build_apex_adam(
     cls = _import_apex_fused_adam()
     kwargs: dict[str, Any] = dict(adam_w_mode=adam_w_mode, capturable=capturable, master_weights=plan.master_weights)
     required = {"adam_w_mode"} | {k for k, v in kwargs.items() if k != "adam_w_mode" and v}
-    kwargs = _accepted(cls, kwargs, required, APEX_INSTALL_HINT)
-    logger.info("building apex FusedAdam with %s", kwargs)
+    return cls, _accepted(cls, kwargs, required, APEX_INSTALL_HINT)
+
+
+_RESOLVERS = {"te": _te_class_and_kwargs, "apex": _apex_class_and_kwargs}
+
+
+def build_fused_adam(
+    backend: str, params: list[Any], plan: FusedAdamPlan, *, adam_w_mode: bool, **hp: Any
+) -> torch.optim.Optimizer:
+    """The ``backend`` ("te" or "apex") ``FusedAdam`` over ``params`` (tensors or param-group dicts), per ``plan``.
+
+    Raises ``ValueError`` for what the library cannot honour, ``ImportError``
+    (with an install hint) when it is missing or too old.
+    """
+    cls, kwargs = _RESOLVERS[backend](plan, adam_w_mode)
+    logger.info("building %s.%s with %s", cls.__module__, cls.__qualname__, kwargs)
     return cls(params, **hp, **kwargs)
+
+
+def fused_adam_class(backend: str, plan: FusedAdamPlan, *, adam_w_mode: bool) -> type[torch.optim.Optimizer]:
+    """A subclass of the ``backend`` ``FusedAdam`` whose constructor adds ``plan``'s arguments.
+
+    For callers that take an optimizer *class* (``HybridDeviceOptimizer``'s
+    ``gpu_optimizer_cls``) and build it over param groups themselves.
+    """
+    cls, kwargs = _RESOLVERS[backend](plan, adam_w_mode)
+
+    def __init__(self: torch.optim.Optimizer, params: Any, **hp: Any) -> None:
+        cls.__init__(self, params, **{**hp, **kwargs})
+
+    return type(
+        f"Planned{cls.__name__}",
+        (cls,),
+        {"__init__": __init__, "__module__": __name__, "__doc__": f"{cls.__qualname__} with {kwargs}"},
+    )
