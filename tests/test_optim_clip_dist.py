@@ -6,6 +6,8 @@ decoupled grads of bf16 params, a whole (replicated) plain param, all of them
 mixed in one call, and on 4 ranks HSDP (replicate x shard mesh), where the
 replicas must not be counted twice. The reference is
 ``torch.nn.utils.clip_grad_norm_`` on unsharded copies in the same process.
+After clipping, ``build_optimizer``'s torch backend steps the FSDP2 params and
+must match fused AdamW on the unsharded reference.
 """
 
 from __future__ import annotations
@@ -120,6 +122,18 @@ def _check_clipped(params, refs, max_norm, **kwargs) -> None:
         torch.testing.assert_close(grad, ref.grad, rtol=1e-5, atol=1e-7)
 
 
+def _check_step_after_clipping(model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """build_optimizer's torch backend steps FSDP2 DTensor params like fused AdamW on the unsharded model."""
+    from optim import build_optimizer
+
+    opt = build_optimizer(model.parameters(), "adamw", lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.1, fused=True)
+    opt.step()
+    ref_opt.step()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.full_tensor(), ref.detach(), rtol=1e-6, atol=1e-7)
+
+
 def _clip_checks(rank: int, world_size: int) -> dict[str, list]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -134,9 +148,17 @@ def _clip_checks(rank: int, world_size: int) -> dict[str, list]:
         results[f"fsdp2 p={norm_type}"] = [*_norms(model.parameters(), norm_type), _ref_norm(reference.parameters(), norm_type)]
         results[f"flat p={norm_type}"] = [*_norms(shards, norm_type), _ref_norm(whole, norm_type)]
         results[f"mixed p={norm_type}"] = [*_norms(everything, norm_type), _ref_norm(everything_ref, norm_type)]
+    # A plain decoupled grad of a DTensor param is that param's local shard.
+    fsdp_grads = [(p, p.grad) for p in model.parameters()]
+    for p, grad in fsdp_grads:
+        p.grad, p.decoupled_grad = None, grad._local_tensor.clone()
+    results["fsdp2, decoupled local grads"] = [*_norms(model.parameters(), 2.0), _ref_norm(reference.parameters(), 2.0)]
+    for p, grad in fsdp_grads:
+        p.grad, p.decoupled_grad = grad, None
     results["flat, explicit group"] = [*_norms(shards, 2.0, mesh_or_group=dist.group.WORLD), _ref_norm(whole, 2.0)]
     results["flat, 1-D mesh"] = [*_norms(shards, 2.0, mesh_or_group=mesh), _ref_norm(whole, 2.0)]
     _check_clipped(everything, everything_ref, max_norm=0.05)
+    _check_step_after_clipping(model, reference)
     if world_size == 4:
         hsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
         hsdp, hsdp_ref = _fsdp_and_reference(hsdp_mesh)
@@ -151,7 +173,7 @@ def _clip_checks(rank: int, world_size: int) -> dict[str, list]:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_clip_norm_on_local_shards_equals_single_process_reference_with_one_all_reduce(world_size):
     per_rank = run_ranks(_clip_checks, world_size)
-    assert per_rank[0].keys() >= {"fsdp2 p=2.0", "flat p=inf", "mixed p=1.0"}
+    assert per_rank[0].keys() >= {"fsdp2 p=2.0", "flat p=inf", "mixed p=1.0", "fsdp2, decoupled local grads"}
     if world_size == 4:
         assert "hsdp p=2.0" in per_rank[0]
     for rank, results in enumerate(per_rank):
