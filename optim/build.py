@@ -89,7 +89,7 @@ def _build_torch(
         )
     kwargs = dict(hp)
     if "fused" not in kwargs and "foreach" not in kwargs:
-        # Fused when every param's device has the kernel (CUDA, and CPU since torch 2.4), else foreach.
+        # Fused when every param's device has the kernel (CUDA; CPU too in torch 2.13), else foreach.
         if _fused_fits(tensors):
             kwargs["fused"] = True
         else:
@@ -160,9 +160,10 @@ def build_optimizer(
     """Build optimizer ``name`` on ``backend`` configured for ``precision`` (default: fp32 main params and state).
 
     * ``backend="torch"``: ``torch.optim.AdamW`` / ``Adam`` / ``SGD``, fused where
-      every param's device has the fused kernel, else foreach. Params not in the
-      main dtype, or with gradients in ``decoupled_grad``, are stepped through
-      fp32 main copies (:func:`optim.main_params.enable_main_params`).
+      every param's device has the fused kernel, else foreach. Gradients are read
+      with ``get_grad`` and params not in the main dtype are stepped through
+      main copies, by optimizer hooks (:func:`optim.main_params.enable_main_params`;
+      not registered with ``cuda_graphs=True``, where such params are refused).
     * ``backend="te"``: Transformer Engine ``FusedAdam`` with ``master_weights``
       only when the params are not already the main params,
       ``use_decoupled_grad`` when the gradient dtype differs from the params',

@@ -128,7 +128,11 @@ def _accumulate_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
 
 
 def _partial_norm(
-    tensors: list[torch.Tensor], norm_type: float, acc_dtype: torch.dtype, out_device: torch.device, foreach: bool | None
+    tensors: list[torch.Tensor],
+    norm_type: float,
+    acc_dtype: torch.dtype,
+    out_device: torch.device,
+    foreach: bool | None,
 ) -> torch.Tensor:
     """Sum of |x|^p (or max |x| for inf) over ``tensors``, as a 0-d ``acc_dtype`` tensor on ``out_device``."""
     by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)

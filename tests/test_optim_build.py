@@ -34,7 +34,9 @@ def test_unknown_backend_or_name_raises_listing_the_valid_ones():
         build_optimizer(_params(FP32), "lion")
 
 
-@pytest.mark.parametrize("name, cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)])
+@pytest.mark.parametrize(
+    "name, cls", [("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)]
+)
 def test_torch_backend_uses_the_fused_kernel_on_cpu(name, cls):
     opt = build_optimizer(_params(FP32), name, lr=0.1)
     assert type(opt) is cls
@@ -153,7 +155,8 @@ def _check_apex_fp32_params_need_no_master(device: str) -> None:
 
 
 def _check_apex_fp16_params_get_master_weights_in_capturable_mode(device: str) -> None:
-    opt = build_optimizer(_params(FP16, device), "adam", backend="apex", precision=PrecisionPolicy(main_grads_dtype=FP16))
+    policy = PrecisionPolicy(main_grads_dtype=FP16)
+    opt = build_optimizer(_params(FP16, device), "adam", backend="apex", precision=policy)
     assert opt.master_weights is True and opt.capturable is True and opt.adam_w_mode == 0
 
 

@@ -145,7 +145,10 @@ def _clip_checks(rank: int, world_size: int) -> dict[str, list]:
     everything = [*model.parameters(), *shards, plain]
     everything_ref = [*reference.parameters(), *whole, plain_ref]
     for norm_type in NORM_TYPES:
-        results[f"fsdp2 p={norm_type}"] = [*_norms(model.parameters(), norm_type), _ref_norm(reference.parameters(), norm_type)]
+        results[f"fsdp2 p={norm_type}"] = [
+            *_norms(model.parameters(), norm_type),
+            _ref_norm(reference.parameters(), norm_type),
+        ]
         results[f"flat p={norm_type}"] = [*_norms(shards, norm_type), _ref_norm(whole, norm_type)]
         results[f"mixed p={norm_type}"] = [*_norms(everything, norm_type), _ref_norm(everything_ref, norm_type)]
     # A plain decoupled grad of a DTensor param is that param's local shard.
@@ -164,7 +167,10 @@ def _clip_checks(rank: int, world_size: int) -> dict[str, list]:
         hsdp, hsdp_ref = _fsdp_and_reference(hsdp_mesh)
         assert "Replicate" in str(next(hsdp.parameters()).grad.placements)
         for norm_type in NORM_TYPES:
-            results[f"hsdp p={norm_type}"] = [*_norms(hsdp.parameters(), norm_type), _ref_norm(hsdp_ref.parameters(), norm_type)]
+            results[f"hsdp p={norm_type}"] = [
+                *_norms(hsdp.parameters(), norm_type),
+                _ref_norm(hsdp_ref.parameters(), norm_type),
+            ]
         _check_clipped(list(hsdp.parameters()), list(hsdp_ref.parameters()), max_norm=0.05)
     return results
 
