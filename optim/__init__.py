@@ -10,8 +10,19 @@ from optim.clip import clip_grad_norm_, grad_norm
 from optim.graph_safe import GraphSafeGrads, graph_safe_grads
 from optim.grad import get_grad, local_tensor, set_grad, zero_grad
 from optim.main_params import enable_main_params
-from optim.memory import MemoryFootprint, bytes_per_param
 from optim.precision import PrecisionPolicy
+
+_LAZY = {"MemoryFootprint": "optim.memory", "bytes_per_param": "optim.memory"}
+
+
+def __getattr__(name: str):
+    # optim.memory is imported on first use only, so `python -m optim.memory` (which
+    # prints the docs/optim.md table) runs it once, as __main__, without a double import.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'optim' has no attribute {name!r}")
 
 __all__ = [
     "BACKENDS",

@@ -54,7 +54,7 @@ class FusedAdamPlan:
     """What a fused Adam must do for these params under this policy (backend independent)."""
 
     master_weights: bool
-    """a separate main copy is needed: some param's dtype differs from ``main_params_dtype``"""
+    """a separate main copy is needed: some param's dtype is narrower than ``main_params_dtype``"""
     master_weight_dtype: torch.dtype
     """dtype of that main copy (the policy's ``main_params_dtype``)"""
     use_decoupled_grad: bool
@@ -75,7 +75,7 @@ def plan_fused_adam(
     return FusedAdamPlan(
         # FSDP2 keeps fp32 sharded params: those *are* the main params, a second
         # fp32 copy inside the optimizer would only waste 4 bytes per element.
-        master_weights=any(d != policy.main_params_dtype for d in param_dtypes),
+        master_weights=any(torch.promote_types(d, policy.main_params_dtype) != d for d in param_dtypes),
         master_weight_dtype=policy.main_params_dtype,
         use_decoupled_grad=any(d != grads_dtype for d in param_dtypes),
         exp_avg_dtype=policy.exp_avg_dtype,

@@ -67,10 +67,11 @@ class _MainParamsHooks:
                 grad = get_grad(param)
                 if grad is None:
                     continue
-                if param.dtype == self.main_dtype:
-                    if grad is not param.grad:  # an fp32 decoupled grad of an fp32 param
+                if torch.promote_types(param.dtype, self.main_dtype) == param.dtype:
+                    # The param is its own main copy (fp32, or wider); only .grad may need aliasing.
+                    if grad is not param.grad:  # e.g. an fp32 decoupled grad of an fp32 param
                         self._undo.append((param, None, param.grad))
-                        param.grad = grad.to(self.main_dtype)
+                        param.grad = grad.to(param.dtype)
                     continue
                 self._swap_in_main(optimizer, param, grad)
 
@@ -108,7 +109,7 @@ class _MainParamsHooks:
         self._incoming_state = self._incoming_groups = None
         for saved_group, group in zip(saved_groups, optimizer.param_groups):
             for key, param in zip(saved_group["params"], group["params"]):
-                if param.dtype == self.main_dtype or key not in saved_state:
+                if torch.promote_types(param.dtype, self.main_dtype) == param.dtype or key not in saved_state:
                     continue
                 for name, value in saved_state[key].items():
                     if name != "step" and torch.is_tensor(value) and value.is_floating_point():

@@ -102,3 +102,13 @@ def test_zero_grad_clears_both_slots_or_zeroes_them_in_place():
     assert p.decoupled_grad is g and torch.equal(g, torch.zeros(3))
     zero_grad([p])
     assert get_grad(p) is None
+
+
+def test_fp64_params_are_never_stepped_through_a_narrower_fp32_main_copy():
+    p = torch.nn.Parameter(torch.full((3,), 1.0 + 1e-12, dtype=torch.float64))
+    r = torch.nn.Parameter(p.detach().clone())
+    opt = build_optimizer([p], "sgd", lr=1e-13)
+    p.grad, r.grad = torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    opt.step()
+    torch.optim.SGD([r], lr=1e-13).step()
+    assert torch.equal(p.detach(), r.detach()) and "main_param" not in opt.state[p]
