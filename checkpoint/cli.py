@@ -106,10 +106,16 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _open(path: str, *, warn: bool = True) -> CheckpointReader:
+def _open(path: str, *, warn: bool = True, check_sizes: bool = True) -> CheckpointReader:
+    """Open a checkpoint; by default fail fast when a file's size differs from the manifest (cheap, no read)."""
     reader = CheckpointReader(path)
     if reader.note and warn:
-        logger.warning("%s: %s", path, reader.note)
+        # stdout, like the command's other output: stderr stays for the one error line
+        print(f"note: {path}: {reader.note}", flush=True)
+    if check_sizes and reader.manifest is not None:
+        problems = verify_files(reader.path, reader.manifest, checksums=False)
+        if problems:
+            raise CliError(f"{problems[0]}; run `{PROG} verify {path}` for every problem, then restore or re-save it")
     return reader
 
 
@@ -141,7 +147,7 @@ def _check_fresh_output(path: Path, force: bool) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    reader = _open(args.ckpt, warn=False)
+    reader = _open(args.ckpt, warn=False, check_sizes=False)
     rows = [_inspect_row(e) for e in reader.entries.values()]
     totals: dict[str, dict[str, int]] = {}
     for row in rows:
@@ -195,7 +201,7 @@ def _inspect_row(e: Entry) -> dict[str, Any]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    reader = _open(args.ckpt, warn=False)
+    reader = _open(args.ckpt, warn=False, check_sizes=False)
     problems: list[str] = []
     if reader.manifest is not None:
         problems += verify_files(reader.path, reader.manifest, checksums=not args.no_checksums)
@@ -453,7 +459,6 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
         raise CliError(f"--world-size {args.world_size} must be at least 1")
     targets = plan(source.entries, _rules(args))
     dst = Path(args.dst)
-    _check_fresh_output(dst, args.force)
     total = sum(t.nbytes for t in targets)
     bar = Progress(verb.removesuffix("ed"), total, not args.quiet)
     start = time.perf_counter()
@@ -556,8 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("dst")
         p.add_argument("--world-size", type=int, default=1 if name == "import" else None,
                        required=name == "reshard", help="ranks to lay the checkpoint out for")
-        p.add_argument("--max-chunk-size", type=parse_size, default=parse_size("256MiB"),
-                       help="largest stored chunk (default 256MiB), so later reshards read small pieces")
+        p.add_argument("--max-chunk-size", type=parse_size, default=parse_size("64MiB"),
+                       help="largest stored chunk (default 64MiB, as checkpoint.save), so later reshards read small pieces")
         p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
         if name == "import":
             p.add_argument("--key-prefix", default=None,
@@ -590,8 +595,10 @@ def _error_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) if str(exc) else type(exc).__name__
     if isinstance(exc, KeyError):
         text = text.strip("\"'")
-    if isinstance(exc, (CliError, ValueError, TypeError, FileNotFoundError, NotACheckpointError, KeyError)):
-        return text if ";" in text else f"{text}; check the arguments (see `{PROG} --help`)"
+    if ";" in text and not isinstance(exc, (RuntimeError, AssertionError)):
+        return text
+    if isinstance(exc, (CliError, ValueError, TypeError, NotACheckpointError, KeyError)):
+        return f"{text}; check the arguments (see `{PROG} --help`)"
     if isinstance(exc, OSError):
         return f"{text}; check the path, permissions and free space"
     return f"unexpected {type(exc).__name__}: {text}; rerun with --debug and report the traceback"

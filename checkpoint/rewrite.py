@@ -12,9 +12,10 @@ The files are exactly what DCP's ``FileSystemWriter`` produces (one
 ``torch.save`` record per chunk, non-tensor values as ``torch.save`` bytes,
 ``.metadata`` a pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`),
 so ``dcp.load``, ``dcp_to_torch_save`` and :mod:`checkpoint` read them.
-The save is atomic: everything is written to ``<dst>.fsdp-ckpt-tmp``, fsynced,
-the manifest (the commit record, with sizes and CRC-32 of every file) goes
-last, and the directory is renamed into place.
+Staging and commit are the format's own (:func:`checkpoint.commit.commit_staged`
+in the staging directory of :mod:`checkpoint.atomic`): data files fsynced, the
+manifest with sizes and CRC-32 (computed while writing) last, then the
+crash-safe swap into place.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+# _StorageInfo is what FileSystemReader expects in Metadata.storage_data: (file, offset, length)
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -41,16 +43,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.manifest import FileRecord, KeyRecord, Manifest, fsync_dir, write_manifest
-from checkpoint.stream import dtype_name
+from checkpoint.atomic import is_committed, staging_path
+from checkpoint.commit import commit_staged
+from checkpoint.manifest import FileRecord, checksum_file
 from checkpoint.transforms import Target
 
-__all__ = ["STAGING_SUFFIX", "row_blocks", "write_checkpoint"]
+__all__ = ["row_blocks", "write_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-STAGING_SUFFIX = ".fsdp-ckpt-tmp"
-_DCP_METADATA_VERSION = "1.0.0"  # what torch 2.6-2.13 write; readers ignore unknown values
 
 
 def row_blocks(rows: int, world_size: int) -> list[tuple[int, int]]:
@@ -82,6 +82,9 @@ class _CrcFile:
     def flush(self) -> None:
         self._f.flush()
 
+    def abort(self) -> None:
+        self._f.close()
+
     def close(self) -> FileRecord:
         self._f.flush()
         os.fsync(self._f.fileno())
@@ -112,31 +115,35 @@ def write_checkpoint(
     targets: list[Target],
     values: Iterable[tuple[Target, Any]],
     *,
-    max_chunk_bytes: int = 256 << 20,
+    max_chunk_bytes: int = 64 << 20,
     on_bytes: Callable[[int], None] | None = None,
     replace: bool = False,
-) -> Manifest:
+    extra_info: dict[str, Any] | None = None,
+) -> None:
     """Write ``values`` (one per target, in order) as a committed checkpoint laid out for ``world_size`` ranks.
 
-    ``dst`` must not exist unless ``replace`` (then it must be a checkpoint
-    directory or empty, and is replaced only once the new one is complete).
-    Raises ``ValueError`` when a value's dtype or shape differs from its target.
+    ``dst`` must be absent or empty, or (with ``replace``) a committed
+    checkpoint, which stays loadable until the new one is complete. Raises
+    ``FileExistsError`` otherwise, ``ValueError`` when a value does not match
+    its target.
     """
     dst = Path(dst)
-    staging = dst.with_name(dst.name + STAGING_SUFFIX)
+    if dst.exists() and not replace and (dst.is_file() or any(dst.iterdir())):
+        raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
+    if dst.exists() and replace and not (is_committed(dst) or (dst.is_dir() and not any(dst.iterdir()))):
+        raise FileExistsError(f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path")
+    staging = staging_path(dst)
     if staging.exists():
-        shutil.rmtree(staging)  # left by an interrupted run of this tool: never a checkpoint
+        shutil.rmtree(staging)  # an unfinished save of this path: never a checkpoint, nothing to keep
     staging.mkdir(parents=True)
     files = [_CrcFile(staging / f"__{rank}_0.distcp") for rank in range(world_size)]
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
-    keys: dict[str, KeyRecord] = {}
     try:
         for target, value in values:
             if isinstance(value, torch.Tensor):
                 _check(target, value)
                 state_md[target.name] = _write_tensor(target.name, value, files, storage, world_size, max_chunk_bytes)
-                keys[target.name] = KeyRecord("tensor", dtype_name(value.dtype), tuple(value.shape))
                 if on_bytes is not None:
                     on_bytes(value.numel() * value.element_size())
             else:
@@ -145,40 +152,30 @@ def write_checkpoint(
                 storage[MetadataIndex(target.name)] = _StorageInfo(files[0].name, files[0].size, buf.tell())
                 files[0].write(buf.getbuffer())
                 state_md[target.name] = BytesStorageMetadata()
-                keys[target.name] = KeyRecord("bytes")
         missing = [t.name for t in targets if t.name not in state_md]
         if missing:
             raise ValueError(f"no value arrived for {missing[:3]} (internal error; report it)")
-        records = {f.name: f.close() for f in files}
+        records: dict[str, FileRecord] = {f.name: f.close() for f in files}
+        metadata = Metadata(
+            state_dict_metadata=state_md,
+            planner_data={k: (k,) for k in state_md},
+            storage_data=storage,
+            version=CURRENT_DCP_VERSION,
+        )
+        meta_path = staging / ".metadata"
+        with open(meta_path, "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        records[".metadata"] = checksum_file(meta_path)
     except BaseException:
         for f in files:
-            f._f.close()
+            f.abort()
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    metadata = Metadata(
-        state_dict_metadata=state_md,
-        planner_data={k: (k,) for k in state_md},
-        storage_data=storage,
-        version=_DCP_METADATA_VERSION,
-    )
-    meta_path = staging / ".metadata"
-    with open(meta_path, "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        os.fsync(f.fileno())
-    from checkpoint.manifest import checksum_file
-
-    records[".metadata"] = checksum_file(meta_path)
-    manifest = Manifest(
-        world_size=world_size,
-        keys=keys,
-        files=records,
-        extra_info={"writer": "fsdp-ckpt", "layout": "dim0 row blocks", "max_chunk_bytes": max_chunk_bytes},
-    )
-    write_manifest(staging, manifest)
-    _swap(staging, dst, replace)
-    logger.info("committed %s: %d keys, %d ranks", dst, len(keys), world_size)
-    return manifest
+    info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
+    commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
+    logger.info("committed %s: %d keys for %d ranks", dst, len(state_md), world_size)
 
 
 def _check(target: Target, value: torch.Tensor) -> None:
@@ -206,21 +203,3 @@ def _write_tensor(name, value, files, storage, world_size, max_chunk_bytes) -> T
     return TensorStorageMetadata(
         properties=TensorProperties(dtype=value.dtype), size=torch.Size(shape), chunks=chunks
     )
-
-
-def _swap(staging: Path, dst: Path, replace: bool) -> None:
-    if dst.exists():
-        if not replace:
-            raise FileExistsError(f"output {str(dst)!r} appeared while writing; remove it or pass --force")
-        if dst.is_file() or not (not any(dst.iterdir()) or (dst / ".metadata").exists()):
-            raise ValueError(
-                f"refusing to replace {str(dst)!r}: it is neither empty nor a checkpoint; choose another output path"
-            )
-        old = dst.with_name(dst.name + ".fsdp-ckpt-old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(staging, dst)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, dst)
-    fsync_dir(dst.parent)

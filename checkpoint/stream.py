@@ -192,7 +192,7 @@ class CheckpointReader:
                 # no_dist=True is deliberate: a reader process needs no process group
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
                 dcp.load(state, storage_reader=_MetadataReusingReader(self.path, self.metadata), no_dist=True)
-        except Exception as exc:
+        except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
             files = sorted({f for key in keys for f in self.files_of(key)})
             raise ValueError(
                 f"reading {_short(keys)} from {str(self.path)!r} failed (files {files}): "
@@ -245,5 +245,10 @@ def _short(keys: list[str]) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: the exception that rank raised}
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))
+        if isinstance(exc, tuple) and exc:  # (exception, traceback) in torch 2.x
+            exc = exc[0]
     text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}"
+    return f"{type(exc).__name__}: {text[:200]}"

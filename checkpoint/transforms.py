@@ -231,15 +231,20 @@ def plan(entries: dict[str, Entry], rules: Rules) -> list[Target]:
     Raises ``ValueError`` naming the key when a rule cannot apply (bad dim,
     sizes that do not add up, a missing part, two outputs with one name).
     """
-    targets: list[Target] = []
+    # Merges first: a merge consumes its parts wherever they sort, and is emitted at its first part.
+    merged: dict[str, Target] = {}
     consumed: set[str] = set()
+    for key in entries:
+        if key not in consumed:
+            target = _merge_target(key, entries, rules, consumed)
+            if target is not None:
+                merged[key] = target
+    targets: list[Target] = []
     for key, entry in entries.items():
-        if key in consumed:
-            continue
-        made = _split_targets(key, entry, rules) or _merge_targets(key, entries, rules, consumed)
-        if made is None:
-            made = [_copy_target(key, entry)]
-        targets.extend(made)
+        if key in merged:
+            targets.append(merged[key])
+        elif key not in consumed:
+            targets.extend(_split_targets(key, entry, rules) or [_copy_target(key, entry)])
     renamed = [_renamed(t, rules) for t in targets]
     seen: dict[str, str] = {}
     for t, original in zip(renamed, targets):
@@ -295,7 +300,7 @@ def _split_targets(key: str, entry: Entry, rules: Rules) -> list[Target] | None:
     return None
 
 
-def _merge_targets(key: str, entries: dict[str, Entry], rules: Rules, consumed: set[str]) -> list[Target] | None:
+def _merge_target(key: str, entries: dict[str, Entry], rules: Rules, consumed: set[str]) -> Target | None:
     parts = split_key(key)
     if parts is None:
         return None
@@ -314,7 +319,7 @@ def _merge_targets(key: str, entries: dict[str, Entry], rules: Rules, consumed: 
         name = prefix + _fill(rule.fused, values) + suffix
         first = entries[sources[0]]
         if first.kind != "tensor" or len(first.shape) <= rule.dim:
-            return [Target(name, first.kind, first.dtype, first.shape, tuple(sources), "first")]
+            return Target(name, first.kind, first.dtype, first.shape, tuple(sources), "first")
         shapes = [entries[s].shape for s in sources]
         for s, shape in zip(sources, shapes):
             other = shape[: rule.dim] + shape[rule.dim + 1 :]
@@ -324,7 +329,7 @@ def _merge_targets(key: str, entries: dict[str, Entry], rules: Rules, consumed: 
                 raise ValueError(f"cannot merge {s!r} ({entries[s].dtype}) with {sources[0]!r} ({first.dtype}): dtypes differ")
         total = sum(shape[rule.dim] for shape in shapes)
         shape = first.shape[: rule.dim] + (total,) + first.shape[rule.dim + 1 :]
-        return [Target(name, "tensor", first.dtype, shape, tuple(sources), "cat", rule.dim)]
+        return Target(name, "tensor", first.dtype, shape, tuple(sources), "cat", rule.dim)
     return None
 
 

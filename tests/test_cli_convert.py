@@ -1,0 +1,244 @@
+"""fsdp-ckpt run as a subprocess: inspect, verify, export, import, reshard, split/merge, diff.
+
+The source checkpoint is written at 2 ranks by the format's own single-process
+writer (``checkpoint.write_rank`` + ``checkpoint.commit``) with row blocks, an
+uneven split, a flat-range shard and an empty shard; the reference is the
+plain dict of full tensors it was cut from.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import checkpoint
+from tests.distributed import run_ranks
+
+FC1 = "layers.0.mlp.linear_fc1.weight"
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _cli(*args, check: int | None = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "checkpoint.cli", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+    if check is not None:
+        assert proc.returncode == check, f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
+    return proc
+
+
+def _reference() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        f"model.{FC1}": torch.randn(6, 4, generator=g),
+        "model.emb.weight": torch.randn(5, 3, generator=g),
+        "model.tiny": torch.randn(1, 4, generator=g),
+        "model.norm": torch.randn(4, generator=g).bfloat16(),
+        f"optimizer.state.{FC1}.exp_avg": torch.randn(6, 4, generator=g),
+        f"optimizer.state.{FC1}.step": torch.tensor(3.0),
+        f"optimizer.param_groups.{FC1}.lr": 0.01,
+        "extra.step": 7,
+    }
+
+
+def _rank_state(ref: dict, rank: int) -> dict:
+    """Rank ``rank``'s part of ``ref`` at world size 2 (uneven rows, a flat range, an empty shard)."""
+    rows = (0, 4) if rank == 0 else (4, 6)
+    out = {}
+    for key in (f"model.{FC1}", f"optimizer.state.{FC1}.exp_avg"):
+        out[key] = checkpoint.shard(ref[key][rows[0] : rows[1]].clone(), (6, 4), offsets=(rows[0], 0))
+    flat = ref["model.emb.weight"].reshape(-1)
+    start, end = (0, 7) if rank == 0 else (7, 15)
+    out["model.emb.weight"] = checkpoint.shard(flat[start:end].clone(), (5, 3), flat_start=start)
+    tiny = ref["model.tiny"] if rank == 0 else ref["model.tiny"][1:]  # rank 1: no rows at all
+    out["model.tiny"] = checkpoint.shard(tiny.clone(), (1, 4), offsets=(rank, 0))
+    out["model.norm"] = checkpoint.shard(ref["model.norm"][2 * rank : 2 * rank + 2].clone(), (4,), offsets=(2 * rank,))
+    for key in (f"optimizer.state.{FC1}.step", f"optimizer.param_groups.{FC1}.lr", "extra.step"):
+        out[key] = ref[key]  # replicas: written once
+    return out
+
+
+def _write(path, ref: dict) -> None:
+    for rank in range(2):
+        checkpoint.write_rank(path, rank, 2, _rank_state(ref, rank))
+    checkpoint.commit(path, 2)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "src"
+    _write(path, _reference())
+    return path
+
+
+def _load_full(path, keys: dict) -> dict:
+    """Plain DCP, single process: every key as a full tensor (the reader every tool has)."""
+    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in keys.items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype, key
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+        else:
+            assert got[key] == value, key
+
+
+def test_inspect_json_reports_keys_shapes_chunks_world_size_and_commit(src):
+    info = json.loads(_cli("inspect", src, "--json").stdout)
+    ref = _reference()
+    assert info["committed"] and info["world_size"] == 2 and info["format"] == "fsdp_dtensor"
+    rows = {r["key"]: r for r in info["keys"]}
+    assert sorted(rows) == sorted(ref)
+    assert rows[f"model.{FC1}"]["shape"] == [6, 4] and rows[f"model.{FC1}"]["chunks"] == 2
+    assert rows["model.norm"]["dtype"] == "bfloat16" and rows["model.norm"]["bytes"] == 8
+    assert info["totals"]["model"]["bytes"] == sum(v.numel() * v.element_size() for k, v in ref.items() if k.startswith("model."))
+    assert "model.tiny" in _cli("inspect", src).stdout
+
+
+def test_export_safetensors_equals_full_tensors_with_hf_index_and_shard_limit(src, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    ref = {k.removeprefix("model."): v for k, v in _reference().items() if k.startswith("model.")}
+    limit = 100
+    _cli("export", src, tmp_path / "hf", "--format", "safetensors", "--model-only", "--max-shard-size", f"{limit}B")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    got = {}
+    for name in files:
+        tensors = load_file(tmp_path / "hf" / name)
+        assert all(index["weight_map"][k] == name for k in tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= limit or len(tensors) == 1, f"{name} holds {size} bytes"
+        with safe_open(str(tmp_path / "hf" / name), framework="pt") as f:
+            assert f.metadata()["format"] == "pt"
+        got.update(tensors)
+    _assert_equal(got, ref)
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in ref.values())
+
+    _cli("export", src, tmp_path / "bf16", "--format", "safetensors", "--model-only", "--dtype", "bf16")
+    got = load_file(tmp_path / "bf16" / "model-00001-of-00001.safetensors")
+    _assert_equal(got, {k: v.bfloat16() for k, v in ref.items()})
+
+
+def test_export_torch_writes_one_file_with_every_key(src, tmp_path):
+    _cli("export", src, tmp_path / "full.pt", "--format", "torch")
+    _assert_equal(torch.load(tmp_path / "full.pt", weights_only=True), _reference())
+
+
+def test_import_of_a_full_safetensors_export_restores_every_key(src, tmp_path):
+    _cli("export", src, tmp_path / "hf", "--format", "safetensors")
+    _cli("import", tmp_path / "hf", tmp_path / "back", "--world-size", "2")
+    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in _reference().items()}
+    checkpoint.load_state_dict(state, tmp_path / "back", verify="full")
+    _assert_equal(state, _reference())
+    assert json.loads(_cli("inspect", tmp_path / "back", "--json").stdout)["world_size"] == 2
+
+
+def test_import_of_a_torch_model_state_dict_prefixes_model(tmp_path):
+    sd = {"lin.weight": torch.randn(3, 2), "lin.bias": torch.randn(3)}
+    torch.save(sd, tmp_path / "w.pt")
+    _cli("import", tmp_path / "w.pt", tmp_path / "ck")
+    want = {f"model.{k}": v for k, v in sd.items()}
+    _assert_equal(_load_full(tmp_path / "ck", want), want)
+    _cli("verify", tmp_path / "ck")
+
+
+def _load_rows_at_3_ranks(rank: int, world_size: int, path: str) -> dict:
+    """Each rank loads its FSDP2-style row block (empty past the last row) through checkpoint.load_state_dict."""
+    ref = _reference()
+    state, boxes = {}, {}
+    for key, value in ref.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            state[key] = torch.empty_like(value) if isinstance(value, torch.Tensor) else None
+            continue
+        per = -(-value.shape[0] // world_size)
+        start = min(rank * per, value.shape[0])
+        rows = min(per, value.shape[0] - start)
+        local = torch.full((rows, *value.shape[1:]), float("nan"), dtype=value.dtype)
+        state[key] = checkpoint.shard(local, tuple(value.shape), offsets=(start,) + (0,) * (value.dim() - 1))
+        boxes[key] = (start, rows, local)
+    checkpoint.load_state_dict(state, path)
+    out = {k: (s, r, loc) for k, (s, r, loc) in boxes.items()}
+    out.update({k: v for k, v in state.items() if k not in boxes})
+    return out
+
+
+def test_reshard_2_to_3_loads_equal_at_3_ranks(src, tmp_path):
+    dst = tmp_path / "w3"
+    _cli("reshard", src, dst, "--world-size", "3", "--max-chunk-size", "32B")
+    assert sorted(p.name for p in dst.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
+    _cli("verify", dst)
+    ref = _reference()
+    for rank, got in enumerate(run_ranks(_load_rows_at_3_ranks, 3, args=(str(dst),))):
+        for key, value in ref.items():
+            if isinstance(got[key], tuple):
+                start, rows, local = got[key]
+                torch.testing.assert_close(local, value[start : start + rows], rtol=0, atol=0, msg=f"{key} rank {rank}")
+            elif isinstance(value, torch.Tensor):
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0)
+            else:
+                assert got[key] == value
+
+
+def test_split_then_merge_round_trips_weights_and_optimizer_state(src, tmp_path):
+    parts = "layers.*.mlp.w.weight,layers.*.mlp.v.weight"
+    rule = ("layers.*.mlp.linear_fc1.weight", "0", parts)
+    _cli("reshard", src, tmp_path / "split", "--world-size", "2", "--split", *rule)
+    rows = {r["key"]: r for r in json.loads(_cli("inspect", tmp_path / "split", "--json").stdout)["keys"]}
+    assert rows["model.layers.0.mlp.w.weight"]["shape"] == [3, 4]
+    assert rows["optimizer.state.layers.0.mlp.v.weight.exp_avg"]["shape"] == [3, 4]
+    assert f"model.{FC1}" not in rows and "optimizer.param_groups.layers.0.mlp.v.weight.lr" in rows
+    ref = _reference()
+    got = _load_full(tmp_path / "split", {"model.layers.0.mlp.v.weight": ref[f"model.{FC1}"][3:]})
+    torch.testing.assert_close(got["model.layers.0.mlp.v.weight"], ref[f"model.{FC1}"][3:], rtol=0, atol=0)
+    _cli("reshard", tmp_path / "split", tmp_path / "merged", "--world-size", "3", "--merge", *rule)
+    _cli("diff", src, tmp_path / "merged")
+
+
+def test_diff_exits_nonzero_on_a_one_element_change_and_honours_tolerances(src, tmp_path):
+    ref = _reference()
+    ref["model.emb.weight"] = ref["model.emb.weight"].clone()
+    ref["model.emb.weight"][3, 1] += 1e-3
+    _write(tmp_path / "changed", ref)
+    proc = _cli("diff", src, tmp_path / "changed", check=1)
+    assert "model.emb.weight: 1 of 15 elements differ" in proc.stdout and "[3, 1]" in proc.stdout
+    assert proc.stderr.strip().startswith("fsdp-ckpt: error: 1 difference(s)")
+    _cli("diff", src, tmp_path / "changed", "--atol", "1e-2")
+
+
+def test_verify_passes_then_catches_a_truncated_and_a_missing_file(src, tmp_path):
+    assert _cli("verify", src).stdout.startswith("OK")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    data = bad / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:-10])
+    proc = _cli("verify", bad, check=1)
+    assert "__1_0.distcp" in proc.stdout and "truncated" in proc.stdout
+    data.unlink()
+    proc = _cli("verify", bad, check=1)
+    assert "__1_0.distcp: missing" in proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_plain_dcp_directory_is_verified_and_exported_with_a_note(tmp_path):
+    sd = {"model.w": torch.randn(4, 2), "extra.step": 3}
+    dcp.save(sd, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    proc = _cli("verify", tmp_path / "plain")
+    assert "note: no manifest.json" in proc.stdout and "OK" in proc.stdout
+    proc = _cli("export", tmp_path / "plain", tmp_path / "p.pt", "--format", "torch")
+    assert "manifest checks" in proc.stdout
+    _assert_equal(torch.load(tmp_path / "p.pt", weights_only=True), sd)
+    (tmp_path / "plain" / "__0_0.distcp").write_bytes(b"garbage")
+    assert "truncated" in _cli("verify", tmp_path / "plain", check=1).stdout
