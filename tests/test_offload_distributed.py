@@ -1,0 +1,160 @@
+"""HybridDeviceOptimizer on sharded parameters: FSDP2 over gloo (uneven, empty shards, HSDP) and flat shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoint.shard_spec import ShardSpec, attach_shard_spec
+from offload_fsdp import HybridDeviceOptimizer
+from tests.distributed import run_ranks
+
+LR = 0.01
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    # Row counts 5, 3, 2 and 1 force uneven shards, and empty ones on 3 and 4 ranks.
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(),
+        torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1),
+    )  # fmt: skip
+
+
+def _shard(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model, opt, steps, rank, start=0):
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        model(torch.randn(4, 6, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _max_diff(a, b) -> float:
+    return max((x.full_tensor() - y.full_tensor()).abs().max().item() for x, y in zip(a, b))
+
+
+def _fsdp_body(rank: int, world_size: int, mesh_shapes: list[tuple[int, ...]]) -> list[dict]:
+    return [_fsdp_case(rank, world_size, shape) for shape in mesh_shapes]
+
+
+def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+    import torch.distributed.checkpoint.state_dict as dsd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    out: dict = {"empty_local_shards": 0}
+
+    ref = _shard(_model(), mesh)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    _train(ref, ref_opt, 2, rank)
+    for fraction in (0.5, 1.0):  # 0.0 is plain AdamW on the local shards, covered by the CPU parity tests
+        model = _shard(_model(), mesh)
+        opt = HybridDeviceOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), fraction)
+        out["empty_local_shards"] = sum(p.to_local().numel() == 0 for p in model.parameters())
+        _train(model, opt, 2, rank)
+        out[f"param_diff_{fraction}"] = _max_diff(model.parameters(), ref.parameters())
+        state = opt.state[next(model.parameters())]
+        assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == next(model.parameters()).placements
+        assert state["exp_avg"].to_local().device.type == "cpu"
+
+    # DCP's get_state_dict / set_state_dict on the wrapped optimizer, then bit-exact continuation.
+    msd, osd = dsd.get_state_dict(model, opt)
+    ref_msd, ref_osd = dsd.get_state_dict(ref, ref_opt)
+    assert sorted(osd["state"]) == sorted(ref_osd["state"])
+    out["state_diff"] = max(
+        (osd["state"][k][n].full_tensor() - ref_osd["state"][k][n].full_tensor()).abs().max().item()
+        for k in osd["state"] for n in ("exp_avg", "exp_avg_sq")
+    )  # fmt: skip
+    msd = {k: v.detach().clone() for k, v in msd.items()}
+    osd = {"state": {k: {n: t.clone() for n, t in s.items()} for k, s in osd["state"].items()},
+           "param_groups": osd["param_groups"]}  # fmt: skip
+    resumed = _shard(_model(seed=7), mesh)
+    resumed_opt = HybridDeviceOptimizer(resumed.parameters(), 1.0, lr=0.5, weight_decay=0.1)
+    dsd.set_state_dict(resumed, resumed_opt, model_state_dict=msd, optim_state_dict=osd)
+    resumed_opt.reload_model_params()
+    assert resumed_opt.param_groups[0]["lr"] == LR
+    _train(model, opt, 2, rank, start=2)
+    _train(resumed, resumed_opt, 2, rank, start=2)
+    out["resume_exact"] = all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), resumed.parameters())
+    )
+
+    if rank == 0 and len(mesh_shape) == 1 and world_size == 2:
+        from torch.distributed.tensor import Partial
+
+        bad = torch.nn.Parameter(DTensor.from_local(torch.zeros(3), mesh, [Partial()]))
+        try:
+            HybridDeviceOptimizer([("partial.w", bad)], 1.0, lr=0.1)
+        except ValueError as exc:
+            out["partial_error"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world_size, mesh_shapes", [(2, [(2,)]), (3, [(3,)]), (4, [(4,), (2, 2)])], ids=["2", "3", "4+hsdp2x2"]
+)
+def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through_dcp(world_size, mesh_shapes):
+    results = run_ranks(_fsdp_body, world_size, args=(mesh_shapes,))
+    for case, mesh_shape in enumerate(mesh_shapes):
+        for rank, per_rank in enumerate(results):
+            r = per_rank[case]
+            for fraction in (0.5, 1.0):
+                assert r[f"param_diff_{fraction}"] < 1e-5, (mesh_shape, rank, fraction, r)
+            assert r["state_diff"] < 1e-6, (mesh_shape, rank, r)
+            assert r["resume_exact"], (mesh_shape, rank)
+        if world_size > 2 and len(mesh_shape) == 1:
+            assert any(r[case]["empty_local_shards"] for r in results), "the model must produce an empty local shard"
+    if world_size == 2:
+        error = results[0][0]["partial_error"]
+        assert "Partial placement" in error and "partial.w" in error
+
+
+def _flat_shards(full: list[torch.Tensor], world_size: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s contiguous range of each flattened tensor (flat-buffer FSDP layout), as params."""
+    shards = []
+    for t in full:
+        flat = t.detach().reshape(-1)
+        per = -(-flat.numel() // world_size)
+        start = min(rank * per, flat.numel())
+        stop = min(start + per, flat.numel())
+        p = flat[start:stop].clone().requires_grad_()
+        shards.append(attach_shard_spec(p, ShardSpec(tuple(t.shape), flat_start=start)))
+    return shards
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_flat_shard_params_match_a_single_process_reference(world_size):
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(s, generator=gen).requires_grad_() for s in [(5, 3), (2,), (3, 3)]]
+    ref_opt = torch.optim.AdamW(full, lr=LR, weight_decay=0.1)
+    ranks = [_flat_shards(full, world_size, r) for r in range(world_size)]
+    opts = [HybridDeviceOptimizer(shards, 0.5, lr=LR, weight_decay=0.1) for shards in ranks]
+    for step in range(4):
+        grads = [torch.randn(t.shape, generator=gen) for t in full]
+        for t, g in zip(full, grads):
+            t.grad = g
+        for r, shards in enumerate(ranks):
+            for s, g in zip(shards, _flat_shards(grads, world_size, r)):
+                s.grad = g.detach()
+            opts[r].step()
+        ref_opt.step()
+    for i, t in enumerate(full):
+        joined = torch.cat([ranks[r][i].detach() for r in range(world_size)])
+        torch.testing.assert_close(joined, t.detach().reshape(-1), rtol=1e-5, atol=1e-6)
+    assert any(s.numel() == 0 for shards in ranks for s in shards), "a rank must hold an empty flat shard"
+    for r in range(world_size):
+        sd = opts[r].state_dict()
+        for pid, shard in enumerate(ranks[r]):
+            state = sd["state"][pid]
+            assert type(state["exp_avg"]) is torch.Tensor and state["exp_avg"].shape == shard.shape
