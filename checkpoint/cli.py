@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -386,13 +386,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
     bar = Progress(f"export {args.format}", total, not args.quiet)
-    values = ((out_name(t), v) for t, v in stream_targets(reader, tensors, cast=cast))
+    values = _renamed_values(stream_targets(reader, tensors, cast=cast), out_name)
     dst = Path(args.dst)
     start = time.perf_counter()
     if args.format == "safetensors":
         from checkpoint.safetensors_io import plan_shards, write_safetensors
 
         _check_fresh_output(dst, args.force)
+        if args.force and dst.is_dir():
+            # shards of an earlier export would otherwise sit beside the new ones, unindexed
+            for stale in [*dst.glob("model-*-of-*.safetensors"), dst / "model.safetensors.index.json"]:
+                stale.unlink(missing_ok=True)
         by_name = {n: (n, d, s) for n, d, s in specs}
         groups = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
         files = write_safetensors(
@@ -414,6 +418,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"exported {len(specs)} tensors ({human_bytes(total)}) and {len(object_values)} objects to {where} "
           f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)")
     return 0
+
+
+def _renamed_values(stream: Iterator[tuple[Target, Any]], name: Callable[[Target], str]) -> Iterator[tuple[str, Any]]:
+    for target, value in stream:
+        yield name(target), value
+        del value  # a generator expression would keep it alive while the next tensor is read
 
 
 def _json_objects(objects: dict[str, Any]) -> dict[str, Any]:

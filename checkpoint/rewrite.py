@@ -146,6 +146,7 @@ def write_checkpoint(
                 state_md[target.name] = _write_tensor(target.name, value, files, storage, world_size, max_chunk_bytes)
                 if on_bytes is not None:
                     on_bytes(value.numel() * value.element_size())
+                del value  # before the loop reads the next tensor
             else:
                 buf = io.BytesIO()
                 torch.save(value, buf)

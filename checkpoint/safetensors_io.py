@@ -117,6 +117,7 @@ def write_safetensors(
                         f"{dtype} {list(shape)} was planned (internal error; report it)"
                     )
                 f.write(_tensor_bytes(tensor))
+                del tensor  # before next(values) reads the next one
                 weight_map[name] = file_name
                 total += nbytes
                 if on_bytes is not None:

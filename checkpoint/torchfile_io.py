@@ -65,8 +65,7 @@ def write_torch_file(
         dst = mapped[name]
         if got_name != name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{got_name!r} arrived where {name!r} was planned (internal error; report it)")
-        dst.copy_(tensor)
-        _release_pages(dst)
+        _fill_in_slabs(dst, tensor)
         if on_bytes is not None:
             on_bytes(Entry(name, "tensor", dtype, shape).nbytes)
         del dst, tensor
@@ -74,6 +73,23 @@ def write_torch_file(
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+_SLAB_BYTES = 16 << 20
+
+
+def _fill_in_slabs(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` a slab at a time, releasing each slab's pages once written.
+
+    Copying the whole tensor first would make all of ``dst``'s mapped pages
+    resident at once: a second copy of the largest tensor in RSS.
+    """
+    flat_dst, flat_src = dst.view(-1), src.contiguous().view(-1)
+    step = max(_SLAB_BYTES // max(dst.element_size(), 1), 1)
+    for start in range(0, flat_dst.numel(), step):
+        piece = flat_dst[start : start + step]
+        piece.copy_(flat_src[start : start + step])
+        _release_pages(piece)
 
 
 def _release_pages(t: torch.Tensor) -> None:

@@ -376,10 +376,15 @@ def stream_targets(
     for i, target in enumerate(targets):
         for key in target.sources:
             while key not in held:
-                got, value = next(values)
-                held[got] = value
+                got, fetched = next(values)
+                held[got] = fetched
+                del fetched
         value = materialize(target, held.__getitem__)
         for key in target.sources:
             if last_use[key] == i:
                 del held[key]
-        yield target, (cast(target, value) if cast is not None else value)
+        if cast is not None:
+            value = cast(target, value)
+        yield target, value
+        # drop our reference before reading the next source: otherwise two large tensors are alive at once
+        del value
