@@ -88,6 +88,7 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
     verify: str = "sizes",
+    require_manifest: bool = True,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
@@ -97,8 +98,10 @@ def load(
     weights (``reload_model_params``) before saved masters are applied.
     ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
+    ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
+    (``False`` reads a plain ``dcp.save`` directory too): see :func:`checkpoint.open_checkpoint`.
     """
-    opened = open_checkpoint(path, verify=verify)
+    opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     saved = opened.metadata.state_dict_metadata
     targets: dict[str, Any] = {}
     optional: set[str] = set()

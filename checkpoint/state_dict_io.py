@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint.atomic import check_committed, resolve_for_load, staging_path
+from checkpoint.atomic import check_committed, is_committed, resolve_for_load, staging_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
 from checkpoint.convert import convert_tree, to_checkpointable
 from checkpoint.manifest import Manifest, checksum_file, read_manifest, verify_files
@@ -133,25 +133,34 @@ class OpenCheckpoint:
     """A committed checkpoint opened for reading: where it is, its manifest and DCP metadata."""
 
     path: Path
-    manifest: Manifest
+    manifest: Manifest | None
+    """None for a plain DCP directory opened with ``require_manifest=False``"""
     metadata: Metadata
 
 
-def open_checkpoint(path: str | os.PathLike, *, verify: str = "sizes") -> OpenCheckpoint:
+def open_checkpoint(
+    path: str | os.PathLike, *, verify: str = "sizes", require_manifest: bool = True
+) -> OpenCheckpoint:
     """Find, validate and read the metadata of the checkpoint at ``path`` (no communication).
 
     ``verify``: ``"sizes"`` (default) checks every file's size and the CRC-32 of
     ``.metadata``; ``"full"`` also the CRC-32 of every data file (reads them
-    all); ``"none"`` checks nothing. Raises ``FileNotFoundError``,
+    all); ``"none"`` checks nothing. ``require_manifest=False`` also opens a
+    plain DCP directory (``.metadata``, no manifest: e.g. written by
+    ``dcp.save``), unchecked. Raises ``FileNotFoundError``,
     :class:`~checkpoint.manifest.NotACheckpointError` or
     :class:`CheckpointCorruptError` naming the path / file.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     src = resolve_for_load(path)
-    check_committed(src)
-    manifest = read_manifest(src)
-    if verify != "none":
+    manifest = None
+    if require_manifest or not (src / ".metadata").is_file() or is_committed(src):
+        check_committed(src)
+        manifest = read_manifest(src)
+    else:
+        logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
+    if verify != "none" and manifest is not None:
         problems = verify_files(src, manifest, checksums=verify == "full")
         md_record = manifest.files.get(".metadata")
         if not problems and verify == "sizes" and md_record is not None:
@@ -238,6 +247,7 @@ def load_state_dict(
     *,
     strict: bool = True,
     verify: str = "sizes",
+    require_manifest: bool = True,
 ) -> LoadReport:
     """Fill ``state_dict`` from the checkpoint at ``path``: tensors in place, other values replaced.
 
@@ -245,9 +255,9 @@ def load_state_dict(
     paths of the nested dict (``{"model": {"w": t}}`` is ``model.w``).
     ``strict`` raises ``ValueError`` naming missing / unexpected (within the
     top-level sections given) / mis-shaped keys; otherwise they are skipped and
-    returned in the :class:`LoadReport`.
+    returned in the :class:`LoadReport`. ``verify`` / ``require_manifest``: see :func:`open_checkpoint`.
     """
-    opened = open_checkpoint(path, verify=verify)
+    opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     flat, mappings = flatten_state_dict(state_dict)
     scope = tuple(f"{k}." for k in state_dict)
     report, values = load_flat(opened, flat, strict=strict, scope=scope)

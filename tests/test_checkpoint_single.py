@@ -126,35 +126,27 @@ def test_plain_dcp_reads_ours_and_ours_reads_plain_dcp(tmp_path):
     msd, osd = get_state_dict(model2, opt2, options=StateDictOptions(flatten_optimizer_state_dict=True))
     for t in msd.values():
         t.zero_()
-    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "ours", no_dist=True)
+    with pytest.warns(UserWarning):
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "ours", no_dist=True)
     assert torch.equal(msd["2.weight"], model[2].weight)
-
-    # plain DCP (torch's default, unflattened optimizer layout) -> ours
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
-    manifestless = tmp_path / "plain"
-    with pytest.raises(NotACheckpointError):
-        checkpoint.load(manifestless, model=model2)
-    state = {"model": checkpoint.load_state_dict.__module__ and {k: torch.zeros_like(v) for k, v in msd.items()}}
-    dcp.load(state, checkpoint_id=manifestless, no_dist=True)
-    assert torch.equal(state["model"]["0.bias"], model[0].bias)
+    assert torch.equal(osd["state.2.weight.exp_avg"], opt.state[model[2].weight]["exp_avg"])
+    assert osd["param_groups.2.weight.lr"] == opt.param_groups[0]["lr"]
 
 
-def test_a_plain_dcp_checkpoint_committed_with_a_manifest_loads_optimizer_state_and_groups(tmp_path):
+
+def test_a_plain_get_state_dict_dcp_save_loads_optimizer_state_and_groups_with_require_manifest_off(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from checkpoint.commit import build_manifest
-    from checkpoint.manifest import checksum_file, write_manifest
 
     model, opt, sched = _setup()
     _train(model, opt, sched, 2, seed=1)
-    msd, osd = get_state_dict(model, opt)
-    metadata = dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
-    files = {p.name: checksum_file(p) for p in (tmp_path / "plain").iterdir()}
-    write_manifest(tmp_path / "plain", build_manifest(metadata, files, 1))
+    msd, osd = get_state_dict(model, opt)  # torch's default, unflattened optimizer layout
+    with pytest.warns(UserWarning):
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
 
     model2, opt2, _ = _setup(seed=3, lr=0.7)
-    checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2)
+    with pytest.raises(NotACheckpointError):
+        checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2)
+    checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2, require_manifest=False)
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
