@@ -116,6 +116,8 @@ def _open(path: str, *, warn: bool = True, check_sizes: bool = True) -> Checkpoi
         problems = verify_files(reader.path, reader.manifest, checksums=False)
         if problems:
             raise CliError(f"{problems[0]}; run `{PROG} verify {path}` for every problem, then restore or re-save it")
+    logger.info("opened %s: %d keys, %s of tensors, world size %s", path, len(reader.entries),
+                human_bytes(sum(e.nbytes for e in reader.entries.values())), reader.world_size)
     return reader
 
 
@@ -289,17 +291,27 @@ def _coverage_problems(entry: Entry) -> list[str]:
 def _readability_problems(reader: CheckpointReader, *, skip_files: set[str], progress: bool) -> list[str]:
     problems = []
     bar = Progress("verify", sum(e.nbytes for e in reader.entries.values()), progress)
-    for key, entry in reader.entries.items():
-        files = {str(reader.path / f) for f in reader.files_of(key)}
-        if files & skip_files:
-            continue  # already reported as missing / truncated: reading it would only repeat that
-        try:
-            reader.read(key)
-        except ValueError as exc:
-            problems.append(f"{key}: cannot be read: {exc}")
-        bar.add(entry.nbytes)
+    keys = [
+        key for key in reader.entries
+        # already reported as missing / truncated: reading it would only repeat that
+        if not {str(reader.path / f) for f in reader.files_of(key)} & skip_files
+    ]
+    for batch in reader.batches(keys):
+        problems += _read_problems(reader, batch)
+        bar.add(sum(reader.entries[k].nbytes for k in batch))
     bar.close()
     return problems
+
+
+def _read_problems(reader: CheckpointReader, keys: list[str]) -> list[str]:
+    """Read ``keys`` in one pass; on failure, one by one so that each unreadable key is named."""
+    try:
+        reader.read_many(keys)
+        return []
+    except ValueError as exc:
+        if len(keys) == 1:
+            return [f"{keys[0]}: cannot be read: {exc}"]
+    return [problem for key in keys for problem in _read_problems(reader, [key])]
 
 
 # --------------------------------------------------------------------------- diff
@@ -312,20 +324,24 @@ def cmd_diff(args: argparse.Namespace) -> int:
         differences.append(f"only in A: {key}")
     for key in sorted(set(b.entries) - set(a.entries)):
         differences.append(f"only in B: {key}")
-    common = [k for k in a.entries if k in b.entries]
-    same = 0
-    bar = Progress("diff", sum(a.entries[k].nbytes for k in common), not args.quiet)
-    for key in common:
+    common = []
+    for key in (k for k in a.entries if k in b.entries):
         ea, eb = a.entries[key], b.entries[key]
         if ea.kind != eb.kind or ea.dtype != eb.dtype or ea.shape != eb.shape:
             differences.append(f"{key}: A is {_describe(ea)}, B is {_describe(eb)}")
-            continue
-        found = _value_difference(key, a.read(key), b.read(key), args.atol, args.rtol)
+        else:
+            common.append(key)
+    same = 0
+    bar = Progress("diff", sum(a.entries[k].nbytes for k in common), not args.quiet)
+    # both sides in lockstep, small keys in batches: one tensor pair (plus a batch) in memory
+    for (key, va), (_, vb) in zip(a.iter_values(common), b.iter_values(common)):
+        found = _value_difference(key, va, vb, args.atol, args.rtol)
+        del va, vb
         if found:
             differences.append(found)
         else:
             same += 1
-        bar.add(ea.nbytes)
+        bar.add(a.entries[key].nbytes)
     bar.close()
     for line in differences:
         print(line)
@@ -365,6 +381,7 @@ def _value_difference(key: str, va: Any, vb: Any, atol: float, rtol: float) -> s
 def cmd_export(args: argparse.Namespace) -> int:
     reader = _open(args.src)
     targets = plan(reader.entries, _rules(args))
+    logger.info("planned %d outputs from %d keys", len(targets), len(reader.entries))
     if args.model_only:
         targets = [t for t in targets if t.name.startswith("model.")]
     if not targets:
@@ -399,6 +416,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 stale.unlink(missing_ok=True)
         by_name = {n: (n, d, s) for n, d, s in specs}
         groups = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
+        logger.info("writing %d safetensors shard(s) of at most %s", len(groups), human_bytes(args.max_shard_size))
         files = write_safetensors(
             dst, [[by_name[n] for n in g] for g in groups], values,
             objects=_json_objects(object_values), full_keys=not args.model_only, on_bytes=bar.add,
@@ -468,6 +486,7 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
     if args.world_size < 1:
         raise CliError(f"--world-size {args.world_size} must be at least 1")
     targets = plan(source.entries, _rules(args))
+    logger.info("planned %d keys from %d; writing for %d rank(s)", len(targets), len(source.entries), args.world_size)
     dst = Path(args.dst)
     total = sum(t.nbytes for t in targets)
     bar = Progress(verb.removesuffix("ed"), total, not args.quiet)

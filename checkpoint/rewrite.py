@@ -176,7 +176,6 @@ def write_checkpoint(
         raise
     info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
     commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
-    logger.info("committed %s: %d keys for %d ranks", dst, len(state_md), world_size)
 
 
 def _check(target: Target, value: torch.Tensor) -> None:

@@ -124,6 +124,7 @@ def write_safetensors(
                     on_bytes(nbytes)
             f.flush()
             os.fsync(f.fileno())
+        logger.info("wrote %s (%d tensors)", file_name, len(specs))
     index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if objects:
         index["metadata"][OBJECTS_KEY] = objects

@@ -200,28 +200,30 @@ class CheckpointReader:
             ) from exc
         return state
 
+    def batches(self, keys: Iterable[str], *, batch_bytes: int = 64 << 20) -> Iterator[list[str]]:
+        """``keys`` in order, grouped into runs of about ``batch_bytes`` (a larger tensor alone)."""
+        batch: list[str] = []
+        size = 0
+        for key in keys:
+            nbytes = self.entries[key].nbytes
+            if batch and size + nbytes > batch_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append(key)
+            size += nbytes
+        if batch:
+            yield batch
+
     def iter_values(self, keys: Iterable[str], *, batch_bytes: int = 64 << 20) -> Iterator[tuple[str, Any]]:
         """``(key, value)`` in order, reading small keys in batches of about ``batch_bytes``.
 
         Batching spares one DCP load per tiny tensor; memory stays bounded by
         ``max(batch_bytes, largest tensor)`` plus one stored chunk.
         """
-        batch: list[str] = []
-        size = 0
-        for key in keys:
-            nbytes = self.entries[key].nbytes
-            if batch and size + nbytes > batch_bytes:
-                yield from self._read_batch(batch)
-                batch, size = [], 0
-            batch.append(key)
-            size += nbytes
-        if batch:
-            yield from self._read_batch(batch)
-
-    def _read_batch(self, keys: list[str]) -> Iterator[tuple[str, Any]]:
-        values = self.read_many(keys)
-        for key in keys:
-            yield key, values.pop(key)
+        for batch in self.batches(keys, batch_bytes=batch_bytes):
+            values = self.read_many(batch)
+            for key in batch:
+                yield key, values.pop(key)
 
 
 def _entry(key: str, md: Any) -> Entry:

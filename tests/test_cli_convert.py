@@ -155,6 +155,19 @@ def test_import_of_a_torch_model_state_dict_prefixes_model(tmp_path):
     _cli("verify", tmp_path / "ck")
 
 
+def test_import_reads_dcp_to_torch_save_output_and_a_single_safetensors_file(src, tmp_path):
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(src, tmp_path / "d.pt")
+    _cli("import", tmp_path / "d.pt", tmp_path / "from_torch")
+    _cli("diff", src, tmp_path / "from_torch")
+    w = torch.randn(3, 5).bfloat16()
+    save_file({"head.weight": w}, tmp_path / "one.safetensors")
+    _cli("import", tmp_path / "one.safetensors", tmp_path / "from_st", "--world-size", "4")
+    _assert_equal(_load_full(tmp_path / "from_st", {"model.head.weight": w}), {"model.head.weight": w})
+
+
 def _load_rows_at_3_ranks(rank: int, world_size: int, path: str) -> dict:
     """Each rank loads its FSDP2-style row block (empty past the last row) through checkpoint.load_state_dict."""
     ref = _reference()
@@ -226,6 +239,11 @@ def test_verify_passes_then_catches_a_truncated_and_a_missing_file(src, tmp_path
     data.write_bytes(data.read_bytes()[:-10])
     proc = _cli("verify", bad, check=1)
     assert "__1_0.distcp" in proc.stdout and "truncated" in proc.stdout
+    shutil.copy(src / "__1_0.distcp", data)
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # same size, one byte flipped
+    data.write_bytes(bytes(raw))
+    assert "CRC-32 does not match" in _cli("verify", bad, check=1).stdout
     data.unlink()
     proc = _cli("verify", bad, check=1)
     assert "__1_0.distcp: missing" in proc.stdout

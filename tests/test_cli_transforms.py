@@ -123,3 +123,18 @@ def test_bad_rule_syntax_is_a_value_error():
         Rename("(", "x")
     with pytest.raises(ValueError, match="same number"):
         Split("a.*", 0, ("b", "c.*"))
+
+
+def test_rules_file_gives_the_same_rules_as_flags(tmp_path):
+    import json
+
+    (tmp_path / "rules.json").write_text(json.dumps({
+        "rename": [["^emb\\.", "embed."]],
+        "split": [{"fused": FC1, "dim": 0, "parts": list(PARTS)}],
+    }))
+    from_file = Rules.from_file(tmp_path / "rules.json")
+    assert from_file == Rules(renames=(Rename("^emb\\.", "embed."),), splits=(Split(FC1, 0, PARTS),))
+    assert "model.embed.weight" in _run(_state(), from_file)
+    (tmp_path / "bad.json").write_text('{"split": [{"fused": "x"}]}')
+    with pytest.raises(ValueError, match="not valid"):
+        Rules.from_file(tmp_path / "bad.json")
