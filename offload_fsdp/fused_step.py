@@ -12,14 +12,17 @@ buffer H2D copies from). One kernel call per piece, covering every record in it.
 Records without a gradient this step are left out of the kernel call (no update,
 no weight decay, no step count), exactly like torch skips params whose grad is None.
 
-bf16 moments are written back with *stochastic* rounding: with round-to-nearest,
+bf16 moments with a slow decay are written back with *stochastic* rounding: with round-to-nearest,
 ``exp_avg_sq * 0.999`` rounds back to ``exp_avg_sq`` (the change is below half a
 bf16 ulp), so the second moment would stop decaying. The rounding noise is
-counter-based, not drawn from a generator: a fixed table of uniform 16-bit
-values (one per piece position) shifted by a golden-ratio multiple of (step,
-piece offset, moment), so each element sees an equidistributed sequence over
-steps. It is a pure function of the state, so resume stays bit-exact, and it
-costs two integer passes over a cache-resident piece.
+counter-based, not drawn from a generator: a window, at an offset derived from
+(step, piece position, moment), into a fixed table of uniform 16-bit values. It
+is a pure function of the state, so resume stays bit-exact, and costs no extra
+kernel to generate.
+
+When nothing needs a cast (fp32 params, grads and moments) the whole bucket is
+one kernel call over per-record views: there is nothing to fold, and piecing
+would only add per-call overhead.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from offload_fsdp.records import ParamShard
 
 __all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step"]
 
-PIECE_NUMEL = 1 << 16
-"""Elements per piece: 64K fp32 x 4 streams (param, grad, 2 moments) = 1 MiB, within L2."""
+PIECE_NUMEL = 1 << 18
+"""Elements per piece: 256K fp32 x 4 streams (param, grad, 2 moments) = 4 MiB, cache-resident
+(L2/L3), while keeping the per-piece dispatch overhead (~10 small ops) well below the piece's work."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,12 @@ class AdamHyper:
         )  # fmt: skip
 
 
-_GOLDEN = 40503  # round(65536 / golden ratio): consecutive steps spread the noise evenly over [0, 65536)
+_GOLDEN = 40503  # round(65536 / golden ratio): spreads successive counters over the table
+_NOISE_SPAN = 1 << 16
+_SR_BELOW = 1.0 / 64
+"""Stochastic rounding for a moment whose per-step decay 1-beta is below this (beta2=0.999, beta1=0.99):
+smaller relative changes are lost or biased by round-to-nearest in bf16 (8 mantissa bits). For
+beta1=0.9 the 10% change per step is well resolved and the cheaper plain cast is used."""
 
 
 class FusedScratch:
@@ -76,13 +85,14 @@ class FusedScratch:
         return self._buffers[name]
 
     def noise(self, n: int, counter: int) -> torch.Tensor:
-        """16-bit rounding noise for ``n`` elements: the fixed table shifted by ``counter``."""
+        """``n`` uniform 16-bit values (int32) for ``counter``: a window into a fixed random table."""
         if "table" not in self._buffers:
             gen = torch.Generator().manual_seed(0x5EED)  # fixed: the noise must not depend on global RNG state
-            self._buffers["table"] = torch.randint(0, 1 << 16, (self.numel,), dtype=torch.int32, generator=gen)
-        out = self.get("noise", torch.int32)[:n]
-        torch.add(self._buffers["table"][:n], (counter * _GOLDEN) & 0xFFFF, out=out)
-        return out.bitwise_and_(0xFFFF)
+            self._buffers["table"] = torch.randint(
+                0, 1 << 16, (self.numel + _NOISE_SPAN,), dtype=torch.int32, generator=gen
+            )
+        offset = (counter * _GOLDEN) % _NOISE_SPAN
+        return self._buffers["table"][offset : offset + n]
 
 
 def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:
@@ -113,6 +123,13 @@ def _segments(records: list[ParamShard], start: int, stop: int) -> list[tuple[in
     return out
 
 
+def _kernel_call(kernel, hyper: AdamHyper, p, g, m, v, steps) -> None:
+    kernel(
+        p, g, m, v, [], steps, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+    )  # fmt: skip
+
+
 @torch.no_grad()
 def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch) -> None:
     """One Adam/AdamW update of ``active`` records of ``bucket`` (their ``step`` already incremented).
@@ -124,25 +141,26 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
     """
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     active = sorted(active, key=lambda r: r.offset)
-    lo, hi = active[0].offset, max(r.offset + r.numel for r in active)
     m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
-    master, stage = bucket.master, bucket.param_stage
+    master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
+    flats = (master, grads, m_flat, v_flat)
+    if stage is None and all(t.dtype == torch.float32 for t in flats):
+        spans = [slice(r.offset, r.offset + r.numel) for r in active if r.numel]
+        if spans:
+            _kernel_call(kernel, hyper, *([t[s] for s in spans] for t in flats), [r.state["step"] for r in active if r.numel])
+        return
+    lo, hi = active[0].offset, max(r.offset + r.numel for r in active)
     for start in range(lo, hi, scratch.numel):
         stop = min(start + scratch.numel, hi)
         segs = _segments(active, start, stop)
         if not segs:
             continue
         p = _as_fp32(master, start, stop, scratch, "param")
-        g = _as_fp32(bucket.grad_stage, start, stop, scratch, "grad")
+        g = _as_fp32(grads, start, stop, scratch, "grad")
         m = _as_fp32(m_flat, start, stop, scratch, "exp_avg")
         v = _as_fp32(v_flat, start, stop, scratch, "exp_avg_sq")
         views = [slice(b - start, e - start) for b, e, _ in segs]
-        kernel(
-            [p[s] for s in views], [g[s] for s in views], [m[s] for s in views], [v[s] for s in views], [],
-            [r.state["step"] for _, _, r in segs],
-            lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
-            eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
-        )  # fmt: skip
+        _kernel_call(kernel, hyper, *([t[s] for s in views] for t in (p, g, m, v)), [r.state["step"] for _, _, r in segs])
         # Cast back whole pieces: records without a grad in the piece are unchanged,
         # and a cast of an unchanged exact upcast is the identity.
         if master.dtype != torch.float32:
@@ -150,9 +168,12 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         if m_flat.dtype != torch.float32 or v_flat.dtype != torch.float32:
             # counter: (step, position in the bucket, which moment) -> distinct, reproducible noise
             counter = int(segs[0][2].state["step"]) * 7919 + start // scratch.numel * 104729
-            if m_flat.dtype != torch.float32:
-                _stochastic_round_into(m_flat[start:stop], m, scratch.noise(stop - start, counter))
-            if v_flat.dtype != torch.float32:
-                _stochastic_round_into(v_flat[start:stop], v, scratch.noise(stop - start, counter + 1))
+            for flat, fp32, beta, salt in ((m_flat, m, hyper.beta1, 0), (v_flat, v, hyper.beta2, 1)):
+                if flat.dtype == torch.float32:
+                    continue
+                if 1.0 - beta < _SR_BELOW:
+                    _stochastic_round_into(flat[start:stop], fp32, scratch.noise(stop - start, counter + salt))
+                else:
+                    flat[start:stop].copy_(fp32)  # a decay this strong survives round-to-nearest
         if stage is not None:
             stage[start:stop].copy_(p)
