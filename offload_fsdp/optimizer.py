@@ -37,6 +37,7 @@ from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngin
 from offload_fsdp.delegate import DelegatedOptimizer
 from offload_fsdp.fused_step import AdamHyper, FusedScratch, adam_bucket_step
 from offload_fsdp.records import ParamShard, build_records, partition
+from offload_fsdp.state_io import check_groups_match, load_record_state
 from optim.grad import get_grad, local_tensor
 from optim.precision import PrecisionPolicy
 
@@ -524,17 +525,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}; build the optimizer with the same groups as the one saved"
-            )
-        for i, (ours, theirs) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(ours["params"]) != len(theirs["params"]):
-                raise ValueError(
-                    f"parameter group {i} has {len(ours['params'])} params but the loaded group has "
-                    f"{len(theirs['params'])}; build the optimizer with the same groups as the one saved"
-                )
+        check_groups_match(self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
         self.reload_model_params()
@@ -544,50 +535,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if saved is None or not r.trainable:
                 self._forget(r)
                 continue
-            self._load_record(r, saved)
+            owner = self.cpu_optimizer_cls if r.offloaded else self.gpu_optimizer_cls
+            load_record_state(r, saved, owner.__name__)
         for ours, theirs in zip(self.param_groups, saved_groups):
             ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _load_record(self, r: ParamShard, saved: dict[str, Any]) -> None:
-        expected = set(r.state) - {"master_param"}
-        got = set(saved) - {"master_param"}
-        if expected != got:
-            raise ValueError(
-                f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
-                f"({self.cpu_optimizer_cls.__name__ if r.offloaded else self.gpu_optimizer_cls.__name__}); "
-                "was it saved with another optimizer class or options (e.g. amsgrad)?"
-            )
-        for key, value in saved.items():
-            if key == "master_param":
-                continue
-            dst = r.state[key]
-            if not isinstance(dst, torch.Tensor):
-                r.state[key] = value
-                if r.inner_state is not None:
-                    r.inner_state[key] = value
-                continue
-            src = local_tensor(value) if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-            dst_local = local_tensor(dst)
-            if src.shape != dst_local.shape:
-                raise ValueError(
-                    f"optimizer state {key!r} of parameter {r.name!r} has local shape {tuple(src.shape)}, "
-                    f"expected {tuple(dst_local.shape)}; load through checkpoint.load to reshard"
-                )
-            dst_local.copy_(src)
-        master = saved.get("master_param")
-        if master is not None and r.has_separate_master:
-            src = local_tensor(master)
-            target = r.master if r.offloaded else r.working
-            if src.shape != target.shape:
-                raise ValueError(
-                    f"master_param of parameter {r.name!r} has local shape {tuple(src.shape)}, "
-                    f"expected {tuple(target.shape)}"
-                )
-            target.copy_(src)
-            if r.offloaded:
-                r.param_stage.copy_(r.master)
-                r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
-            else:
-                r.local.copy_(r.working)

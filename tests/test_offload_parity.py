@@ -290,3 +290,14 @@ def test_cache_sized_pieces_that_split_params_give_the_same_update_as_whole_buck
     else:  # the rounding noise depends on the piece grid: equal up to bf16 moment rounding
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, rtol=0, atol=0.02)
+
+
+def test_partition_is_logged_once_at_construction(caplog):
+    params = _params(torch.bfloat16)
+    with caplog.at_level("INFO", logger="offload_fsdp.optimizer"):
+        HybridDeviceOptimizer(params, 0.5, lr=0.01)
+    messages = [r.getMessage() for r in caplog.records if "partition" in r.getMessage()]
+    host = sum(p.numel() for p in params[:2])  # 21 + 5 elements: the whole-param prefix nearest to half of 48
+    assert len(messages) == 1
+    assert f"host 2 params / {host} elements / {2 * host} bytes" in messages[0]
+    assert "pinned host bytes reserved" in messages[0]

@@ -25,7 +25,7 @@ def _grads(step, dtype):
 
 def _steps(opt, params, start, stop):
     for step in range(start, stop):
-        for p, g in zip(params, _grads(step, p.dtype if False else params[0].dtype)):
+        for p, g in zip(params, _grads(step, params[0].dtype)):
             p.grad = g
         opt.step()
 

@@ -1,0 +1,87 @@
+"""Loading a torch-convention optimizer state dict into records' existing tensors, in place.
+
+The optimizer's state tensors are views of flat host buckets (or a delegated
+optimizer's own tensors), so a load must *copy into* them, never replace them:
+the next step keeps using the same storage. Values may arrive as DTensors (from
+``torch.distributed.checkpoint.state_dict.set_state_dict``) or plain tensors, in
+any dtype (``copy_`` converts: fp32 moments load into bf16 host moments).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from offload_fsdp.records import ParamShard
+from optim.grad import local_tensor
+
+__all__ = ["check_groups_match", "load_record_state"]
+
+
+def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    """Raise ``ValueError`` unless the saved groups have our group count and per-group param counts."""
+    if len(saved) != len(ours):
+        raise ValueError(
+            f"loaded state dict has {len(saved)} parameter groups, this optimizer has {len(ours)}; "
+            "build the optimizer with the same groups as the one saved"
+        )
+    for i, (a, b) in enumerate(zip(ours, saved)):
+        if len(a["params"]) != len(b["params"]):
+            raise ValueError(
+                f"parameter group {i} has {len(a['params'])} params but the loaded group has "
+                f"{len(b['params'])}; build the optimizer with the same groups as the one saved"
+            )
+
+
+def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> None:
+    """Copy ``saved`` (one param's state) into ``r``'s materialised state; then its master, if saved.
+
+    Preconditions: ``r.state`` exists (materialised) and the masters were refreshed
+    from the params. Side effects: state tensors, the master and (when a
+    ``master_param`` is loaded) the param itself, set to the master's cast.
+    """
+    expected = set(r.state) - {"master_param"}
+    got = set(saved) - {"master_param"}
+    if expected != got:
+        raise ValueError(
+            f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
+            f"({class_name}); was it saved with another optimizer class or options (e.g. amsgrad)?"
+        )
+    for key, value in saved.items():
+        if key != "master_param":
+            _load_value(r, key, value)
+    master = saved.get("master_param")
+    if master is not None and r.has_separate_master:
+        _load_master(r, local_tensor(master))
+
+
+def _load_value(r: ParamShard, key: str, value: Any) -> None:
+    dst = r.state[key]
+    if not isinstance(dst, torch.Tensor):  # a plain number kept by some optimizer classes
+        r.state[key] = value
+        if r.inner_state is not None:
+            r.inner_state[key] = value
+        return
+    src = local_tensor(value) if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    dst_local = local_tensor(dst)
+    if src.shape != dst_local.shape:
+        raise ValueError(
+            f"optimizer state {key!r} of parameter {r.name!r} has local shape {tuple(src.shape)}, "
+            f"expected {tuple(dst_local.shape)}; load through checkpoint.load to reshard"
+        )
+    dst_local.copy_(src)
+
+
+def _load_master(r: ParamShard, src: torch.Tensor) -> None:
+    target = r.master if r.offloaded else r.working
+    if src.shape != target.shape:
+        raise ValueError(
+            f"master_param of parameter {r.name!r} has local shape {tuple(src.shape)}, expected {tuple(target.shape)}"
+        )
+    target.copy_(src)
+    if r.offloaded:
+        r.param_stage.copy_(r.master)
+        r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
+    else:
+        r.local.copy_(r.working)
