@@ -77,8 +77,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params_or_optimizer: parameters / param groups (``(name, param)`` pairs give
             error messages the FQN), or an existing ``torch.optim.Optimizer`` to wrap:
             its class, groups, hyper-parameters and any state are taken over.
-        offload_fraction: share (in [0, 1]) of trainable local elements whose update
-            runs on the host, as a whole-parameter prefix in parameter order.
+        offload_fraction: share (in [0, 1]) of trainable device-resident local elements whose
+            update runs on the host, as a whole-parameter prefix in parameter order. Params
+            already on the CPU always update on the host; without an accelerator all params
+            are on the CPU and the fraction splits them between the host path and the plain
+            ("device") optimizer, so both code paths run everywhere.
         cpu_optimizer_cls: class of the host update; default the wrapped optimizer's
             class, else ``torch.optim.AdamW``. ``Adam``/``AdamW`` (without amsgrad) use a
             bucketed fused kernel; any other class runs as one instance per bucket.
@@ -132,11 +135,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._engines: dict[torch.device, CopyEngine] = {}
 
         self._records = build_records(self.param_groups)
-        partition(self._records, fraction)
+        accelerated = torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in self._records)
+        partition(self._records, fraction, host_resident_is_offloaded=accelerated)
         for r in self._records:
             if r.offloaded:
                 r.grad_dtype = self.precision.main_grads_dtype or r.param.dtype
-        accelerated = torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in self._records)
         self._buckets, self._host_buffers = build_buckets(
             self._records,
             bucket_numel=bucket_numel,

@@ -158,21 +158,31 @@ def build_records(param_groups: list[dict[str, Any]]) -> list[ParamShard]:
     return records
 
 
-def partition(records: list[ParamShard], offload_fraction: float) -> None:
+def partition(records: list[ParamShard], offload_fraction: float, *, host_resident_is_offloaded: bool) -> None:
     """Mark a prefix (in parameter order) of the trainable records as offloaded; deterministic.
 
     Whole parameters move; a parameter goes to the host when the midpoint of its
-    element range lies within the first ``offload_fraction`` of all trainable
+    element range lies within the first ``offload_fraction`` of all candidate
     local elements, so the host share is the closest whole-parameter prefix to
     the requested fraction. 0 offloads nothing, 1 everything (empty shards
     included). Frozen parameters are never offloaded (they are never updated).
-    Each rank partitions its own local shard independently: no communication.
+
+    With ``host_resident_is_offloaded`` (an accelerator holds some params), params
+    already on the CPU always take the host path and the fraction counts
+    device-resident elements only. Without an accelerator every param is on the
+    CPU and the fraction counts them all. Each rank partitions its own local
+    shard independently: no communication.
     """
     trainable = [r for r in records if r.trainable]
-    total = sum(r.numel for r in trainable)
+    candidates = trainable
+    if host_resident_is_offloaded:
+        for r in trainable:
+            r.offloaded = r.local.device.type == "cpu"
+        candidates = [r for r in trainable if not r.offloaded]
+    total = sum(r.numel for r in candidates)
     target = offload_fraction * total
     seen = 0
-    for record in trainable:
+    for record in candidates:
         if offload_fraction >= 1.0:
             record.offloaded = True
         elif offload_fraction <= 0.0:

@@ -136,3 +136,10 @@ def test_materialize_and_resume_on_gpu_are_bit_exact():
     _train(c, opt_c, 2, n)
     for x, y in zip(a.parameters(), c.parameters()):
         assert torch.equal(x, y)
+
+
+def test_cpu_resident_params_always_update_on_the_host_and_the_fraction_counts_device_params():
+    on_gpu = [torch.zeros(10, device="cuda", requires_grad=True) for _ in range(4)]
+    on_cpu = torch.zeros(100, requires_grad=True)
+    opt = HybridDeviceOptimizer(on_gpu[:2] + [on_cpu] + on_gpu[2:], 0.5, lr=0.1)
+    assert [r.offloaded for r in opt._records] == [True, True, True, False, False]
