@@ -260,6 +260,14 @@ def _four_rank_body(rank: int, world_size: int, root: str, ref_a: dict) -> dict:
     target = _flat_model(_net(8), rank, world_size)
     target_opt = torch.optim.AdamW(target.parameters(), lr=0.3)
     checkpoint.load(root / "a", model=target, optimizer=target_opt)
+    # HSDP (2 replicas x 2 shards): each replicated shard is written once, in both modes
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp = _net(4)
+    for module in (*hsdp.blocks, hsdp.head, hsdp):
+        fully_shard(module, mesh=mesh)
+    checkpoint.save(root / "hsdp", model=hsdp)
+    checkpoint.save(root / "hsdp_scale", model=hsdp, mode="scale")
+    dist.barrier()
     return {"ref_flat": _portable(ref_flat) if rank == 0 else None, "flat_from_fsdp": _mismatches(target, target_opt, ref_a)}
 
 
@@ -276,6 +284,10 @@ def _three_rank_body(rank: int, world_size: int, root: str, ref_a: dict, ref_fla
         opt = torch.optim.AdamW(model.parameters(), lr=0.3)
         checkpoint.load(root / source, model=model, optimizer=opt, **kwargs)
         out[name] = _mismatches(model, opt, ref)
+    for source in ("hsdp", "hsdp_scale"):
+        model = _fsdp(_net(9), world_size)
+        checkpoint.load(root / source, model=model)
+        out[source] = [n for n, p in model.named_parameters() if not torch.equal(_full(p), _net(4).get_parameter(n))]
     # plain DCP reads ours at another world size
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -308,7 +320,13 @@ def test_checkpoints_move_between_fsdp2_flat_shards_and_world_sizes(tmp_path):
     three = run_ranks(_three_rank_body, 3, args=(root, ref_a, ref_flat))
     ref_a, ref_flat = _tensors(ref_a), _tensors(ref_flat)
     for result in three:
-        assert result == {"fsdp2": [], "scale": [], "flat4": [], "plain": [], "plain_dcp_reads_ours": []}
+        assert result == {
+            "fsdp2": [], "scale": [], "flat4": [], "plain": [], "hsdp": [], "hsdp_scale": [], "plain_dcp_reads_ours": []
+        }
+    for source in ("hsdp", "hsdp_scale"):  # every stored byte is referenced once: no replica written twice
+        data_bytes = sum(f.stat().st_size for f in (tmp_path / source).glob("*.distcp"))
+        storage = checkpoint.open_checkpoint(tmp_path / source).metadata.storage_data
+        assert sum(info.length for info in storage.values()) == data_bytes, source
 
     # ... and a single process, no process group
     for source, ref in (("a", ref_a), ("flat4", ref_flat)):

@@ -1,0 +1,296 @@
+"""Benchmark the fsdp_dtensor checkpoint format: ratios measured in one run, on one file system.
+
+    python scripts/bench_checkpoint.py                          # 256 MiB state, merge sim at 1,024 ranks
+    python scripts/bench_checkpoint.py --mib 1024 --dir /nvme/tmp --merge-ranks 1024 8192
+
+Parts (``--parts`` picks a subset):
+
+* ``throughput``: one process saves / loads a state of ``--mib`` MiB (8 tensors
+  plus small ones). Bars: a raw sequential write + fsync of the same bytes to
+  one file, and a cold read of it; and plain ``dcp.save`` / ``dcp.load`` of the
+  same state. "Cold": every file is dropped from the page cache with
+  ``posix_fadvise(DONTNEED)`` after it is written (no root needed).
+* ``collectives``: calls to torch.distributed collectives per save on 2 gloo
+  ranks for 8 / 64 / 512 tensors: ours (collective and scale mode) and a
+  per-tensor metadata ``all_gather_object`` (what Megatron-LM's flat-buffer
+  checkpointing does today).
+* ``ranks``: save wall time of the same global state at 1, 2 and 4 ranks (2 cores here).
+* ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
+  tensors (each tensor row-sharded over all ranks) built in one process; time
+  of our commit merge (+ validation) vs DCP's central planning (dedup + global
+  plan + validation) on the SavePlans it would gather, the bytes the
+  coordinator receives either way, and the ``.metadata`` size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+import checkpoint  # noqa: E402
+
+
+def _drop_cache(path: Path) -> None:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _state(total_bytes: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    big = total_bytes // 8 // 4
+    cols = 1024
+    state = {f"layers.{i}.weight": torch.randn(big // cols, cols) for i in range(8)}
+    state.update({f"layers.{i}.bias": torch.randn(cols) for i in range(8)})
+    return state
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_throughput(root: Path, mib: int) -> None:
+    state = _state(mib << 20)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    blob_path = root / "raw.bin"
+
+    def raw_write():
+        with open(blob_path, "wb") as f:
+            for t in state.values():
+                f.write(memoryview(t.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def raw_read():
+        with open(blob_path, "rb") as f:
+            while f.readinto(buffer):
+                pass
+
+    buffer = bytearray(16 << 20)
+    results = {}
+    for name, save, load, target in (
+        ("raw", raw_write, raw_read, blob_path),
+        ("ours", lambda: checkpoint.save_state_dict({"model": state}, root / "ours"),
+         lambda: checkpoint.load_state_dict({"model": {k: torch.empty_like(v) for k, v in state.items()}}, root / "ours"),
+         root / "ours"),
+        ("dcp", lambda: dcp.save({"model": state}, checkpoint_id=root / "dcp", no_dist=True),
+         lambda: dcp.load({"model": {k: torch.empty_like(v) for k, v in state.items()}}, checkpoint_id=root / "dcp", no_dist=True),
+         root / "dcp"),
+    ):
+        saves, loads = [], []
+        for _ in range(2):
+            if target.exists():
+                shutil.rmtree(target) if target.is_dir() else target.unlink()
+            _drop_cache(root)
+            saves.append(_timed(save))
+            _drop_cache(target)
+            loads.append(_timed(load))
+        results[name] = (min(saves), min(loads))
+    raw_save, raw_load = results["raw"]
+    print(f"\n== throughput: {nbytes / 2**20:.0f} MiB, one process, best of 2, cold reads (fadvise DONTNEED)")
+    for name in ("raw", "ours", "dcp"):
+        s, l = results[name]
+        print(
+            f"{name:5s} save {s:6.2f} s ({nbytes / s / 1e9:5.2f} GB/s, {raw_save / s:4.2f}x raw)   "
+            f"load {l:6.2f} s ({nbytes / l / 1e9:5.2f} GB/s, {raw_load / l:4.2f}x raw)"
+        )
+    print(
+        f"ours vs plain dcp: save {results['dcp'][0] / results['ours'][0]:.2f}x faster, "
+        f"load {results['dcp'][1] / results['ours'][1]:.2f}x faster"
+    )
+
+
+_COUNTED = (
+    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "all_reduce",
+    "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_tensor",
+)
+
+
+def _count(fn) -> int:
+    counts: Counter = Counter()
+    originals = {n: getattr(dist, n) for n in _COUNTED}
+    for n, orig in originals.items():
+        setattr(dist, n, (lambda n, orig: lambda *a, **k: (counts.update([n]), orig(*a, **k))[1])(n, orig))
+    try:
+        fn()
+    finally:
+        for n, orig in originals.items():
+            setattr(dist, n, orig)
+    return sum(counts.values())
+
+
+def _collectives_body(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for n in (8, 64, 512):
+        state = {
+            f"t{i}": checkpoint.shard(torch.full((4, 8), float(i)), (4 * world_size, 8), offsets=(4 * rank, 0))
+            for i in range(n)
+        }
+
+        def per_tensor_gather():
+            for key in state:  # one metadata exchange per tensor
+                gathered = [None] * world_size
+                dist.all_gather_object(gathered, (key, (4 * rank, 0), (4, 8)))
+
+        out[n] = (
+            _count(lambda: checkpoint.save_state_dict(state, Path(root) / f"c{n}")),
+            _count(lambda: checkpoint.save_state_dict(state, Path(root) / f"s{n}", mode="scale")),
+            _count(per_tensor_gather),
+        )
+    return out
+
+
+def bench_collectives(root: Path) -> None:
+    from tests.distributed import run_ranks
+
+    result = run_ranks(_collectives_body, 2, args=(str(root),))[0]
+    print("\n== collectives per save, 2 gloo ranks (calls into torch.distributed)")
+    print("tensors  ours(collective)  ours(scale)  per-tensor metadata gather")
+    for n, (ours, scale, gather) in result.items():
+        print(f"{n:7d}  {ours:16d}  {scale:11d}  {gather:26d}")
+
+
+def _ranks_body(rank: int, world_size: int, root: str, total_bytes: int) -> float:
+    rows_total = total_bytes // 4 // 1024 // 8
+    lo, hi = rank * rows_total // world_size, (rank + 1) * rows_total // world_size
+    state = {
+        f"w{i}": checkpoint.shard(torch.randn(hi - lo, 1024), (rows_total, 1024), offsets=(lo, 0)) for i in range(8)
+    }
+    dist.barrier()
+    start = time.perf_counter()
+    checkpoint.save_state_dict(state, Path(root) / f"r{world_size}")
+    elapsed = time.perf_counter() - start
+    return elapsed
+
+
+def bench_ranks(root: Path, mib: int) -> None:
+    from tests.distributed import run_ranks
+
+    print(f"\n== save wall time of one {mib} MiB state at 1 / 2 / 4 ranks (gloo, {os.cpu_count()} cores)")
+    base = None
+    for world_size in (1, 2, 4):
+        elapsed = max(run_ranks(_ranks_body, world_size, args=(str(root), mib << 20)))
+        base = base or elapsed
+        print(f"{world_size} rank(s): {elapsed:6.2f} s  ({base / elapsed:4.2f}x the 1-rank speed)")
+
+
+def _simulated_plans(ranks: int, tensors: int):
+    """Per rank: the SavePlan DCP would gather, and the local Metadata our scale mode writes.
+
+    The write items are exactly what :class:`checkpoint.CheckpointShard` makes for a
+    row block (one row of a ``(ranks, 16)`` fp32 tensor per rank), built directly
+    to keep the simulation itself fast.
+    """
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    properties = TensorProperties(dtype=torch.float32)
+    size = torch.Size((ranks, 16))
+    sizes = torch.Size((1, 16))
+    for rank in range(ranks):
+        offsets = torch.Size((rank, 0))
+        items = [
+            WriteItem(
+                index=MetadataIndex(f"model.layers.{t}.weight", offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(ChunkStorageMetadata(offsets, sizes), properties, size),
+            )
+            for t in range(tensors)
+        ]
+        plan = SavePlan(items)
+        _, local_md = create_default_global_save_plan([plan], rewrite_index_hints=False)
+        local_md.storage_data = {
+            item.index: _StorageInfo(f"__{rank}_0.distcp", i * 1200, 1100) for i, item in enumerate(items)
+        }
+        yield plan, local_md
+
+
+def bench_merge(ranks_list: list[int], tensors: int) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from checkpoint.commit import merge_metadata
+    from checkpoint.planner import metadata_problems
+
+    print(f"\n== metadata at scale, simulated ({tensors} tensors, each row-sharded over all ranks)")
+    print("times include unpickling what rank 0 receives (R local metadata files / R gathered SavePlans)")
+    print("ranks   ours: merge+validate  rank0 receives  | DCP central: dedup+plan+validate  rank0 receives  | .metadata")
+    for ranks in ranks_list:
+        plans, local_mds = [], []
+        for plan, md in _simulated_plans(ranks, tensors):
+            plans.append(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+            local_mds.append(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+        ours_bytes = sum(len(b) for b in local_mds)
+        dcp_bytes = sum(len(p) for p in plans)
+        # Both sides start from bytes: our rank 0 reads R local metadata files, DCP's unpickles R gathered plans.
+        start = time.perf_counter()
+        merged = merge_metadata([pickle.loads(b) for b in local_mds])
+        problems = metadata_problems(merged)
+        ours_t = time.perf_counter() - start
+        assert not problems, problems[:3]
+        del local_mds
+        metadata_size = len(pickle.dumps(merged, protocol=pickle.HIGHEST_PROTOCOL))
+        del merged
+        planner = DefaultSavePlanner()
+        planner.flatten_state_dict = False
+        start = time.perf_counter()
+        planner._create_global_plan([pickle.loads(p) for p in plans])  # DCP's coordinator: dedup, plan, validate
+        dcp_t = time.perf_counter() - start
+        del plans, planner
+        print(
+            f"{ranks:5d}   {ours_t:8.2f} s            {ours_bytes / 2**20:8.1f} MiB    | "
+            f"{dcp_t:8.2f} s                         {dcp_bytes / 2**20:8.1f} MiB    | {metadata_size / 2**20:7.1f} MiB"
+        )
+        print(f"        ours / DCP time: {ours_t / dcp_t:4.2f}x; DCP also scatters a plan back to every rank, ours sends nothing")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir under ./)")
+    parser.add_argument("--mib", type=int, default=256, help="state size for throughput (MiB)")
+    parser.add_argument("--ranks-mib", type=int, default=64, help="state size for the 1/2/4-rank save times (MiB)")
+    parser.add_argument("--merge-ranks", type=int, nargs="+", default=[1024])
+    parser.add_argument("--merge-tensors", type=int, default=1000)
+    parser.add_argument("--parts", nargs="+", default=["throughput", "collectives", "ranks", "merge"])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir or Path.cwd()))
+    try:
+        print(f"torch {torch.__version__}, {os.cpu_count()} cores, writing under {root}")
+        if "throughput" in args.parts:
+            bench_throughput(root, args.mib)
+        if "collectives" in args.parts:
+            bench_collectives(root)
+        if "ranks" in args.parts:
+            bench_ranks(root, args.ranks_mib)
+        if "merge" in args.parts:
+            bench_merge(args.merge_ranks, args.merge_tensors)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
