@@ -155,6 +155,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._warn_unused_precision()
         self._log_partition()
         self._built = True
+        # Weights loaded between construction (or a state-dict load) and the first step
+        # must not be reverted by masters copied earlier: step() refreshes them once.
+        self._refresh_masters_before_step = True
         if wrapped is not None and wrapped.state:
             self.load_state_dict(wrapped.state_dict())
 
@@ -350,6 +353,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         active = self._collect_active()
         if not active:
             return loss
+        if self._refresh_masters_before_step:
+            self.reload_model_params()
         grads = {id(r): g for r, g in active}
         engines = list({id(e): e for e in self._engines.values()}.values())
         for engine in engines:
@@ -483,7 +488,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         weights): otherwise the next step would start from the stale master and
         silently revert them. A master whose cast still equals its param is kept
         (it holds more precision than the param); one whose param differs is
-        replaced by the param's value.
+        replaced by the param's value. The first step after construction or after
+        ``load_state_dict`` calls this by itself (one comparison pass); weights
+        written between later steps need an explicit call.
         """
         for bucket in self._buckets:
             bucket.engine.wait_params_free(bucket)
@@ -500,6 +507,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if not r.offloaded and r.working is not None and r.working is not r.local:
                 if not torch.equal(r.working.to(r.param.dtype), r.local):
                     r.working.copy_(r.local)
+        self._refresh_masters_before_step = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
@@ -542,5 +550,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             load_record_state(r, saved, owner.__name__)
         for ours, theirs in zip(self.param_groups, saved_groups):
             ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+        # torch.distributed.checkpoint's set_state_dict loads the optimizer BEFORE the model
+        # weights: re-check the masters against the params at the next step.
+        self._refresh_masters_before_step = True
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

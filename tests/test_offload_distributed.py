@@ -80,8 +80,9 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
            "param_groups": osd["param_groups"]}  # fmt: skip
     resumed = _shard(_model(seed=7), mesh)
     resumed_opt = HybridDeviceOptimizer(resumed.parameters(), 1.0, lr=0.5, weight_decay=0.1)
+    # set_state_dict loads the optimizer first (after a zero-grad lr=0 step), then the weights;
+    # the first step must pick the loaded weights up without an explicit reload_model_params().
     dsd.set_state_dict(resumed, resumed_opt, model_state_dict=msd, optim_state_dict=osd)
-    resumed_opt.reload_model_params()
     assert resumed_opt.param_groups[0]["lr"] == LR
     _train(model, opt, 2, rank, start=2)
     _train(resumed, resumed_opt, 2, rank, start=2)

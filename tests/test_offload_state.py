@@ -161,13 +161,24 @@ def test_reload_model_params_makes_new_weights_the_truth(fraction):
         assert torch.equal(opt.state[p]["master_param"], m)
 
 
-def test_without_reload_the_stale_master_would_revert_new_weights():
-    params = _params()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_loaded_before_the_first_step_are_kept_but_later_ones_need_reload(dtype):
+    params = _params(dtype)
     opt = _build(params, 1.0, lr=0.0, weight_decay=0.0)
+    opt.param_groups[1]["lr"] = 0.0
     with torch.no_grad():
-        params[0].fill_(0.5)
+        params[0].fill_(0.5)  # e.g. model.load_state_dict right after building the optimizer
     _steps(opt, params, 0, 1)
-    assert not torch.equal(params[0], torch.full_like(params[0], 0.5)), "the host master is a separate copy"
+    assert torch.equal(params[0], torch.full_like(params[0], 0.5)), "the first step refreshes the masters"
+    with torch.no_grad():
+        params[0].fill_(0.25)
+    _steps(opt, params, 1, 2)
+    assert torch.equal(params[0], torch.full_like(params[0], 0.5)), "later: the host master is a separate copy"
+    with torch.no_grad():
+        params[0].fill_(0.25)
+    opt.reload_model_params()
+    _steps(opt, params, 2, 3)
+    assert torch.equal(params[0], torch.full_like(params[0], 0.25))
 
 
 def test_bf16_moments_halve_host_state_and_track_fp32_moments():
