@@ -6,9 +6,9 @@ Scale mode and single-process layouts for M ranks use the same two calls::
         checkpoint.write_rank(path, rank, M, state_dict_of_rank)   # values may be shard(...) objects
     checkpoint.commit(path, M)                   # once, after every rank's write_rank returned
 
-``write_rank`` writes ``__<rank>_0.distcp``, ``__<rank>.metadata`` and
-``__<rank>.files.json`` into the staging directory ``<path>.tmp`` and talks to
-nobody. ``commit`` merges the per-rank metadata into one DCP ``.metadata``
+``write_rank`` writes ``__<rank>_0.distcp`` and then its record
+``__<rank>.rank.json`` into the staging directory ``<path>.tmp`` and talks to
+nobody. ``commit`` merges the per-rank records into one DCP ``.metadata``
 (validating bounds, overlaps and exact cover), drops the per-rank files,
 writes ``manifest.json`` last and swaps the directory into ``path``
 (:mod:`checkpoint.atomic`). The result is an ordinary checkpoint that any
@@ -17,6 +17,7 @@ world size, and plain DCP, can read.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -24,14 +25,22 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from checkpoint.atomic import staging_path, swap_into_place
 from checkpoint.convert import convert_tree
 from checkpoint.manifest import FileRecord, KeyRecord, Manifest, checksum_file, write_manifest
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
-from checkpoint.storage import FsdpWriter, quiet_single_process, read_rank_files
+from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
 
 __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "build_manifest", "commit", "commit_staged", "merge_metadata", "write_rank"]
 
@@ -73,16 +82,13 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
     changes then.
     """
     staged = staging_path(path)
-    per_rank: list[Metadata] = []
-    files: dict[str, FileRecord] = {}
+    records = []
     for rank in range(world_size):
-        md_path = staged / f"__{rank}{METADATA_NAME}"
-        if not md_path.exists():
-            raise ValueError(f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({md_path} is missing)")
-        with open(md_path, "rb") as f:
-            per_rank.append(pickle.load(f))
-        files.update(read_rank_files(staged, rank))
-    merged = merge_metadata(per_rank)
+        record_path = staged / rank_record_name(rank)
+        if not record_path.exists():
+            raise ValueError(f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)")
+        records.append(json.loads(record_path.read_text()))
+    merged, files = merge_metadata(records)
     problems = metadata_problems(merged)
     if problems:
         raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]))
@@ -91,45 +97,58 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
     commit_staged(path, merged, files, world_size, extra_info=info)
 
 
-def merge_metadata(per_rank: list[Metadata]) -> Metadata:
-    """One DCP ``Metadata`` from per-rank ones, in rank order; replicas (same key and offset) kept once.
+def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]]:
+    """One DCP ``Metadata`` (and the file records) from per-rank records, in rank order.
 
-    Raises ``ValueError`` when ranks disagree on a key's global shape or dtype.
+    A record is what a rank writes in scale mode (``__<rank>.rank.json``, see
+    :func:`checkpoint.storage.rank_record`). Replicas (same key and offset) are
+    kept once, from the lowest rank. Raises ``ValueError`` when ranks disagree
+    on a key's global shape or dtype.
     """
     state: dict[str, Any] = {}
     seen: dict[str, set] = {}
-    storage: dict[Any, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
     planner_data: dict[str, Any] = {}
-    for rank, md in enumerate(per_rank):
-        for key, item in md.state_dict_metadata.items():
+    files: dict[str, FileRecord] = {}
+    properties: dict[str, TensorProperties] = {}
+    for rank, record in enumerate(records):
+        for key, item in record["tensors"].items():
             current = state.get(key)
-            if isinstance(item, BytesStorageMetadata):
-                if current is None:
-                    state[key] = item
-                continue
+            size = torch.Size(item["size"])
             if current is None:
-                current = state[key] = TensorStorageMetadata(item.properties, item.size, [])
+                dtype = properties.get(item["dtype"])
+                if dtype is None:
+                    dtype = properties[item["dtype"]] = TensorProperties(dtype=getattr(torch, item["dtype"]))
+                current = state[key] = TensorStorageMetadata(dtype, size, [])
                 seen[key] = set()
-            elif not isinstance(current, TensorStorageMetadata) or current.size != item.size:
-                raise ValueError(f"ranks disagree on key {key!r}: rank {rank} has shape {tuple(item.size)}")
-            elif current.properties.dtype != item.properties.dtype:
-                raise ValueError(f"ranks disagree on the dtype of {key!r}: rank {rank} has {item.properties.dtype}")
+            elif not isinstance(current, TensorStorageMetadata) or current.size != size:
+                raise ValueError(f"ranks disagree on key {key!r}: rank {rank} has shape {tuple(size)}")
+            elif str(current.properties.dtype) != f"torch.{item['dtype']}":
+                raise ValueError(f"ranks disagree on the dtype of {key!r}: rank {rank} has {item['dtype']}")
             marks = seen[key]
-            for chunk in item.chunks:
-                if chunk.offsets not in marks:
-                    marks.add(chunk.offsets)
-                    current.chunks.append(chunk)
-        for index, info in (md.storage_data or {}).items():
-            storage.setdefault(index, info)
-        for key, path in (md.planner_data or {}).items():
-            planner_data.setdefault(key, path)
-    return Metadata(
+            for offsets, sizes, name, offset, length in item["chunks"]:
+                offsets = torch.Size(offsets)
+                if offsets in marks:
+                    continue
+                marks.add(offsets)
+                current.chunks.append(ChunkStorageMetadata(offsets, torch.Size(sizes)))
+                storage[MetadataIndex(key, offsets)] = _StorageInfo(name, offset, length)
+        for key, (name, offset, length) in record["bytes"].items():
+            if key not in state:
+                state[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = _StorageInfo(name, offset, length)
+        for key, path in record["planner_data"].items():
+            planner_data.setdefault(key, tuple(path))
+        for name, (size, crc) in record["files"].items():
+            files[name] = FileRecord(size=size, crc32=crc)
+    metadata = Metadata(
         state_dict_metadata=state,
         planner_data=planner_data,
         storage_data=storage,
         storage_meta=None,
         version=CURRENT_DCP_VERSION,
     )
+    return metadata, files
 
 
 def _write_metadata(directory: Path, metadata: Metadata) -> None:

@@ -28,7 +28,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from checkpoint.atomic import check_committed, is_committed, resolve_for_load, staging_path
@@ -36,6 +35,7 @@ from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
 from checkpoint.convert import convert_tree, to_checkpointable
 from checkpoint.manifest import Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
+from checkpoint.reader import DirectReader
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
@@ -176,17 +176,6 @@ def open_checkpoint(
     return OpenCheckpoint(src, manifest, metadata)
 
 
-class _OpenedReader(FileSystemReader):
-    """DCP's file reader, reusing metadata already read (and checked) by :func:`open_checkpoint`."""
-
-    def __init__(self, opened: OpenCheckpoint) -> None:
-        super().__init__(opened.path)
-        self._metadata = opened.metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._metadata
-
-
 def load_flat(
     opened: OpenCheckpoint,
     targets: dict[str, Any],
@@ -223,7 +212,8 @@ def load_flat(
         with quiet_single_process():
             dcp.load(
             loadable,
-                storage_reader=_OpenedReader(opened),
+                # Our own files are read straight into place; a plain DCP directory the DCP way.
+                storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None),
                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True),
                 no_dist=True,
             )

@@ -13,9 +13,10 @@ through its public extension points (subclass overrides, no patching):
   ``.metadata``, then ``manifest.json`` (the commit record), then swaps the
   staging directory into place (:mod:`checkpoint.atomic`);
 * in *scale* mode (``use_collectives=False``, or :func:`checkpoint.write_rank`)
-  each rank writes its data file, its own ``__<rank>.metadata`` and a
-  ``__<rank>.files.json`` with its files' records; :func:`checkpoint.commit.commit`
-  merges them later.
+  each rank writes its data file and then, last, its own record
+  ``__<rank>.rank.json`` (its chunks, where they are stored, its files' sizes
+  and CRC-32s): plain integers and strings, much cheaper to read back than
+  DCP's pickled per-rank metadata. :func:`checkpoint.commit.commit` merges them.
 """
 
 from __future__ import annotations
@@ -31,21 +32,21 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _StoragePrefix
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint.manifest import MANIFEST_NAME, FileRecord
 
-__all__ = ["FILES_SIDECAR", "FsdpWriter", "quiet_single_process", "rank_files_sidecar"]
+__all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
 
-FILES_SIDECAR = ".files.json"
+RANK_RECORD_SUFFIX = ".rank.json"
 _FILE_RECORD_FQN = "__fsdp_dtensor_file_record__"
 
 
-def rank_files_sidecar(rank: int) -> str:
-    return f"__{rank}{FILES_SIDECAR}"
+def rank_record_name(rank: int) -> str:
+    return f"__{rank}{RANK_RECORD_SUFFIX}"
 
 
 class _CrcStream(io.RawIOBase):
@@ -160,11 +161,12 @@ class FsdpWriter(FileSystemWriter):
                     kept.append(wr)
             clean.append(kept)
         if not self.use_collectives:
-            # Scale mode: the records go first, the rank's metadata (DCP renames it into place) last.
-            sidecar = Path(self.path) / rank_files_sidecar(self.rank)
-            _write_json_durably(sidecar, {k: [v.size, v.crc32] for k, v in sorted(files.items())})
+            # Scale mode: this record, written after the rank's data is durable, is its "done" mark.
+            record = rank_record(metadata, clean[0] if clean else [], files)
+            _write_json_durably(Path(self.path) / rank_record_name(self.rank), record)
+            return
         super().finish(metadata, clean)
-        if self.use_collectives and self.on_commit is not None:
+        if self.on_commit is not None:
             self.on_commit(metadata, files)
 
 
@@ -191,7 +193,24 @@ def _write_json_durably(path: Path, data: object) -> None:
     os.replace(tmp, path)
 
 
-def read_rank_files(directory: Path, rank: int) -> dict[str, FileRecord]:
-    path = directory / rank_files_sidecar(rank)
-    data = json.loads(path.read_text())
-    return {k: FileRecord(size=v[0], crc32=v[1]) for k, v in data.items()}
+def rank_record(metadata: Metadata, results: list[WriteResult], files: dict[str, FileRecord]) -> dict:
+    """One rank's chunks, their storage and its files, as JSON-able plain values (see :func:`checkpoint.commit.merge_metadata`)."""
+    where = {(r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else None): r.storage_data for r in results}
+    tensors, blobs = {}, {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            chunks = []
+            for chunk in item.chunks:
+                info = where[(key, tuple(chunk.offsets))]
+                chunks.append([list(chunk.offsets), list(chunk.sizes), info.relative_path, info.offset, info.length])
+            dtype = str(item.properties.dtype).removeprefix("torch.")
+            tensors[key] = {"dtype": dtype, "size": list(item.size), "chunks": chunks}
+        else:
+            info = where[(key, None)]
+            blobs[key] = [info.relative_path, info.offset, info.length]
+    return {
+        "tensors": tensors,
+        "bytes": blobs,
+        "planner_data": {k: list(v) for k, v in (metadata.planner_data or {}).items()},
+        "files": {k: [v.size, v.crc32] for k, v in sorted(files.items())},
+    }

@@ -25,6 +25,7 @@ Parts (``--parts`` picks a subset):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import shutil
@@ -196,8 +197,8 @@ def bench_ranks(root: Path, mib: int) -> None:
         print(f"{world_size} rank(s): {elapsed:6.2f} s  ({base / elapsed:4.2f}x the 1-rank speed)")
 
 
-def _simulated_plans(ranks: int, tensors: int):
-    """Per rank: the SavePlan DCP would gather, and the local Metadata our scale mode writes.
+def _simulated_ranks(ranks: int, tensors: int):
+    """Per rank: what DCP's coordinator gathers (SavePlan, then WriteResults) and our scale-mode record.
 
     The write items are exactly what :class:`checkpoint.CheckpointShard` makes for a
     row block (one row of a ``(ranks, 16)`` fp32 tensor per rank), built directly
@@ -207,6 +208,10 @@ def _simulated_plans(ranks: int, tensors: int):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from checkpoint.manifest import FileRecord
+    from checkpoint.storage import rank_record
 
     properties = TensorProperties(dtype=torch.float32)
     size = torch.Size((ranks, 16))
@@ -223,10 +228,13 @@ def _simulated_plans(ranks: int, tensors: int):
         ]
         plan = SavePlan(items)
         _, local_md = create_default_global_save_plan([plan], rewrite_index_hints=False)
-        local_md.storage_data = {
-            item.index: _StorageInfo(f"__{rank}_0.distcp", i * 1200, 1100) for i, item in enumerate(items)
-        }
-        yield plan, local_md
+        name = f"__{rank}_0.distcp"
+        results = [
+            WriteResult(index=item.index, size_in_bytes=1100, storage_data=_StorageInfo(name, i * 1200, 1100))
+            for i, item in enumerate(items)
+        ]
+        record = rank_record(local_md, results, {name: FileRecord(size=1200 * tensors, crc32=0)})
+        yield pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL), pickle.dumps(results), json.dumps(record)
 
 
 def bench_merge(ranks_list: list[int], tensors: int) -> None:
@@ -236,33 +244,37 @@ def bench_merge(ranks_list: list[int], tensors: int) -> None:
     from checkpoint.planner import metadata_problems
 
     print(f"\n== metadata at scale, simulated ({tensors} tensors, each row-sharded over all ranks)")
-    print("times include unpickling what rank 0 receives (R local metadata files / R gathered SavePlans)")
-    print("ranks   ours: merge+validate  rank0 receives  | DCP central: dedup+plan+validate  rank0 receives  | .metadata")
+    print("times start from the bytes rank 0 receives (R rank records / R gathered SavePlans + WriteResults)")
+    print("ranks | ours: merge+validate  receives | DCP central: plan+validate+results  receives | .metadata")
     for ranks in ranks_list:
-        plans, local_mds = [], []
-        for plan, md in _simulated_plans(ranks, tensors):
-            plans.append(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
-            local_mds.append(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
-        ours_bytes = sum(len(b) for b in local_mds)
-        dcp_bytes = sum(len(p) for p in plans)
-        # Both sides start from bytes: our rank 0 reads R local metadata files, DCP's unpickles R gathered plans.
+        plans, results, records = [], [], []
+        for plan, result, record in _simulated_ranks(ranks, tensors):
+            plans.append(plan)
+            results.append(result)
+            records.append(record)
+        ours_bytes = sum(len(r) for r in records)
+        dcp_bytes = sum(len(p) for p in plans) + sum(len(r) for r in results)
         start = time.perf_counter()
-        merged = merge_metadata([pickle.loads(b) for b in local_mds])
+        merged, _ = merge_metadata([json.loads(r) for r in records])
         problems = metadata_problems(merged)
         ours_t = time.perf_counter() - start
         assert not problems, problems[:3]
-        del local_mds
-        metadata_size = len(pickle.dumps(merged, protocol=pickle.HIGHEST_PROTOCOL))
+        del records
+        metadata_size = len(pickle.dumps(merged))
         del merged
         planner = DefaultSavePlanner()
         planner.flatten_state_dict = False
         start = time.perf_counter()
-        planner._create_global_plan([pickle.loads(p) for p in plans])  # DCP's coordinator: dedup, plan, validate
+        _, metadata = planner._create_global_plan([pickle.loads(p) for p in plans])  # dedup, plan, validate
+        storage = {}
+        for blob in results:  # what the final gather brings back: where every chunk was stored
+            storage.update({wr.index: wr.storage_data for wr in pickle.loads(blob)})
+        metadata.storage_data = storage
         dcp_t = time.perf_counter() - start
-        del plans, planner
+        del plans, results, planner, metadata, storage
         print(
-            f"{ranks:5d}   {ours_t:8.2f} s            {ours_bytes / 2**20:8.1f} MiB    | "
-            f"{dcp_t:8.2f} s                         {dcp_bytes / 2**20:8.1f} MiB    | {metadata_size / 2**20:7.1f} MiB"
+            f"{ranks:5d} | {ours_t:8.2f} s  {ours_bytes / 2**20:11.1f} MiB | "
+            f"{dcp_t:8.2f} s  {dcp_bytes / 2**20:25.1f} MiB | {metadata_size / 2**20:6.1f} MiB"
         )
         print(f"        ours / DCP time: {ours_t / dcp_t:4.2f}x; DCP also scatters a plan back to every rank, ours sends nothing")
 

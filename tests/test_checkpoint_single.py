@@ -199,6 +199,12 @@ def test_chunks_are_bounded_and_load_into_another_flat_layout(tmp_path):
     local = torch.zeros(100)
     checkpoint.load_state_dict({"w": checkpoint.shard(local, (40, 8), flat_start=123)}, tmp_path / "c")
     assert torch.equal(local, full.reshape(-1)[123:223])
+    box = torch.zeros(13, 3)  # a column block: no contiguous run in the stored chunks
+    checkpoint.load_state_dict({"w": checkpoint.shard(box, (40, 8), offsets=(6, 2))}, tmp_path / "c")
+    assert torch.equal(box, full[6:19, 2:5])
+    strided = torch.zeros(8, 40).t()  # a non-contiguous destination
+    checkpoint.load_state_dict({"w": strided}, tmp_path / "c")
+    assert torch.equal(strided, full)
 
 
 def test_an_interrupted_swap_loads_the_previous_checkpoint_and_the_next_save_recovers(tmp_path):

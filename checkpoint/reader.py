@@ -1,0 +1,175 @@
+"""DCP storage reader that reads tensor bytes straight into the destination.
+
+DCP's ``FileSystemReader`` runs ``torch.load`` on every stored chunk (one
+copy into a new tensor) and then copies the needed part into the destination
+(a second copy), even when only a few rows are needed. Chunks written by
+:class:`checkpoint.storage.FsdpWriter` are ``torch.save`` archives (so plain
+DCP reads them) holding one contiguous tensor of exactly the chunk's shape,
+so this reader locates the tensor's bytes inside the archive (zip: stored, not
+compressed) and ``readinto``\\ s just the needed byte range, into the
+destination when it is contiguous. Anything else (another writer's archive,
+zip64, a transform) goes through DCP's own path.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+__all__ = ["DirectReader"]
+
+_EOCD = struct.Struct("<4s4H2LH")
+_CENTRAL = struct.Struct("<4s6H3L5H2L")
+_LOCAL = struct.Struct("<4s5H3L2H")
+_NO_VALUE = 0xFFFFFFFF
+
+
+class DirectReader(FileSystemReader):
+    """Reads a checkpoint whose metadata was already read (and checked) by the caller.
+
+    ``direct=False`` keeps DCP's reading path (for directories written by other tools).
+    """
+
+    def __init__(self, path: str | Path, metadata: Metadata, *, direct: bool = True) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+        self._direct = direct
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not self._direct:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            path = Path(self.path) / relative_path
+            items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
+            with open(path, "rb", buffering=0) as f:
+                tensor_locations: dict[int, tuple[int, int] | None] = {}
+                for item in items:
+                    info: _StorageInfo = self.storage_data[item.storage_index]
+                    if item.type == LoadItemType.BYTE_IO:
+                        f.seek(info.offset)
+                        planner.load_bytes(item, io.BytesIO(_read_exact(f, info.length, path)))
+                        continue
+                    if info.offset not in tensor_locations:
+                        tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
+                    self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_tensor(self, f, path: Path, info: _StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
+        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        chunk_sizes = _chunk_sizes(md, item)
+        itemsize = torch._utils._element_size(md.properties.dtype)
+        target = planner.resolve_tensor(item).detach()
+        if location is None or location[1] != math.prod(chunk_sizes) * itemsize:
+            saved = _load_whole(f, info, path)  # not a plain chunk archive: DCP's way
+        else:
+            start, run = _contiguous_run(chunk_sizes, item.storage_offsets, item.lengths)
+            if run is not None and target.is_contiguous():
+                f.seek(info.offset + location[0] + start * itemsize)
+                _readinto(f, target.reshape(-1).view(torch.uint8).numpy(), path)
+                planner.commit_tensor(item, target)
+                return
+            saved = torch.empty(chunk_sizes, dtype=md.properties.dtype)
+            f.seek(info.offset + location[0])
+            _readinto(f, saved.reshape(-1).view(torch.uint8).numpy(), path)
+        for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            saved = saved.narrow(dim, offset, length)
+        target.copy_(saved)
+        planner.commit_tensor(item, target)
+
+
+def _chunk_sizes(md: TensorStorageMetadata, item: ReadItem) -> tuple[int, ...]:
+    index = item.storage_index
+    hint = index.index
+    if hint is not None and hint < len(md.chunks) and tuple(md.chunks[hint].offsets) == tuple(index.offset):
+        return tuple(md.chunks[hint].sizes)
+    for chunk in md.chunks:
+        if tuple(chunk.offsets) == tuple(index.offset):
+            return tuple(chunk.sizes)
+    raise ValueError(f"{index.fqn}: no stored chunk at offset {tuple(index.offset)}")
+
+
+def _contiguous_run(sizes, offsets, lengths) -> tuple[int, int | None]:
+    """Row-major start of a sub-box of a chunk, and its element count if it is one contiguous run."""
+    start = 0
+    for size, offset in zip(sizes, offsets):
+        start = start * size + offset
+    # A run: leading dims of length 1, one partial dim, then full trailing dims.
+    dims = len(sizes)
+    d = dims - 1
+    while d >= 0 and lengths[d] == sizes[d]:
+        d -= 1
+    if any(lengths[k] != 1 for k in range(max(d, 0))):
+        return start, None
+    return start, math.prod(lengths)
+
+
+def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
+    """(offset within the item, size) of the one data record of a torch.save archive, or None."""
+    if info.length < _EOCD.size:
+        return None
+    f.seek(info.offset + info.length - _EOCD.size)
+    sig, _, _, _, entries, cd_size, cd_offset, _ = _EOCD.unpack(f.read(_EOCD.size))
+    if sig != b"PK\x05\x06" or _NO_VALUE in (cd_size, cd_offset) or cd_offset + cd_size > info.length:
+        return None
+    f.seek(info.offset + cd_offset)
+    directory = f.read(cd_size)
+    found = None
+    pos = 0
+    for _ in range(entries):
+        fields = _CENTRAL.unpack_from(directory, pos)
+        method, size, name_len, extra_len, comment_len, local_offset = fields[4], fields[9], fields[10], fields[11], fields[12], fields[16]
+        name = directory[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]
+        if name.endswith(b"/data/0"):
+            if found is not None or method != 0 or _NO_VALUE in (size, local_offset):
+                return None
+            found = (local_offset, size)
+        elif b"/data/" in name and not name.endswith(b"serialization_id"):
+            return None  # more than one storage: not a plain chunk archive
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    if found is None:
+        return None
+    f.seek(info.offset + found[0])
+    local = _LOCAL.unpack(f.read(_LOCAL.size))
+    if local[0] != b"PK\x03\x04":
+        return None
+    return found[0] + _LOCAL.size + local[9] + local[10], found[1]
+
+
+def _load_whole(f, info: _StorageInfo, path: Path) -> torch.Tensor:
+    f.seek(info.offset)
+    return torch.load(io.BytesIO(_read_exact(f, info.length, path)), map_location="cpu", weights_only=True)
+
+
+def _read_exact(f, n: int, path: Path) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError(f"{path}: ends {n - len(data)} bytes early (truncated)")
+    return data
+
+
+def _readinto(f, buffer, path: Path) -> None:
+    view = memoryview(buffer).cast("B")
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ValueError(f"{path}: ends {len(view) - done} bytes early (truncated)")
+        done += n
