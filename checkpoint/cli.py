@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from checkpoint.cli_parallel import SOLO, PeerFailed, join_group, leave_group
 from checkpoint.manifest import NotACheckpointError, verify_files
 from checkpoint.stream import CheckpointReader, Entry, dtype_name, parse_dtype
 from checkpoint.transforms import Rename, Rules, Split, Target, parse_part_list, plan, split_key, stream_targets
@@ -399,43 +400,73 @@ def cmd_export(args: argparse.Namespace) -> int:
     def cast(t: Target, v: Any) -> Any:
         return v.to(out_dtype(t)) if isinstance(v, torch.Tensor) and v.dtype != out_dtype(t) else v
 
-    object_values = dict((out_name(t), v) for t, v in stream_targets(reader, objects)) if objects else {}
+    group = args.group
+    # objects are small: rank 0 reads them for the index / the torch file's skeleton
+    object_values = {}
+    if objects and group.rank == 0:
+        object_values = {out_name(t): v for t, v in stream_targets(reader, objects)}
     specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
-    bar = Progress(f"export {args.format}", total, not args.quiet)
-    values = _renamed_values(stream_targets(reader, tensors, cast=cast), out_name)
     dst = Path(args.dst)
     start = time.perf_counter()
     if args.format == "safetensors":
-        from checkpoint.safetensors_io import plan_shards, write_safetensors
+        from checkpoint.safetensors_io import plan_shards, write_index, write_shards
 
-        _check_fresh_output(dst, args.force)
-        if args.force and dst.is_dir():
-            # shards of an earlier export would otherwise sit beside the new ones, unindexed
-            for stale in [*dst.glob("model-*-of-*.safetensors"), dst / "model.safetensors.index.json"]:
-                stale.unlink(missing_ok=True)
+        group.together(lambda: _prepare_safetensors_dir(dst, args.force), only_rank0=True)
         by_name = {n: (n, d, s) for n, d, s in specs}
-        groups = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
-        logger.info("writing %d safetensors shard(s) of at most %s", len(groups), human_bytes(args.max_shard_size))
-        files = write_safetensors(
-            dst, [[by_name[n] for n in g] for g in groups], values,
-            objects=_json_objects(object_values), full_keys=not args.model_only, on_bytes=bar.add,
-        )
-        where = f"{len(files)} file(s) + model.safetensors.index.json in {dst}"
+        names = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
+        shards = [[by_name[n] for n in g] for g in names]
+        mine = group.share([sum(Entry(n, "tensor", d, s).nbytes for n, d, s in sh) for sh in shards])
+        my_names = {n for i, g in enumerate(names) if mine[i] for n in g}
+        my_targets = [t for t in tensors if out_name(t) in my_names]
+        logger.info("writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards),
+                    human_bytes(args.max_shard_size))
+        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
+        values = _renamed_values(stream_targets(reader, my_targets, cast=cast), out_name)
+        group.together(lambda: write_shards(dst, shards, values, full_keys=not args.model_only,
+                                            on_bytes=bar.add, which=mine.__getitem__))
+        objects_json = _json_objects(object_values)
+        group.together(lambda: write_index(dst, shards, objects=objects_json), only_rank0=True)
+        where = f"{len(shards)} file(s) + model.safetensors.index.json in {dst}"
     else:
-        from checkpoint.torchfile_io import write_torch_file
+        from checkpoint.torchfile_io import fill_tensors, finish, staging_file
 
-        if dst.is_dir():
-            raise CliError(f"output {str(dst)!r} is a directory; --format torch writes one file: give a file name")
-        _check_fresh_output(dst, args.force)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        write_torch_file(dst, specs, object_values, values, on_bytes=bar.add)
+        tmp = staging_file(dst)
+        group.together(lambda: _prepare_torch_file(dst, tmp, specs, object_values, args.force), only_rank0=True)
+        mine = group.share([Entry(n, "tensor", d, s).nbytes for n, d, s in specs])
+        my_targets = [t for i, t in enumerate(tensors) if mine[i]]
+        my_specs = [spec for i, spec in enumerate(specs) if mine[i]]
+        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
+        values = _renamed_values(stream_targets(reader, my_targets, cast=cast), out_name)
+        group.together(lambda: fill_tensors(tmp, my_specs, values, on_bytes=bar.add))
+        group.together(lambda: finish(tmp, dst), only_rank0=True)
         where = str(dst)
     bar.close()
     seconds = time.perf_counter() - start
-    print(f"exported {len(specs)} tensors ({human_bytes(total)}) and {len(object_values)} objects to {where} "
-          f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)")
+    if group.rank == 0:
+        print(f"exported {len(specs)} tensors ({human_bytes(total)}) and {len(object_values)} objects to {where} "
+              f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)"
+              + (f" with {group.size} processes" if group.size > 1 else ""))
     return 0
+
+
+def _prepare_safetensors_dir(dst: Path, force: bool) -> None:
+    _check_fresh_output(dst, force)
+    if force and dst.is_dir():
+        # shards of an earlier export would otherwise sit beside the new ones, unindexed
+        for stale in [*dst.glob("model-*-of-*.safetensors"), dst / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)
+    dst.mkdir(parents=True, exist_ok=True)
+
+
+def _prepare_torch_file(dst: Path, tmp: Path, specs, objects: dict[str, Any], force: bool) -> None:
+    from checkpoint.torchfile_io import write_skeleton
+
+    if dst.is_dir():
+        raise CliError(f"output {str(dst)!r} is a directory; --format torch writes one file: give a file name")
+    _check_fresh_output(dst, force)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    write_skeleton(tmp, specs, objects)
 
 
 def _renamed_values(stream: Iterator[tuple[Target, Any]], name: Callable[[Target], str]) -> Iterator[tuple[str, Any]]:
@@ -493,12 +524,13 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
     start = time.perf_counter()
     write_checkpoint(
         dst, args.world_size, targets, stream_targets(source, targets),
-        max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force,
+        max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force, group=args.group,
     )
     bar.close()
     seconds = time.perf_counter() - start
-    print(f"{verb} {len(targets)} keys ({human_bytes(total)}) into {dst} for {args.world_size} rank(s) "
-          f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)")
+    if args.group.rank == 0:
+        print(f"{verb} {len(targets)} keys ({human_bytes(total)}) into {dst} for {args.world_size} rank(s) "
+              f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)")
     return 0
 
 
@@ -597,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--key-prefix", default=None,
                            help="prefix for imported names (default 'model.'; '' keeps names as they are)")
         _add_rule_args(p)
-        p.set_defaults(func=cmd_reshard if name == "reshard" else cmd_import)
+        p.set_defaults(func=cmd_reshard if name == "reshard" else cmd_import, parallel=True)
 
     p = add("export", "checkpoint -> HF-style sharded safetensors or one torch file")
     p.add_argument("src")
@@ -609,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors shard limit (default 5GB; a larger tensor gets its own shard)")
     p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
     _add_rule_args(p)
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, parallel=True)
 
     p = add("diff", "key-by-key comparison; exit 1 on any difference")
     p.add_argument("a")
@@ -637,12 +669,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``fsdp-ckpt``; returns the exit code (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    group = SOLO
     try:
         args = build_parser().parse_args(argv)
         logging.basicConfig(
-            level=logging.INFO if args.verbose else logging.WARNING,
+            level=logging.INFO if args.verbose and _rank() == 0 else logging.WARNING,
             format=f"{PROG}: %(message)s" if not debug else "%(asctime)s %(name)s %(levelname)s: %(message)s",
         )
+        args.group = group = join_group()  # SOLO unless run under torchrun
+        if group.rank != 0 and not getattr(args, "parallel", False):
+            return 0  # commands that do not split their work run on process 0 only
         return args.func(args)
     except SystemExit:
         raise  # --help
@@ -654,8 +690,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         code = exc.exit_code if isinstance(exc, CliError) else EXIT_CANNOT_RUN
         sys.stdout.flush()
-        print(f"{PROG}: error: {_error_line(exc)}", file=sys.stderr)
+        if group.rank == 0 or not isinstance(exc, PeerFailed):  # a peer's failure is reported once, by process 0
+            print(f"{PROG}: error: {_error_line(exc)}", file=sys.stderr)
         return code
+    finally:
+        leave_group(group)
 
 
 if __name__ == "__main__":

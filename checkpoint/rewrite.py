@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from checkpoint.atomic import is_committed, staging_path
+from checkpoint.cli_parallel import SOLO, Group
 from checkpoint.commit import commit_staged
 from checkpoint.manifest import FileRecord, checksum_file
 from checkpoint.transforms import Target
@@ -119,26 +120,31 @@ def write_checkpoint(
     on_bytes: Callable[[int], None] | None = None,
     replace: bool = False,
     extra_info: dict[str, Any] | None = None,
+    group: Group = SOLO,
 ) -> None:
     """Write ``values`` (one per target, in order) as a committed checkpoint laid out for ``world_size`` ranks.
 
     ``dst`` must be absent or empty, or (with ``replace``) a committed
     checkpoint, which stays loadable until the new one is complete. Raises
     ``FileExistsError`` otherwise, ``ValueError`` when a value does not match
-    its target.
+    its target. Under ``torchrun`` (``group`` of P processes) every process
+    streams every value and writes the data files of the destination ranks
+    ``r`` with ``r % P`` equal to its own rank; process 0 commits.
     """
     dst = Path(dst)
-    if dst.exists() and not replace and (dst.is_file() or any(dst.iterdir())):
-        raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
-    if dst.exists() and replace and not (is_committed(dst) or (dst.is_dir() and not any(dst.iterdir()))):
-        raise FileExistsError(f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path")
     staging = staging_path(dst)
-    if staging.exists():
-        shutil.rmtree(staging)  # an unfinished save of this path: never a checkpoint, nothing to keep
-    staging.mkdir(parents=True)
-    files = [_CrcFile(staging / f"__{rank}_0.distcp") for rank in range(world_size)]
+    error = None
+    if group.rank == 0:
+        try:
+            _prepare(dst, staging, replace)
+        except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
+            error = exc
+    group.agree(error)  # staging exists (and is empty) before anyone writes into it
+    files = {r: _CrcFile(staging / f"__{r}_0.distcp") for r in range(world_size) if group.mine(r)}
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
+    records: dict[str, FileRecord] = {}
+    error = None
     try:
         for target, value in values:
             if isinstance(value, torch.Tensor):
@@ -148,32 +154,60 @@ def write_checkpoint(
                     on_bytes(value.numel() * value.element_size())
                 del value  # before the loop reads the next tensor
             else:
-                buf = io.BytesIO()
-                torch.save(value, buf)
-                storage[MetadataIndex(target.name)] = _StorageInfo(files[0].name, files[0].size, buf.tell())
-                files[0].write(buf.getbuffer())
                 state_md[target.name] = BytesStorageMetadata()
+                if 0 in files:  # non-tensor values live in rank 0's file
+                    buf = io.BytesIO()
+                    torch.save(value, buf)
+                    storage[MetadataIndex(target.name)] = _StorageInfo(files[0].name, files[0].size, buf.tell())
+                    files[0].write(buf.getbuffer())
         missing = [t.name for t in targets if t.name not in state_md]
         if missing:
             raise ValueError(f"no value arrived for {missing[:3]} (internal error; report it)")
-        records: dict[str, FileRecord] = {f.name: f.close() for f in files}
-        metadata = Metadata(
-            state_dict_metadata=state_md,
-            planner_data={k: (k,) for k in state_md},
-            storage_data=storage,
-            version=CURRENT_DCP_VERSION,
-        )
-        meta_path = staging / ".metadata"
-        with open(meta_path, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        records[".metadata"] = checksum_file(meta_path)
-    except BaseException:
-        for f in files:
+        records = {f.name: f.close() for f in files.values()}
+    except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
+        for f in files.values():
             f.abort()
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        error = exc
+    group.agree(error)
+    parts = group.gather((storage, records))
+    error = None
+    if group.rank == 0:
+        try:
+            _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info)
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+    group.agree(error)
+
+
+def _prepare(dst: Path, staging: Path, replace: bool) -> None:
+    if dst.exists() and not replace and (dst.is_file() or any(dst.iterdir())):
+        raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
+    if dst.exists() and replace and not (is_committed(dst) or (dst.is_dir() and not any(dst.iterdir()))):
+        raise FileExistsError(f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path")
+    if staging.exists():
+        shutil.rmtree(staging)  # an unfinished save of this path: never a checkpoint, nothing to keep
+    staging.mkdir(parents=True)
+
+
+def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info) -> None:
+    """Merge every process's storage records, write ``.metadata``, then the format's own commit."""
+    storage: dict[MetadataIndex, Any] = {}
+    records: dict[str, FileRecord] = {}
+    for part_storage, part_records in parts:
+        storage.update(part_storage)
+        records.update(part_records)
+    metadata = Metadata(
+        state_dict_metadata=state_md,
+        planner_data={k: (k,) for k in state_md},
+        storage_data=storage,
+        version=CURRENT_DCP_VERSION,
+    )
+    meta_path = staging / ".metadata"
+    with open(meta_path, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    records[".metadata"] = checksum_file(meta_path)
     info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
     commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
 
@@ -189,17 +223,19 @@ def _write_tensor(name, value, files, storage, world_size, max_chunk_bytes) -> T
     shape = tuple(value.shape)
     chunks = []
     for rank, offsets, sizes in _chunks_of(shape, value.element_size(), world_size, max_chunk_bytes):
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        out = files.get(rank)
+        if out is None:
+            continue  # another torchrun process writes this rank's file
         piece = value
         for dim, (o, s) in enumerate(zip(offsets, sizes)):
             piece = piece.narrow(dim, o, s)
         # torch.save stores a view's whole storage: save a compact copy of the chunk only
         if piece.untyped_storage().nbytes() != piece.numel() * piece.element_size() or not piece.is_contiguous():
             piece = piece.contiguous().clone()
-        out = files[rank]
         start = out.size
         torch.save(piece, out)
         storage[MetadataIndex(name, torch.Size(offsets))] = _StorageInfo(out.name, start, out.size - start)
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
     return TensorStorageMetadata(
         properties=TensorProperties(dtype=value.dtype), size=torch.Size(shape), chunks=chunks
     )

@@ -28,7 +28,7 @@ import torch
 
 from checkpoint.stream import Entry
 
-__all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_safetensors"]
+__all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_index", "write_safetensors", "write_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +95,30 @@ def write_safetensors(
     full_keys: bool = False,
     on_bytes: Callable[[int], None] | None = None,
 ) -> list[str]:
-    """Write ``shards`` (names, dtypes, shapes per file) from ``values`` yielded in the same order.
+    """Write every shard, then the index; see :func:`write_shards` and :func:`write_index`."""
+    write_shards(directory, shards, values, full_keys=full_keys, on_bytes=on_bytes)
+    return write_index(directory, shards, objects=objects)
 
-    Files are fsynced; the index is written last, so a directory with an index
-    is complete. Returns the file names written. Raises ``ValueError`` when a
-    value's dtype or shape differs from its planned spec.
+
+def write_shards(
+    directory: Path,
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]],
+    values: Iterator[tuple[str, torch.Tensor]],
+    *,
+    full_keys: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+    which: Callable[[int], bool] = lambda index: True,
+) -> None:
+    """Write the shards whose index ``which`` accepts (names, dtypes, shapes per file), fsynced.
+
+    ``values`` yields those shards' tensors in order. Raises ``ValueError``
+    when a value's dtype or shape differs from its planned spec.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
-    weight_map: dict[str, str] = {}
-    total = 0
-    for file_name, shard in zip(names, shards):
+    for index, shard in enumerate(shards):
+        if not which(index):
+            continue
+        file_name = shard_file_name(index, len(shards))
         specs = [(n, d, s, Entry(n, "tensor", d, s).nbytes) for n, d, s in shard]
         with open(directory / file_name, "wb") as f:
             f.write(_header(specs, full_keys))
@@ -118,13 +131,23 @@ def write_safetensors(
                     )
                 f.write(_tensor_bytes(tensor))
                 del tensor  # before next(values) reads the next one
-                weight_map[name] = file_name
-                total += nbytes
                 if on_bytes is not None:
                     on_bytes(nbytes)
             f.flush()
             os.fsync(f.fileno())
         logger.info("wrote %s (%d tensors)", file_name, len(specs))
+
+
+def write_index(
+    directory: Path,
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]],
+    *,
+    objects: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write ``model.safetensors.index.json`` (last: a directory with an index is complete); returns the shard names."""
+    names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
+    weight_map = {n: file_name for file_name, shard in zip(names, shards) for n, _, _ in shard}
+    total = sum(Entry(n, "tensor", d, s).nbytes for shard in shards for n, d, s in shard)
     index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if objects:
         index["metadata"][OBJECTS_KEY] = objects

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from checkpoint.stream import Entry
 
-__all__ = ["TorchFileSource", "write_torch_file"]
+__all__ = ["TorchFileSource", "fill_tensors", "finish", "staging_file", "write_skeleton", "write_torch_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,18 @@ def write_torch_file(
     Writes under ``path.tmp`` and renames when complete (fsynced), so ``path``
     is never a half-written file.
     """
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = staging_file(path)
+    write_skeleton(tmp, specs, objects)
+    fill_tensors(tmp, specs, values, on_bytes=on_bytes)
+    finish(tmp, path)
+
+
+def staging_file(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def write_skeleton(tmp: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], objects: dict[str, Any]) -> None:
+    """The file's zip records, storages left empty (``torch.serialization.skip_data``)."""
     skeleton: dict[str, Any] = {}
     with FakeTensorMode():
         for name, dtype, shape in specs:
@@ -56,7 +67,16 @@ def write_torch_file(
     skeleton.update(objects)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(skeleton, tmp)
-    del skeleton
+
+
+def fill_tensors(
+    tmp: Path,
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    values: Iterator[tuple[str, torch.Tensor]],
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+) -> None:
+    """Fill the tensors named in ``specs`` (a subset is fine: processes can share a file) from ``values``."""
     # MAP_SHARED: writes into the loaded tensors go to the file, not to private copies
     with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
         mapped = torch.load(tmp, mmap=True, weights_only=True)
@@ -70,6 +90,10 @@ def write_torch_file(
             on_bytes(Entry(name, "tensor", dtype, shape).nbytes)
         del dst, tensor
     del mapped
+
+
+def finish(tmp: Path, path: Path) -> None:
+    """fsync the filled file and rename it into place."""
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
