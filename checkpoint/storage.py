@@ -28,6 +28,7 @@ import json
 import os
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,15 @@ def rank_record_name(rank: int) -> str:
 
 
 class _CrcStream(io.RawIOBase):
-    """A write-only file that keeps the CRC-32 and size of what went through it."""
+    """A write-only file that keeps the CRC-32 and size of what went through it.
+
+    A large buffer's CRC is computed on a helper thread while the main thread
+    hands the same buffer to the OS (both release the GIL), and joined before
+    ``write`` returns: the caller may free the buffer right after.
+    """
+
+    _OVERLAP_BYTES = 1 << 20
+    _pool: ThreadPoolExecutor | None = None
 
     def __init__(self, raw: io.BufferedWriter) -> None:
         self.raw = raw
@@ -62,9 +71,17 @@ class _CrcStream(io.RawIOBase):
 
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
+        if len(view) >= self._OVERLAP_BYTES:
+            if _CrcStream._pool is None:
+                _CrcStream._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc")
+            pending = _CrcStream._pool.submit(zlib.crc32, view, self.crc)
+            written = self.raw.write(view)
+            self.crc = pending.result()
+        else:
+            self.crc = zlib.crc32(view, self.crc)
+            written = self.raw.write(view)
         self.size += len(view)
-        return self.raw.write(view)
+        return written
 
     def tell(self) -> int:
         return self.size

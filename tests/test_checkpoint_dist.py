@@ -4,7 +4,6 @@ Three rank launches (2, 4 and 3 ranks) share one directory, in that order,
 plus single-process loads in the test process; each launch batches its checks.
 """
 
-import math
 import os
 from collections import Counter
 from pathlib import Path
