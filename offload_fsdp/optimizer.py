@@ -91,7 +91,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pin_cpu_grads / pin_cpu_params: page-lock the host buffers that cross the bus
             (ignored without an accelerator).
         overlap_cpu_optimizer_d2h_h2d: copies on side streams, D2H started from
-            post-accumulate-grad hooks; False = blocking copies.
+            post-accumulate-grad hooks; False = blocking copies. With gradient
+            accumulation every micro-batch's backward re-copies the (accumulated) grad,
+            and step() re-copies any grad changed in place since (clipping, unscaling:
+            detected by the tensor's version counter), so results are always those of
+            the final grad. FSDP2 assigns sharded grads after its reduce-scatter, not
+            through autograd accumulation, so there the D2H starts in step().
         precision: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` of host Adam moments (bf16
             halves their memory and bytes moved), ``main_params_dtype`` of masters,
             ``main_grads_dtype`` (when set) of host grad staging.

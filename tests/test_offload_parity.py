@@ -301,3 +301,41 @@ def test_partition_is_logged_once_at_construction(caplog):
     assert len(messages) == 1
     assert f"host 2 params / {host} elements / {2 * host} bytes" in messages[0]
     assert "pinned host bytes reserved" in messages[0]
+
+
+def test_grads_are_staged_during_backward_and_not_copied_again_by_step():
+    model = _tiny_model()
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
+    copies = []
+    engine = opt._buckets[0].engine
+    original = engine.stage_grad
+    engine.stage_grad = lambda bucket, dst, src: (copies.append(dst.data_ptr()), original(bucket, dst, src))
+    model(torch.randn(4, 6)).sum().backward()
+    assert len(copies) == 4, "each param's D2H starts from its post-accumulate-grad hook"
+    for r in opt._records:
+        assert torch.equal(r.grad_stage, r.param.grad)
+    opt.step()
+    assert len(copies) == 4, "unchanged grads are not copied again"
+
+
+def test_maximize_and_adam_decoupled_weight_decay_follow_torch():
+    for cls, kw in ((torch.optim.Adam, dict(maximize=True, weight_decay=0.1)),
+                    (torch.optim.Adam, dict(decoupled_weight_decay=True, weight_decay=0.1))):  # fmt: skip
+        ours, ref = _params(), _params()
+        opt = HybridDeviceOptimizer(ours, 1.0, cpu_optimizer_cls=cls, lr=0.01, **kw)
+        _run(opt, ours, 3, torch.float32)
+        _run(cls(ref, lr=0.01, **kw), ref, 3, torch.float32)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_without_fp32_update_bf16_params_are_their_own_master(fraction):
+    ours = _params(torch.bfloat16)
+    ref = [p.detach().float().requires_grad_() for p in ours]
+    opt = HybridDeviceOptimizer(ours, fraction, lr=0.01, param_update_in_fp32=False)
+    _run(opt, ours, 5, torch.bfloat16)
+    _run(torch.optim.AdamW(ref, lr=0.01), ref, 5, torch.bfloat16)
+    assert "master_param" not in opt.state[ours[0]]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.float(), b, rtol=0, atol=0.05)  # bf16 rounding each step
