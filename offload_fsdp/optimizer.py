@@ -95,8 +95,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             accumulation every micro-batch's backward re-copies the (accumulated) grad,
             and step() re-copies any grad changed in place since (clipping, unscaling:
             detected by the tensor's version counter), so results are always those of
-            the final grad. FSDP2 assigns sharded grads after its reduce-scatter, not
-            through autograd accumulation, so there the D2H starts in step().
+            the final grad. FSDP2 runs these hooks on the sharded grads after its
+            reduce-scatter, so there too each D2H overlaps the rest of backward; the copy
+            is ordered after the stream that is current when the hook runs.
         precision: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` of host Adam moments (bf16
             halves their memory and bytes moved), ``main_params_dtype`` of masters,
             ``main_grads_dtype`` (when set) of host grad staging.

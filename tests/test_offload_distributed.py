@@ -61,6 +61,10 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
         model = _shard(_model(), mesh)
         opt = HybridDeviceOptimizer(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1), fraction)
         out["empty_local_shards"] = sum(p.to_local().numel() == 0 for p in model.parameters())
+        model(torch.randn(2, 6)).sum().backward()
+        # FSDP2 runs post-accumulate-grad hooks on the reduced sharded grads: D2H starts in backward
+        out["staged_in_backward"] = all(r.staged_grad_key is not None for r in opt._records if r.offloaded)
+        opt.zero_grad()
         _train(model, opt, 2, rank)
         out[f"param_diff_{fraction}"] = _max_diff(model.parameters(), ref.parameters())
         state = opt.state[next(model.parameters())]
@@ -114,6 +118,7 @@ def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through
                 assert r[f"param_diff_{fraction}"] < 1e-5, (mesh_shape, rank, fraction, r)
             assert r["state_diff"] < 1e-6, (mesh_shape, rank, r)
             assert r["resume_exact"], (mesh_shape, rank)
+            assert r["staged_in_backward"], (mesh_shape, rank)
         if world_size > 2 and len(mesh_shape) == 1:
             assert any(r[case]["empty_local_shards"] for r in results), "the model must produce an empty local shard"
     if world_size == 2:
