@@ -41,11 +41,36 @@ def _max_diff(a, b) -> float:
     return max((x.full_tensor() - y.full_tensor()).abs().max().item() for x, y in zip(a, b))
 
 
-def _fsdp_body(rank: int, world_size: int, mesh_shapes: list[tuple[int, ...]]) -> list[dict]:
-    return [_fsdp_case(rank, world_size, shape) for shape in mesh_shapes]
+def _dcp_in_place_round_trip(model, osd, mesh, tmp: str, out: dict) -> None:
+    """dcp.save the optimizer state, dcp.load it IN PLACE into a fresh optimizer's materialised
+    host state (the DTensors returned by get_state_dict wrap the optimizer's own buffers), then
+    set_state_dict. The fresh model is stashed in ``out`` and trained alongside for comparison."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    dcp.save({"optim": osd}, checkpoint_id=tmp)
+    fresh = _shard(_model(seed=7), mesh)
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), model.parameters()):
+            p.copy_(q)
+    fresh_opt = HybridDeviceOptimizer(fresh.parameters(), 1.0, lr=0.5, weight_decay=0.1)
+    fresh_opt.materialize_state()
+    _, fresh_osd = dsd.get_state_dict(fresh, fresh_opt)  # state exists: no zero-grad init step
+    dcp.load({"optim": fresh_osd}, checkpoint_id=tmp)
+    out["dcp_loaded_in_place"] = all(  # before set_state_dict: the load wrote our host buffers directly
+        torch.equal(fresh_opt.state[p][k].to_local(), osd["state"][fqn][k].to_local())
+        for (fqn, _), p in zip(model.named_parameters(), fresh.parameters()) for k in ("exp_avg", "exp_avg_sq")
+    )  # fmt: skip
+    dsd.set_state_dict(fresh, fresh_opt, model_state_dict={}, optim_state_dict=fresh_osd)
+    assert fresh_opt.param_groups[0]["lr"] == LR
+    out["dcp_model"] = (fresh, fresh_opt)
 
 
-def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
+def _fsdp_body(rank: int, world_size: int, mesh_shapes: list[tuple[int, ...]], tmp: str) -> list[dict]:
+    return [_fsdp_case(rank, world_size, shape, f"{tmp}/{i}") for i, shape in enumerate(mesh_shapes)]
+
+
+def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...], tmp: str) -> dict:
     import torch.distributed.checkpoint.state_dict as dsd
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -79,6 +104,7 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
         (osd["state"][k][n].full_tensor() - ref_osd["state"][k][n].full_tensor()).abs().max().item()
         for k in osd["state"] for n in ("exp_avg", "exp_avg_sq")
     )  # fmt: skip
+    _dcp_in_place_round_trip(model, osd, mesh, tmp, out)
     msd = {k: v.detach().clone() for k, v in msd.items()}
     osd = {"state": {k: {n: t.clone() for n, t in s.items()} for k, s in osd["state"].items()},
            "param_groups": osd["param_groups"]}  # fmt: skip
@@ -90,10 +116,16 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
     assert resumed_opt.param_groups[0]["lr"] == LR
     _train(model, opt, 2, rank, start=2)
     _train(resumed, resumed_opt, 2, rank, start=2)
+    dcp_model, dcp_opt = out["dcp_model"]
+    _train(dcp_model, dcp_opt, 2, rank, start=2)
+    out["dcp_model"] = dcp_model
     out["resume_exact"] = all(
         torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), resumed.parameters())
     )
 
+    out["dcp_resume_exact"] = all(
+        torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), out.pop("dcp_model").parameters())
+    )
     if rank == 0 and len(mesh_shape) == 1 and world_size == 2:
         from torch.distributed.tensor import Partial
 
@@ -109,8 +141,8 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> dict:
 @pytest.mark.parametrize(
     "world_size, mesh_shapes", [(2, [(2,)]), (3, [(3,)]), (4, [(4,), (2, 2)])], ids=["2", "3", "4+hsdp2x2"]
 )
-def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through_dcp(world_size, mesh_shapes):
-    results = run_ranks(_fsdp_body, world_size, args=(mesh_shapes,))
+def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through_dcp(world_size, mesh_shapes, tmp_path):
+    results = run_ranks(_fsdp_body, world_size, args=(mesh_shapes, str(tmp_path)))
     for case, mesh_shape in enumerate(mesh_shapes):
         for rank, per_rank in enumerate(results):
             r = per_rank[case]
@@ -119,6 +151,7 @@ def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through
             assert r["state_diff"] < 1e-6, (mesh_shape, rank, r)
             assert r["resume_exact"], (mesh_shape, rank)
             assert r["staged_in_backward"], (mesh_shape, rank)
+            assert r["dcp_resume_exact"] and r["dcp_loaded_in_place"], (mesh_shape, rank)
         if world_size > 2 and len(mesh_shape) == 1:
             assert any(r[case]["empty_local_shards"] for r in results), "the model must produce an empty local shard"
     if world_size == 2:
