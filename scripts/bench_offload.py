@@ -17,14 +17,18 @@ and GPU memory saved.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from offload_fsdp import HybridDeviceOptimizer
-from offload_fsdp.fused_step import AdamHyper, adam_bucket_step
-from optim import PrecisionPolicy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `python scripts/...` finds the packages
+
+from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
+from offload_fsdp.fused_step import AdamHyper, adam_bucket_step  # noqa: E402
+from optim import PrecisionPolicy  # noqa: E402
 
 BF16_STATE = PrecisionPolicy(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
 
