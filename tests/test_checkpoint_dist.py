@@ -287,6 +287,18 @@ def _three_rank_body(rank: int, world_size: int, root: str, ref_a: dict, ref_fla
         model = _fsdp(_net(9), world_size)
         checkpoint.load(root / source, model=model)
         out[source] = [n for n, p in model.named_parameters() if not torch.equal(_full(p), _net(4).get_parameter(n))]
+    # async save at 3 ranks: staged now, written by a background thread on its own gloo group
+    model = _fsdp(_net(9), world_size)
+    checkpoint.load(root / "a", model=model)
+    future = checkpoint.async_save(root / "async3", model=model, extra={"step": 2})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # after staging: must not reach the checkpoint
+    future.result(timeout=120)
+    dist.barrier()
+    reloaded = _fsdp(_net(10), world_size)
+    checkpoint.load(root / "async3", model=reloaded)
+    out["async"] = [n for n, p in reloaded.named_parameters() if not torch.equal(_full(p), ref_a[n])]
     # plain DCP reads ours at another world size
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -320,7 +332,8 @@ def test_checkpoints_move_between_fsdp2_flat_shards_and_world_sizes(tmp_path):
     ref_a, ref_flat = _tensors(ref_a), _tensors(ref_flat)
     for result in three:
         assert result == {
-            "fsdp2": [], "scale": [], "flat4": [], "plain": [], "hsdp": [], "hsdp_scale": [], "plain_dcp_reads_ours": []
+            "fsdp2": [], "scale": [], "flat4": [], "plain": [], "hsdp": [], "hsdp_scale": [], "async": [],
+            "plain_dcp_reads_ours": [],
         }
     for source in ("hsdp", "hsdp_scale"):  # every stored byte is referenced once: no replica written twice
         data_bytes = sum(f.stat().st_size for f in (tmp_path / source).glob("*.distcp"))

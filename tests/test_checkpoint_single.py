@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint
@@ -218,6 +219,45 @@ def test_an_interrupted_swap_loads_the_previous_checkpoint_and_the_next_save_rec
     assert not old_path(path).exists() and not staging_path(path).exists()
     checkpoint.load_state_dict(target, path)
     assert torch.equal(target["w"], torch.full((3,), 2.0))
+
+
+class _Killed(BaseException):
+    pass
+
+
+def test_a_save_interrupted_at_every_rename_leaves_old_or_new_never_a_mix(tmp_path, monkeypatch):
+    real_replace = os.replace
+    for kill_at in range(8):
+        path = tmp_path / f"c{kill_at}"
+        checkpoint.save_state_dict({"w": torch.zeros(4), "v": 0}, path)
+        calls = []
+
+        def replace(src, dst, calls=calls, kill_at=kill_at):
+            calls.append(dst)
+            if len(calls) == kill_at + 1:
+                raise _Killed  # the process dies before this rename
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        try:
+            checkpoint.save_state_dict({"w": torch.ones(4), "v": 1}, path)
+            finished = True
+        except _Killed:
+            finished = False
+        except CheckpointException as exc:  # DCP wraps what its coordinator step raised
+            assert "_Killed" in str(exc)
+            finished = False
+        monkeypatch.setattr(os, "replace", real_replace)
+        target = {"w": torch.full((4,), -1.0), "v": None}
+        checkpoint.load_state_dict(target, path, verify="full")
+        assert torch.equal(target["w"], torch.full((4,), float(target["v"])))
+        if finished:
+            assert target["v"] == 1
+            break
+        checkpoint.save_state_dict({"w": torch.full((4,), 2.0), "v": 2}, path)  # the next save recovers
+        checkpoint.load_state_dict(target, path, verify="full")
+        assert target["v"] == 2 and torch.equal(target["w"], torch.full((4,), 2.0))
+    assert kill_at >= 3  # the manifest rename and both swap renames were each interrupted once
 
 
 def test_async_save_blocks_only_for_staging_and_saves_the_state_at_call_time(tmp_path):
