@@ -472,6 +472,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         load has tensors to fill. Uses no gradients of the user and no randomness;
         parameters and their gradients are left untouched. Idempotent.
         """
+        for bucket in self._buckets:
+            # a host-delegate materialisation rewrites masters an in-flight H2D may still read
+            bucket.engine.wait_params_free(bucket)
         pending: dict[int, tuple[DelegatedOptimizer, list[ParamShard]]] = {}
         for r in self._records:
             if not r.trainable or r.state is not None:
