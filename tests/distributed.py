@@ -15,7 +15,9 @@ Keeping launch details here means a torch API change is a one-file fix.
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +27,7 @@ import torch.multiprocessing as mp
 __all__ = ["run_ranks", "RankFailed"]
 
 DEFAULT_TIMEOUT_S = 180.0
+_POLL_S = 0.5
 
 
 class RankFailed(RuntimeError):
@@ -85,21 +88,26 @@ def run_ranks(
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
+        while len(results) < world_size and not failures:
             try:
-                rank, ok, payload = queue.get(timeout=timeout_s)
-            except Exception as exc:  # queue.Empty: a rank hung or died without reporting
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                raise RankFailed(
-                    f"ranks did not all report within {timeout_s:.0f}s "
-                    f"(reported: {sorted(results)}, died with non-zero exit: {dead})"
-                ) from exc
+                rank, ok, payload = queue.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                # A rank that died before reporting (killed, or crashed while importing)
+                # never puts anything: notice it now instead of waiting out the timeout.
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+                if dead:
+                    raise RankFailed(f"ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting")
+                if time.monotonic() > deadline:
+                    raise RankFailed(
+                        f"ranks did not all report within {timeout_s:.0f}s (reported: {sorted(results)})"
+                    ) from None
+                continue
             if ok:
                 results[rank] = payload
             else:
-                failures.append(f"--- rank {rank} ---\n{payload}")
-                break  # the other ranks are likely stuck in a collective now
+                failures.append(f"--- rank {rank} ---\n{payload}")  # the others may be stuck in a collective now
     finally:
         for p in procs:
             p.join(timeout=5 if not failures else 0.5)

@@ -24,3 +24,22 @@ def test_run_ranks_returns_each_ranks_result_after_a_collective():
 def test_run_ranks_reraises_a_ranks_exception_with_its_traceback():
     with pytest.raises(RankFailed, match="boom on rank one"):
         run_ranks(_raise_on_rank_one, world_size=2, timeout_s=60)
+
+
+def _exit_hard_on_rank_zero(rank: int, world_size: int) -> None:
+    import os
+
+    if rank == 0:
+        os._exit(3)  # dies without reporting, like a crash during import
+    import time
+
+    time.sleep(100)  # the survivor waits on nothing the parent could hear about
+
+
+def test_run_ranks_notices_a_rank_that_dies_without_reporting_well_before_the_timeout():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match="exited"):
+        run_ranks(_exit_hard_on_rank_zero, world_size=2, timeout_s=120)
+    assert time.monotonic() - start < 60
