@@ -29,7 +29,7 @@ import torch
 
 from checkpoint.cli_parallel import SOLO, PeerFailed, join_group, leave_group
 from checkpoint.manifest import NotACheckpointError, verify_files
-from checkpoint.stream import CheckpointReader, Entry, dtype_name, parse_dtype
+from checkpoint.stream import CheckpointReader, Entry, dtype_name, parse_dtype, prefetch
 from checkpoint.transforms import Rename, Rules, Split, Target, parse_part_list, plan, split_key, stream_targets
 
 __all__ = ["CliError", "build_parser", "main"]
@@ -422,7 +422,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         logger.info("writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards),
                     human_bytes(args.max_shard_size))
         bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
-        values = _renamed_values(stream_targets(reader, my_targets, cast=cast), out_name)
+        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
         group.together(lambda: write_shards(dst, shards, values, full_keys=not args.model_only,
                                             on_bytes=bar.add, which=mine.__getitem__))
         objects_json = _json_objects(object_values)
@@ -437,7 +437,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         my_targets = [t for i, t in enumerate(tensors) if mine[i]]
         my_specs = [spec for i, spec in enumerate(specs) if mine[i]]
         bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
-        values = _renamed_values(stream_targets(reader, my_targets, cast=cast), out_name)
+        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
         group.together(lambda: fill_tensors(tmp, my_specs, values, on_bytes=bar.add))
         group.together(lambda: finish(tmp, dst), only_rank0=True)
         where = str(dst)
@@ -467,6 +467,17 @@ def _prepare_torch_file(dst: Path, tmp: Path, specs, objects: dict[str, Any], fo
     _check_fresh_output(dst, force)
     dst.parent.mkdir(parents=True, exist_ok=True)
     write_skeleton(tmp, specs, objects)
+
+
+OVERLAP_BYTES = 128 << 20
+"""How far reading may run ahead of writing, beyond the largest tensor (peak ~ largest + this + a chunk)."""
+
+
+def _overlapped(source: Any, targets: list[Target], cast: Callable[[Target, Any], Any] | None = None) -> Iterator[tuple[Target, Any]]:
+    """:func:`stream_targets`, read on a background thread while the caller writes."""
+    sizes = [t.nbytes for t in targets]
+    limit = max(sizes, default=0) + OVERLAP_BYTES
+    return prefetch(stream_targets(source, targets, cast=cast), sizes, limit_bytes=limit)
 
 
 def _renamed_values(stream: Iterator[tuple[Target, Any]], name: Callable[[Target], str]) -> Iterator[tuple[str, Any]]:
@@ -523,7 +534,7 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
     bar = Progress(verb.removesuffix("ed"), total, not args.quiet)
     start = time.perf_counter()
     write_checkpoint(
-        dst, args.world_size, targets, stream_targets(source, targets),
+        dst, args.world_size, targets, _overlapped(source, targets),
         max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force, group=args.group,
     )
     bar.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 
-__all__ = ["CheckpointReader", "Entry", "Source", "dtype_name", "parse_dtype"]
+__all__ = ["CheckpointReader", "Entry", "Source", "dtype_name", "parse_dtype", "prefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -254,3 +254,72 @@ def _one_line(exc: BaseException) -> str:
             exc = exc[0]
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:200]}"
+
+
+class _Failure:
+    """The producer thread's exception, carried to the consumer."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_DONE = object()
+
+
+def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) -> Iterator[Any]:
+    """``items`` produced one step ahead on a background thread, with at most ``limit_bytes`` alive.
+
+    Reading the next tensor (DCP: deserialise, copy) then overlaps writing the
+    current one (memcpy into the page cache, writeback). ``sizes[k]`` is the
+    size of item ``k``, known before it is read; it counts from the moment the
+    producer starts on it until the consumer asks for the item after it. The
+    producer waits rather than exceed ``limit_bytes``, except for an item
+    alone (a tensor larger than the limit is still read, just not overlapped).
+    """
+    import queue
+    import threading
+
+    handoff: queue.Queue = queue.Queue(maxsize=1)
+    cond = threading.Condition()
+    state = {"alive": 0, "stop": False}
+
+    def produce() -> None:
+        try:
+            it = iter(items)
+            for size in sizes:
+                with cond:
+                    # reserve before reading: the item must fit beside what the consumer still holds
+                    cond.wait_for(lambda: state["stop"] or state["alive"] == 0 or state["alive"] + size <= limit_bytes)
+                    if state["stop"]:
+                        return
+                    state["alive"] += size
+                handoff.put((next(it), size))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            handoff.put(_Failure(exc))
+            return
+        handoff.put(_DONE)
+
+    thread = threading.Thread(target=produce, name="fsdp-ckpt-prefetch", daemon=True)
+    thread.start()
+    held = 0
+    try:
+        while True:
+            with cond:
+                # done with the previous item: release it before waiting, or a producer
+                # waiting for room would wait for us while we wait for it
+                state["alive"] -= held
+                cond.notify_all()
+            held = 0
+            got = handoff.get()
+            if got is _DONE:
+                return
+            if isinstance(got, _Failure):
+                raise got.exc
+            item, held = got
+            del got
+            yield item
+            del item
+    finally:
+        with cond:
+            state["stop"] = True
+            cond.notify_all()
