@@ -69,7 +69,7 @@ def write_rank(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
-    writer = FsdpWriter(staging_path(path), force_rank=rank)
+    writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
     with quiet_single_process():
         dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
 
@@ -87,7 +87,13 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
         record_path = staged / rank_record_name(rank)
         if not record_path.exists():
             raise ValueError(f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)")
-        records.append(json.loads(record_path.read_text()))
+        record = json.loads(record_path.read_text())
+        if record.get("world_size") != world_size:
+            raise ValueError(
+                f"cannot commit {str(path)!r}: {record_path} was written for world size "
+                f"{record.get('world_size')}, not {world_size} (a leftover of another save); write rank {rank} again"
+            )
+        records.append(record)
     merged, files = merge_metadata(records)
     problems = metadata_problems(merged)
     if problems:

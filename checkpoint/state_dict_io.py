@@ -101,7 +101,7 @@ def save_state_dict(
     staged = staging_path(path)
     info = {"max_chunk_bytes": max_chunk_bytes}
     if scale:
-        writer = FsdpWriter(staged)
+        writer = FsdpWriter(staged, world_size=world_size)
         dcp.save(
             converted,
             storage_writer=writer,

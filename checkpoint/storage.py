@@ -129,11 +129,19 @@ class FsdpWriter(FileSystemWriter):
     as that rank (scale mode, used by :func:`checkpoint.write_rank`).
     """
 
-    def __init__(self, path: str | os.PathLike, *, on_commit=None, force_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        on_commit=None,
+        force_rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.fs = _CrcFileSystem()
         self.on_commit = on_commit
         self.force_rank = force_rank
+        self.world_size = world_size
 
     def storage_meta(self):
         return None
@@ -180,6 +188,7 @@ class FsdpWriter(FileSystemWriter):
         if not self.use_collectives:
             # Scale mode: this record, written after the rank's data is durable, is its "done" mark.
             record = rank_record(metadata, clean[0] if clean else [], files)
+            record["world_size"] = self.world_size
             _write_json_durably(Path(self.path) / rank_record_name(self.rank), record)
             return
         super().finish(metadata, clean)

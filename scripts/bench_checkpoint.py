@@ -237,7 +237,7 @@ def _simulated_ranks(ranks: int, tensors: int):
         yield pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL), pickle.dumps(results), json.dumps(record)
 
 
-def bench_merge(ranks_list: list[int], tensors: int) -> None:
+def bench_merge(ranks_list: list[int], tensors: int, *, with_dcp: bool = True) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from checkpoint.commit import merge_metadata
@@ -249,8 +249,9 @@ def bench_merge(ranks_list: list[int], tensors: int) -> None:
     for ranks in ranks_list:
         plans, results, records = [], [], []
         for plan, result, record in _simulated_ranks(ranks, tensors):
-            plans.append(plan)
-            results.append(result)
+            if with_dcp:
+                plans.append(plan)
+                results.append(result)
             records.append(record)
         ours_bytes = sum(len(r) for r in records)
         dcp_bytes = sum(len(p) for p in plans) + sum(len(r) for r in results)
@@ -262,6 +263,9 @@ def bench_merge(ranks_list: list[int], tensors: int) -> None:
         del records
         metadata_size = len(pickle.dumps(merged))
         del merged
+        if not with_dcp:
+            print(f"{ranks:5d} | {ours_t:8.2f} s  {ours_bytes / 2**20:11.1f} MiB | (not run)  | {metadata_size / 2**20:6.1f} MiB")
+            continue
         planner = DefaultSavePlanner()
         planner.flatten_state_dict = False
         start = time.perf_counter()
@@ -286,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks-mib", type=int, default=64, help="state size for the 1/2/4-rank save times (MiB)")
     parser.add_argument("--merge-ranks", type=int, nargs="+", default=[1024])
     parser.add_argument("--merge-tensors", type=int, default=1000)
+    parser.add_argument("--merge-ours-only", action="store_true", help="skip DCP's central plan (memory / time)")
     parser.add_argument("--parts", nargs="+", default=["throughput", "collectives", "ranks", "merge"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -299,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         if "ranks" in args.parts:
             bench_ranks(root, args.ranks_mib)
         if "merge" in args.parts:
-            bench_merge(args.merge_ranks, args.merge_tensors)
+            bench_merge(args.merge_ranks, args.merge_tensors, with_dcp=not args.merge_ours_only)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

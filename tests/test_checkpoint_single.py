@@ -185,6 +185,9 @@ def test_write_rank_then_commit_builds_a_checkpoint_for_m_ranks_from_one_process
     checkpoint.write_rank(tmp_path / "d", 0, 2, {"w": checkpoint.shard(full[:3].clone(), (7, 3), offsets=(0, 0))})
     with pytest.raises(ValueError, match="rank 1 did not finish"):
         checkpoint.commit(tmp_path / "d", 2)
+    checkpoint.write_rank(tmp_path / "d", 1, 3, {"w": checkpoint.shard(full[4:].clone(), (7, 3), offsets=(4, 0))})
+    with pytest.raises(ValueError, match="written for world size 3, not 2"):
+        checkpoint.commit(tmp_path / "d", 2)
     checkpoint.write_rank(tmp_path / "d", 1, 2, {"w": checkpoint.shard(full[4:].clone(), (7, 3), offsets=(4, 0))})
     with pytest.raises(ValueError, match="w: chunks hold 18 of its 21"):
         checkpoint.commit(tmp_path / "d", 2)
