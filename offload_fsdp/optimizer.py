@@ -21,11 +21,12 @@ and 1 exercise different code everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -139,6 +140,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.overlap = overlap_cpu_optimizer_d2h_h2d
         self._scratch = FusedScratch()
         self._engines: dict[torch.device, CopyEngine] = {}
+        # Optional timing probe, called as hook(stage, bucket, is_begin) around each bucket's "d2h"
+        # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
+        self._stage_hook: Callable[[str, HostBucket, bool], None] | None = None
 
         self._records = build_records(self.param_groups)
         accelerated = torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in self._records)
@@ -341,8 +345,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         key = (id(grad), grad.data_ptr(), grad._version)
         if record.staged_grad_key == key:
             return
-        record.bucket.engine.stage_grad(record.bucket, record.grad_stage, grad)
+        with self._bucket_stage("d2h", record.bucket):
+            record.bucket.engine.stage_grad(record.bucket, record.grad_stage, grad)
         record.staged_grad_key = key
+
+    @contextlib.contextmanager
+    def _bucket_stage(self, stage: str, bucket: HostBucket) -> Iterator[None]:
+        """Profiler range ``HybridDeviceOptimizer.<stage>[bucket <i>]`` (+ the timing hook, if set).
+
+        Nested inside the aggregate ``HybridDeviceOptimizer.<stage>`` ranges, so a
+        trace shows the pipeline per bucket (``scripts/plot_offload_timeline.py``).
+        """
+        with record_function(f"HybridDeviceOptimizer.{stage}[bucket {bucket.index}]"):
+            if self._stage_hook is None:
+                yield
+                return
+            self._stage_hook(stage, bucket, True)
+            yield
+            self._stage_hook(stage, bucket, False)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -405,7 +425,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket.engine.wait_grads(bucket)
         bucket.engine.wait_params_free(bucket)
         group = self.param_groups[bucket.group_index]
-        with record_function("HybridDeviceOptimizer.host_step"):
+        with record_function("HybridDeviceOptimizer.host_step"), self._bucket_stage("host_step", bucket):
             if bucket.fused:
                 if group.get("amsgrad", False):
                     raise ValueError(
@@ -429,7 +449,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for r in active:
                     if r.param_stage is not None:
                         r.param_stage.copy_(r.master)
-        with record_function("HybridDeviceOptimizer.h2d"):
+        with record_function("HybridDeviceOptimizer.h2d"), self._bucket_stage("h2d", bucket):
             bucket.engine.push_params(bucket, [(r.local, r.push_source) for r in active])
 
     # ------------------------------------------------------------------ state

@@ -4,6 +4,8 @@ Usage::
 
     python scripts/bench_offload.py                      # ~50M params in 100 tensors
     python scripts/bench_offload.py --numel 20e6 --tensors 40 --repeats 5
+    python scripts/bench_offload.py --numel 20e6 --bucket-numel 4e6 --timeline-json t.json
+    python scripts/plot_offload_timeline.py t.json -o timeline.png
 
 All figures come from one run on one machine. On the CPU it compares the
 offloaded path's host step (offload_fraction=1) with torch ``AdamW(fused=True)``
@@ -12,11 +14,18 @@ parameter / a copy bandwidth this script measures). With CUDA it adds: full step
 time vs max(D2H, host step, H2D) each timed alone (overlap efficiency), bytes
 over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
 and GPU memory saved.
+
+``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
+full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
+start / end of every bucket's D2H, host step and H2D in ms from the step's
+start (CUDA events on the copy streams on a GPU; on the CPU the copies are
+synchronous and timed on the host), for ``scripts/plot_offload_timeline.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -27,6 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `python scripts/...` finds the packages
 
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
+from offload_fsdp.optimizer import DEFAULT_BUCKET_NUMEL  # noqa: E402
+from offload_fsdp.copy_engine import StreamCopyEngine  # noqa: E402
 from offload_fsdp.fused_step import AdamHyper, adam_bucket_step  # noqa: E402
 from optim import PrecisionPolicy  # noqa: E402
 
@@ -202,6 +213,102 @@ def bench_gpu(args: argparse.Namespace) -> None:
           f"(saved {(m_dev - m_off) / 2**30:.2f} GiB)")  # fmt: skip
 
 
+class _StageClock:
+    """``HybridDeviceOptimizer._stage_hook`` recording each bucket's stage spans, in ms from :meth:`start`.
+
+    Copies on a side stream are timed by events recorded on that stream; host work
+    (and synchronous copies) by the host clock, started at the same instant as the
+    origin event (the device is idle then).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.marks: list[tuple[str, int, bool, float | torch.Event]] = []
+        self._t0 = 0.0
+        self._origin: torch.Event | None = None
+
+    def start(self) -> None:
+        self.marks.clear()
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+            self._origin = torch.Event(self.device, enable_timing=True)
+            torch.accelerator.current_stream(self.device).record_event(self._origin)
+        self._t0 = time.perf_counter()
+
+    def __call__(self, stage: str, bucket, is_begin: bool) -> None:
+        engine = bucket.engine
+        if stage == "host_step" or not isinstance(engine, StreamCopyEngine):
+            self.marks.append((stage, bucket.index, is_begin, time.perf_counter()))
+            return
+        stream = engine.d2h_stream if stage == "d2h" else engine.h2d_stream
+        if stage == "d2h" and is_begin:
+            # the copy itself waits for the main stream (grads ready): so does its start mark
+            stream.wait_stream(torch.accelerator.current_stream(self.device))
+        event = torch.Event(self.device, enable_timing=True)
+        stream.record_event(event)
+        self.marks.append((stage, bucket.index, is_begin, event))
+
+    def now(self) -> float | torch.Event:
+        if self._origin is None:
+            return time.perf_counter()
+        event = torch.Event(self.device, enable_timing=True)
+        torch.accelerator.current_stream(self.device).record_event(event)
+        return event
+
+    def ms(self, mark: float | torch.Event) -> float:
+        if isinstance(mark, float):
+            return (mark - self._t0) * 1e3
+        return self._origin.elapsed_time(mark)
+
+    def spans(self) -> dict[int, dict[str, list[float]]]:
+        """bucket index -> stage -> [first start, last end] (a bucket's D2H is one copy per grad)."""
+        if self._origin is not None:
+            torch.accelerator.synchronize(self.device)
+        out: dict[int, dict[str, list[float]]] = {}
+        for stage, index, is_begin, mark in self.marks:
+            span = out.setdefault(index, {}).setdefault(stage, [float("inf"), float("-inf")])
+            t = self.ms(mark)
+            span[0 if is_begin else 1] = min(span[0], t) if is_begin else max(span[1], t)
+        return out
+
+
+def record_timeline(args: argparse.Namespace) -> None:
+    """Write the per-bucket stage spans of the fastest of a few full steps to ``args.timeline_json``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = _shapes(int(args.numel), args.tensors)
+    params = _params(sizes, torch.bfloat16, device.type)
+    opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3, bucket_numel=int(args.bucket_numel))
+    clock = _StageClock(device)
+    opt.step()  # warm-up: lazy state, scratch buffers, first-touch costs
+    best = None
+    for _ in range(max(1, min(args.repeats, 3))):
+        clock.start()
+        opt._stage_hook = clock
+        opt.step()
+        end = clock.now()
+        opt._stage_hook = None
+        spans = clock.spans()
+        step_ms = clock.ms(end)
+        if best is None or step_ms < best[0]:
+            best = (step_ms, spans)
+    step_ms, spans = best
+    numel = {b.index: b.numel for b in opt._buckets}
+    data = {
+        "format": "offload_timeline",
+        "version": 1,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "unit": "ms",
+        "params": sum(sizes),
+        "step": [0.0, step_ms],
+        "buckets": [{"index": i, "numel": numel[i], **spans[i]} for i in sorted(spans)],
+    }
+    Path(args.timeline_json).write_text(json.dumps(data, indent=1) + "\n")
+    busy = {s: sum(b[s][1] - b[s][0] for b in spans.values() if s in b) for s in ("d2h", "host_step", "h2d")}
+    print(f"{sum(sizes) / 1e6:.1f}M bf16 params in {len(spans)} buckets on {data['device']}: step {step_ms:.1f} ms; "
+          f"D2H {busy['d2h']:.1f} / host step {busy['host_step']:.1f} / H2D {busy['h2d']:.1f} ms summed per stage; "
+          f"max/step = {max(busy.values()) / step_ms:.2f}; wrote {args.timeline_json}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=float, default=50e6, help="total parameters (default 50M)")
@@ -211,9 +318,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="GPU iteration model: 2*layers square Linear layers")
     parser.add_argument("--batch", type=int, default=4096, help="GPU iteration batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--timeline-json", default=None, metavar="PATH",
+                        help="only record per-bucket D2H / host step / H2D spans of one step into PATH "
+                             "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip
+    parser.add_argument("--bucket-numel", type=float, default=float(DEFAULT_BUCKET_NUMEL),
+                        help="elements per host bucket for --timeline-json (default 16M)")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.timeline_json:
+        record_timeline(args)
+        return
     bench_cpu(args)
     if torch.cuda.is_available():
         bench_gpu(args)
