@@ -30,7 +30,7 @@ import torch
 from checkpoint.cli_parallel import SOLO, PeerFailed, join_group, leave_group
 from checkpoint.manifest import NotACheckpointError, verify_files
 from checkpoint.stream import CheckpointReader, Entry, dtype_name, parse_dtype, prefetch
-from checkpoint.transforms import Rename, Rules, Split, Target, parse_part_list, plan, split_key, stream_targets
+from checkpoint.transforms import Rename, Rules, Split, Target, parse_part_list, plan, stream_targets
 
 __all__ = ["CliError", "build_parser", "main"]
 
