@@ -211,7 +211,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         problems += _manifest_key_problems(reader)
     else:
         print(f"note: {reader.note}")
-        problems += _data_file_problems(reader)
+    reported = {p.split(":", 1)[0] for p in problems}
+    # .metadata's own view of the data files: catches a file the manifest does not list
+    problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
     for entry in reader.entries.values():
         if entry.kind == "tensor":
             problems += _coverage_problems(entry)
@@ -634,7 +636,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--world-size", type=int, default=1 if name == "import" else None,
                        required=name == "reshard", help="ranks to lay the checkpoint out for")
         p.add_argument("--max-chunk-size", type=parse_size, default=parse_size("64MiB"),
-                       help="largest stored chunk (default 64MiB, as checkpoint.save), so later reshards read small pieces")
+                       help="largest stored chunk (default 64MiB, as checkpoint.save; at least one dim-0 row), "
+                            "so later reshards read small pieces")
         p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
         if name == "import":
             p.add_argument("--key-prefix", default=None,

@@ -26,6 +26,7 @@ size before reading a byte; :func:`materialize` then builds one output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -244,7 +245,7 @@ def plan(entries: dict[str, Entry], rules: Rules) -> list[Target]:
         if key in merged:
             targets.append(merged[key])
         elif key not in consumed:
-            targets.extend(_split_targets(key, entry, rules) or [_copy_target(key, entry)])
+            targets.extend(_split_targets(key, entry, entries, rules) or [_copy_target(key, entry)])
     renamed = [_renamed(t, rules) for t in targets]
     seen: dict[str, str] = {}
     for t, original in zip(renamed, targets):
@@ -266,16 +267,10 @@ def _renamed(target: Target, rules: Rules) -> Target:
     if parts is None or not rules.renames:
         return target
     prefix, fqn, suffix = parts
-    return _replace(target, name=prefix + rules.rename(fqn) + suffix)
+    return dataclasses.replace(target, name=prefix + rules.rename(fqn) + suffix)
 
 
-def _replace(target: Target, **changes: Any) -> Target:
-    fields = dict(target.__dict__)
-    fields.update(changes)
-    return Target(**fields)
-
-
-def _split_targets(key: str, entry: Entry, rules: Rules) -> list[Target] | None:
+def _split_targets(key: str, entry: Entry, entries: dict[str, Entry], rules: Rules) -> list[Target] | None:
     parts = split_key(key)
     if parts is None:
         return None
@@ -285,6 +280,13 @@ def _split_targets(key: str, entry: Entry, rules: Rules) -> list[Target] | None:
         if values is None:
             continue
         names = [prefix + _fill(p, values) + suffix for p in rule.parts]
+        weight = entries.get(f"model.{fqn}")
+        if prefix == "optimizer.state." and entry.shape and weight is not None and entry.shape != weight.shape:
+            # e.g. a factored second moment: cutting it along the weight's dim would be wrong
+            raise ValueError(
+                f"cannot split {key!r}: its shape {list(entry.shape)} differs from the weight's "
+                f"{list(weight.shape)}; split the weight without this optimizer state (export --model-only)"
+            )
         if entry.kind != "tensor" or len(entry.shape) <= rule.dim or entry.shape == ():
             # A per-parameter scalar (step, lr): every part gets the same value.
             if entry.kind == "tensor" and entry.shape and prefix == "model.":

@@ -138,3 +138,10 @@ def test_rules_file_gives_the_same_rules_as_flags(tmp_path):
     (tmp_path / "bad.json").write_text('{"split": [{"fused": "x"}]}')
     with pytest.raises(ValueError, match="not valid"):
         Rules.from_file(tmp_path / "bad.json")
+
+
+def test_splitting_an_optimizer_state_shaped_unlike_its_weight_is_refused():
+    state = _state()
+    state["optimizer.state.layers.0.mlp.linear_fc1.weight.exp_avg_sq_col"] = torch.ones(3)
+    with pytest.raises(ValueError, match="differs from the weight"):
+        plan(_DictSource(state).entries, Rules(splits=(Split(FC1, 0, PARTS),)))
