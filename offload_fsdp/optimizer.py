@@ -36,7 +36,8 @@ from torch.profiler import record_function
 from offload_fsdp.buckets import HostBucket, build_buckets
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.delegate import DelegatedOptimizer
-from offload_fsdp.fused_step import AdamHyper, FusedScratch, adam_bucket_step
+from offload_fsdp.compiled_step import select_host_step
+from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.records import ParamShard, build_records, partition
 from offload_fsdp.state_io import check_groups_match, load_record_state
 from optim.grad import get_grad, local_tensor
@@ -139,6 +140,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.precision = precision if precision is not None else PrecisionPolicy()
         self.overlap = overlap_cpu_optimizer_d2h_h2d
         self._scratch = FusedScratch()
+        self._adam_step = select_host_step()  # fused kernel, or the opt-in compiled loop ($OFFLOAD_FSDP_HOST_STEP)
         self._engines: dict[torch.device, CopyEngine] = {}
         # Optional timing probe, called as hook(stage, bucket, is_begin) around each bucket's "d2h"
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
@@ -349,13 +351,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             record.bucket.engine.stage_grad(record.bucket, record.grad_stage, grad)
         record.staged_grad_key = key
 
-    @contextlib.contextmanager
-    def _bucket_stage(self, stage: str, bucket: HostBucket) -> Iterator[None]:
+    def _bucket_stage(self, stage: str, bucket: HostBucket) -> contextlib.AbstractContextManager[None]:
         """Profiler range ``HybridDeviceOptimizer.<stage>[bucket <i>]`` (+ the timing hook, if set).
 
         Nested inside the aggregate ``HybridDeviceOptimizer.<stage>`` ranges, so a
         trace shows the pipeline per bucket (``scripts/plot_offload_timeline.py``).
         """
+        # Runs once per staged grad, in backward hooks too: free when nobody is profiling or timing.
+        if self._stage_hook is None and not torch.autograd._profiler_enabled():
+            return contextlib.nullcontext()
+        return self._profiled_stage(stage, bucket)
+
+    @contextlib.contextmanager
+    def _profiled_stage(self, stage: str, bucket: HostBucket) -> Iterator[None]:
         with record_function(f"HybridDeviceOptimizer.{stage}[bucket {bucket.index}]"):
             if self._stage_hook is None:
                 yield
@@ -437,7 +445,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         self._materialize_fused(r)
                 torch._foreach_add_([r.state["step"] for r in active], 1.0)
                 hyper = AdamHyper.from_group(group, decoupled_default=self.cpu_optimizer_cls is torch.optim.AdamW)
-                adam_bucket_step(bucket, active, hyper, self._scratch)
+                self._adam_step(bucket, active, hyper, self._scratch)
             else:
                 for r in active:
                     r.working.grad = r.grad_stage if r.grad_stage.dtype == r.working.dtype else r.grad_stage.to(r.working.dtype)
