@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -15,16 +16,21 @@ from offload_fsdp import HybridDeviceOptimizer
 
 pytest.importorskip("matplotlib")
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "plot_offload_timeline.py"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPT = SCRIPTS / "plot_offload_timeline.py"
 SIZES = [300, 120, 500, 80, 260, 400, 90]  # uneven, like a real model
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("plot_offload_timeline", SCRIPT)
+def _load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while being built
     spec.loader.exec_module(module)
     return module
+
+
+def _load_script():
+    return _load_module(SCRIPT)
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -72,7 +78,7 @@ def test_profiled_step_becomes_a_timeline_png_with_one_bar_per_bucket_and_stage(
         assert 0 < timeline.efficiency <= 1.0
 
 
-def test_timings_json_is_drawn_and_busy_time_counts_overlapping_bars_once(tmp_path):
+def test_timings_json_busy_time_counts_overlapping_bars_once(tmp_path):
     timings = {
         "format": "offload_timeline", "version": 1, "device": "cpu", "unit": "ms", "step": [0.0, 10.0],
         "buckets": [
@@ -89,8 +95,22 @@ def test_timings_json_is_drawn_and_busy_time_counts_overlapping_bars_once(tmp_pa
     assert timeline.busy_ms("host_step") == pytest.approx(5.7)
     assert timeline.busy_ms("d2h") == pytest.approx(1.0)
     assert timeline.efficiency == pytest.approx(0.57)
+
+
+def test_bench_timeline_json_of_a_real_step_is_drawn_with_every_bucket(tmp_path):
+    bench = _load_module(SCRIPTS / "bench_offload.py")
+    path = tmp_path / "timings.json"
+    args = argparse.Namespace(numel=6000, tensors=7, bucket_numel=2000, repeats=1, timeline_json=str(path))
+    bench.record_timeline(args)
+    data = json.loads(path.read_text())
+    assert data["format"] == "offload_timeline" and len(data["buckets"]) >= 3
+    for bucket in data["buckets"]:  # stages of one bucket in pipeline order, inside the step
+        assert 0 <= bucket["d2h"][0] <= bucket["d2h"][1] <= bucket["host_step"][0]
+        assert bucket["host_step"][1] <= bucket["h2d"][0] <= bucket["h2d"][1] <= data["step"][1]
+
     result = _run(str(path))
     assert result.returncode == 0, result.stderr
+    assert f"{len(data['buckets'])} buckets" in result.stdout
     assert (tmp_path / "timings.png").stat().st_size > 10_000
 
 
