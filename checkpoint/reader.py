@@ -81,7 +81,9 @@ class DirectReader(FileSystemReader):
             saved = _load_whole(f, info, path)  # not a plain chunk archive: DCP's way
         else:
             start, run = _contiguous_run(chunk_sizes, item.storage_offsets, item.lengths)
-            if run is not None and target.is_contiguous():
+            # Raw bytes land in the target only when they mean the same thing there:
+            # another dtype (fp32 moments into bf16 host moments) goes through copy_.
+            if run is not None and target.is_contiguous() and target.dtype == md.properties.dtype:
                 f.seek(info.offset + location[0] + start * itemsize)
                 _readinto(f, target.reshape(-1).view(torch.uint8).numpy(), path)
                 planner.commit_tensor(item, target)

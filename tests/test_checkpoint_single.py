@@ -326,3 +326,13 @@ def test_kill_9_during_saves_leaves_a_loadable_unmixed_checkpoint(tmp_path):
         assert "fresh" in str(exc)
     else:
         assert bool((target["a"] == float(target["i"])).all())
+
+
+def test_loading_into_a_tensor_of_another_dtype_converts_values_instead_of_copying_bytes(tmp_path):
+    full = torch.randn(16, 4)
+    checkpoint.save_state_dict({"w": full, "m": full.clone()}, tmp_path / "c")
+    as_bf16 = torch.zeros(16, 4, dtype=torch.bfloat16)  # e.g. fp32 moments into bf16 host moments
+    as_fp64 = torch.zeros(16, 4, dtype=torch.float64)
+    checkpoint.load_state_dict({"w": as_bf16, "m": as_fp64}, tmp_path / "c")
+    assert torch.equal(as_bf16, full.to(torch.bfloat16))
+    assert torch.equal(as_fp64, full.double())
