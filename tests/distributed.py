@@ -15,6 +15,7 @@ Keeping launch details here means a torch API change is a one-file fix.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -58,7 +59,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle, by value: torch's queue would send tensors as shared-memory
+        # handles, which die with this process if it exits before the parent reads them.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -105,7 +108,7 @@ def run_ranks(
                     ) from None
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")  # the others may be stuck in a collective now
     finally:

@@ -43,3 +43,14 @@ def test_run_ranks_notices_a_rank_that_dies_without_reporting_well_before_the_ti
     with pytest.raises(RankFailed, match="exited"):
         run_ranks(_exit_hard_on_rank_zero, world_size=2, timeout_s=120)
     assert time.monotonic() - start < 60
+
+
+def _return_tensors(rank: int, world_size: int) -> dict:
+    return {"rank": torch.full((1000,), float(rank)), "nested": [torch.arange(3) * rank]}
+
+
+def test_run_ranks_returns_tensors_intact_after_the_rank_exits():
+    results = run_ranks(_return_tensors, world_size=2)
+    for rank, result in enumerate(results):
+        assert torch.equal(result["rank"], torch.full((1000,), float(rank)))
+        assert torch.equal(result["nested"][0], torch.arange(3) * rank)
