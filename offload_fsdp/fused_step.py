@@ -27,6 +27,8 @@ would only add per-call overhead.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +37,7 @@ import torch
 from offload_fsdp.buckets import HostBucket
 from offload_fsdp.records import ParamShard
 
-__all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step"]
+__all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step", "noise_counter", "pieces"]
 
 PIECE_NUMEL = 1 << 19
 """Elements per piece: 512K x 4 fp32 streams (param, grad, 2 moments) = 8 MiB, split across the
@@ -115,14 +117,41 @@ def _stochastic_round_into(dst: torch.Tensor, src: torch.Tensor, noise: torch.Te
     dst.copy_(src)  # exact: the low 16 bits are zero now
 
 
-def _segments(records: list[ParamShard], start: int, stop: int) -> list[tuple[int, int, ParamShard]]:
-    """(begin, end, record) of each active record's overlap with the piece [start, stop)."""
-    out = []
-    for r in records:
-        b, e = max(start, r.offset), min(stop, r.offset + r.numel)
-        if b < e:
-            out.append((b, e, r))
-    return out
+def noise_counter(first: ParamShard, start: int, scratch: FusedScratch) -> int:
+    """Rounding-noise counter of the piece at ``start`` whose first active record is ``first``.
+
+    (step, piece position in the bucket) -> distinct, reproducible noise; the two
+    moments add a salt of 0 and 1. Shared with :mod:`offload_fsdp.compiled_step`,
+    which must pick the same windows to stay bit-identical.
+    """
+    return int(first.state["step"]) * 7919 + start // scratch.numel * 104729
+
+
+def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, list[tuple[int, int, ParamShard]]]]:
+    """(start, stop, segments) of each piece holding active elements, segments being (begin, end, record).
+
+    ``active`` is sorted by offset. Pieces are ``numel`` long from the first active
+    record's offset (the grid the rounding-noise counters are tied to). One sweep
+    over the records: ``ParamShard.numel`` is not free, and a bucket holds
+    hundreds of records and pieces.
+    """
+    if not active:
+        return
+    spans = [(r.offset, r.offset + r.numel, r) for r in active]
+    lo, hi = active[0].offset, max(e for _, e, _ in spans)
+    first = 0
+    for start in range(lo, hi, numel):
+        stop = min(start + numel, hi)
+        while first < len(spans) and spans[first][1] <= start:
+            first += 1
+        segs = []
+        for b, e, r in itertools.islice(spans, first, None):
+            if b >= stop:
+                break
+            if max(start, b) < min(stop, e):
+                segs.append((max(start, b), min(stop, e), r))
+        if segs:
+            yield start, stop, segs
 
 
 def _kernel_call(kernel, hyper: AdamHyper, p, g, m, v, steps) -> None:
@@ -151,12 +180,7 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         if spans:
             _kernel_call(kernel, hyper, *([t[s] for s in spans] for t in flats), [r.state["step"] for r in active if r.numel])
         return
-    lo, hi = active[0].offset, max(r.offset + r.numel for r in active)
-    for start in range(lo, hi, scratch.numel):
-        stop = min(start + scratch.numel, hi)
-        segs = _segments(active, start, stop)
-        if not segs:
-            continue
+    for start, stop, segs in pieces(active, scratch.numel):
         p = _as_fp32(master, start, stop, scratch, "param")
         g = _as_fp32(grads, start, stop, scratch, "grad")
         m = _as_fp32(m_flat, start, stop, scratch, "exp_avg")
@@ -168,8 +192,7 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         if master.dtype != torch.float32:
             master[start:stop].copy_(p)
         if m_flat.dtype != torch.float32 or v_flat.dtype != torch.float32:
-            # counter: (step, position in the bucket, which moment) -> distinct, reproducible noise
-            counter = int(segs[0][2].state["step"]) * 7919 + start // scratch.numel * 104729
+            counter = noise_counter(segs[0][2], start, scratch)
             for flat, fp32, beta, salt in ((m_flat, m, hyper.beta1, 0), (v_flat, v, hyper.beta2, 1)):
                 if flat.dtype == torch.float32:
                     continue

@@ -13,7 +13,9 @@ over the same parameters and with the memory-bandwidth roofline (bytes moved per
 parameter / a copy bandwidth this script measures). With CUDA it adds: full step
 time vs max(D2H, host step, H2D) each timed alone (overlap efficiency), bytes
 over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
-and GPU memory saved.
+and GPU memory saved. ``--host-step both`` (the default) times torch's fused
+kernel in pieces (the default path) and the opt-in compiled C loop
+(``OFFLOAD_FSDP_HOST_STEP=compiled``) side by side in the same rounds.
 
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
@@ -25,7 +27,9 @@ synchronous and timed on the host), for ``scripts/plot_offload_timeline.py``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -38,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `pyth
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
 from offload_fsdp.optimizer import DEFAULT_BUCKET_NUMEL  # noqa: E402
 from offload_fsdp.copy_engine import StreamCopyEngine  # noqa: E402
-from offload_fsdp.fused_step import AdamHyper, adam_bucket_step  # noqa: E402
+from offload_fsdp.compiled_step import HOST_STEP_ENV  # noqa: E402
+from offload_fsdp.fused_step import AdamHyper  # noqa: E402
 from optim import PrecisionPolicy  # noqa: E402
 
 BF16_STATE = PrecisionPolicy(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
@@ -98,7 +103,7 @@ def _host_step_only(opt: HybridDeviceOptimizer) -> Callable[[], None]:
     def run() -> None:
         for bucket in opt._buckets:
             torch._foreach_add_([r.state["step"] for r in bucket.records], 1.0)
-            adam_bucket_step(bucket, bucket.records, hyper, opt._scratch)
+            opt._adam_step(bucket, bucket.records, hyper, opt._scratch)
 
     return run
 
@@ -113,6 +118,7 @@ def bench_cpu(args: argparse.Namespace) -> None:
     fns: dict[str, Callable[[], None]] = {}
     meta: dict[str, tuple[int | None, float]] = {}  # name -> (bytes moved per param, host bytes per param)
     keep = []  # keeps every optimizer (and its params) alive while timing
+    built: dict[str, float] = {}
     ref_params = _params(sizes, torch.float32, "cpu")
     for name, kw in (("torch AdamW(fused=True), fp32", {"fused": True}), ("torch AdamW(foreach=True), fp32", {"foreach": True})):
         ref = torch.optim.AdamW(ref_params, lr=1e-3, **kw)
@@ -124,27 +130,49 @@ def bench_cpu(args: argparse.Namespace) -> None:
         ("offload fp32 params, bf16 state", torch.float32, BF16_STATE, 20),
         ("offload bf16 params+grads, bf16 state", torch.bfloat16, BF16_STATE, 20),
     ]
-    for name, dtype, precision, bytes_moved in configs:
+    env_before = os.environ.get(HOST_STEP_ENV)
+    variants = [(step, f" ({step})" if args.host_step == "both" else "") for step in ("fused", "compiled") if args.host_step in (step, "both")]
+    for (name, dtype, precision, bytes_moved), (host_step, suffix) in itertools.product(configs, variants):
+        if host_step == "compiled" and dtype == torch.float32 and precision is None:
+            continue  # nothing to cast: the compiled step hands this bucket to the fused kernel anyway
+        name += suffix
         params = _params(sizes, dtype, "cpu")
+        os.environ[HOST_STEP_ENV] = host_step  # read once, at construction
+        t0 = time.perf_counter()
         opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3, precision=precision)
+        if host_step == "compiled" and "compiled" not in built:
+            built["compiled"] = time.perf_counter() - t0  # includes compiling the C loop, unless cached
         keep.append(opt)
         used = sum(t.numel() * t.element_size() for b in opt._buckets
                    for t in [b.master, b.grad_stage, *([b.param_stage] if b.param_stage is not None else []), *b.state.values()])  # fmt: skip
         fns[name + " [host step]"], meta[name + " [host step]"] = _host_step_only(opt), (bytes_moved, used / n)
         # on a CPU-only machine step() adds the grad staging and copy-back copies (DMA on a GPU machine)
         fns[name + " [full step()]"], meta[name + " [full step()]"] = opt.step, (None, used / n)
+    if env_before is None:
+        os.environ.pop(HOST_STEP_ENV, None)
+    else:
+        os.environ[HOST_STEP_ENV] = env_before
     times = _time_round_robin(fns, args.repeats)
     t_ref = times["torch AdamW(fused=True), fp32"]
     rows = [(name, times[name], *meta[name]) for name in fns]
 
-    print(f"\n{'configuration':52s} {'time ms':>8s} {'vs fused':>9s} {'B/param':>8s} {'roofline ms':>11s} {'vs roof':>8s} {'host B/param':>12s}")
+    print(f"\n{'configuration':62s} {'time ms':>8s} {'vs fused':>9s} {'B/param':>8s} {'roofline ms':>11s} {'vs roof':>8s} {'host B/param':>12s}")
     for name, t, moved, host_bytes in rows:
         roof = moved * n / bw if moved else None
-        print(f"{name:52s} {t * 1e3:8.1f} {t / t_ref:8.2f}x {moved or '-':>8} "
+        print(f"{name:62s} {t * 1e3:8.1f} {t / t_ref:8.2f}x {moved or '-':>8} "
               f"{(f'{roof * 1e3:.1f}' if roof else '-'):>11s} {(f'{t / roof:.2f}x' if roof else '-'):>8s} {host_bytes:12.1f}")  # fmt: skip
-    fp32_state = next(t for name, t, *_ in rows if name == "offload bf16 params+grads, fp32 state [host step]")
-    bf16_state = next(t for name, t, *_ in rows if name == "offload bf16 params+grads, bf16 state [host step]")
-    print(f"\nbf16 / fp32 optimizer state host-step time (bf16 params): {bf16_state / fp32_state:.2f}")
+    print()
+    for _, suffix in variants:
+        fp32_state = times[f"offload bf16 params+grads, fp32 state{suffix} [host step]"]
+        bf16_state = times[f"offload bf16 params+grads, bf16 state{suffix} [host step]"]
+        print(f"bf16 / fp32 optimizer state host-step time (bf16 params){suffix}: {bf16_state / fp32_state:.2f}")
+    if len(variants) == 2:
+        for name, *_ in configs:
+            key = f"{name} (compiled) [host step]"
+            if key in times:
+                print(f"compiled / fused host step, {name}: {times[key] / times[f'{name} (fused) [host step]']:.2f}")
+    if "compiled" in built:
+        print(f"first construction with {HOST_STEP_ENV}=compiled: {built['compiled']:.1f} s (C compile + self-check, or cache load)")
 
 
 def bench_gpu(args: argparse.Namespace) -> None:
@@ -318,6 +346,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="GPU iteration model: 2*layers square Linear layers")
     parser.add_argument("--batch", type=int, default=4096, help="GPU iteration batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--host-step", choices=("fused", "compiled", "both"), default="both",
+                        help="host Adam step(s) to time on the CPU: torch's fused kernel in pieces (the default "
+                             "path), the opt-in compiled C loop (OFFLOAD_FSDP_HOST_STEP=compiled), or both")  # fmt: skip
     parser.add_argument("--timeline-json", default=None, metavar="PATH",
                         help="only record per-bucket D2H / host step / H2D spans of one step into PATH "
                              "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip

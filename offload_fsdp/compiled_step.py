@@ -1,0 +1,420 @@
+"""Opt-in host Adam(W) step as one compiled C loop per piece: ``OFFLOAD_FSDP_HOST_STEP=compiled``.
+
+The default host step (:mod:`offload_fsdp.fused_step`) runs torch's fused kernel on
+fp32 views, so a bf16 grad is first upcast into scratch, bf16 moments are upcast and
+cast back, and the bf16 param staging is written by a separate downcast: several
+extra passes over each piece. This module does all of it in one loop that reads the
+bf16 (or fp32) grad and the fp32 master and moments once and writes the master, the
+moments (fp32, bf16 round-to-nearest or bf16 stochastic rounding) and the bf16 param
+staging once: the 28 B/param of the roofline and nothing else.
+
+The loop mirrors the arithmetic of torch's CPU fused Adam kernel operation for
+operation (same fp32 roundings, the same ``lerp`` with a fused multiply-add, no
+other contraction), and the stochastic rounding reads the same counter-based noise
+windows of :class:`~offload_fsdp.fused_step.FusedScratch` over the same piece grid,
+so results are bit-identical to the default path (checked by
+``tests/test_offload_fastpath.py``): state dicts and resumes are interchangeable.
+
+It is plain C (no torch headers, no torch.compile), compiled with the system C
+compiler (``$CC``, else ``cc``) when an optimizer is built with this step: about
+4-10 s on a busy 2-core host, then cached per user (``$OFFLOAD_FSDP_CACHE_DIR``,
+else ``~/.cache/offload_fsdp``, keyed by source, flags, compiler and CPU) so later
+processes load it in ~0.1 s. Before first use it checks itself against torch's
+kernel on a small problem (the vector width of torch's scalar tail is found
+there). It is loaded with :mod:`ctypes`, which
+releases the GIL during the call, so with more than one torch thread the pieces of
+a bucket are spread over a small thread pool. Buckets it does not cover (fp16
+anything, a bf16 master with ``param_update_in_fp32=False``, all-fp32 buckets that
+the fused kernel already steps at the roofline) and any failure to compile or load
+fall back to :func:`~offload_fsdp.fused_step.adam_bucket_step`; a failure warns once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from offload_fsdp.buckets import HostBucket
+from offload_fsdp.fused_step import _SR_BELOW, AdamHyper, FusedScratch, adam_bucket_step, noise_counter, pieces
+from offload_fsdp.records import ParamShard
+
+__all__ = ["HOST_STEP_ENV", "HostStep", "compiled_adam_bucket_step", "compiled_step_available", "select_host_step"]
+
+logger = logging.getLogger(__name__)
+
+HOST_STEP_ENV = "OFFLOAD_FSDP_HOST_STEP"
+"""Environment variable read at optimizer construction: ``fused`` (default) or ``compiled``."""
+
+HostStep = Callable[[HostBucket, list[ParamShard], AdamHyper, FusedScratch], None]
+
+_MOMENT_FP32, _MOMENT_BF16_RNE, _MOMENT_BF16_SR = 0, 1, 2
+
+# Every dtype combination gets its own specialised loop (always_inline with literal
+# flags), so the compiler vectorises each without per-element branches.
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    float* param; const void* grad; void* exp_avg; void* exp_avg_sq; uint16_t* stage;
+    const int32_t* noise_m; const int32_t* noise_v; int64_t n, vec_width;
+    float gsign, decay, wd, lerp_w, beta2, c2, bc2_sqrt, eps, step_size;
+    int32_t grad_bf16, m_mode, v_mode, has_stage, l2, lerp_small;
+} adam_args;
+
+static inline float bf16_to_f32(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static inline uint16_t f32_to_bf16_rne(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN, as c10::BFloat16 */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Adding uniform 16-bit noise to the bits then truncating rounds the magnitude up with
+   probability equal to the dropped fraction (as fused_step._stochastic_round_into). */
+static inline uint16_t f32_to_bf16_sr(float f, int32_t noise) {
+    uint32_t u; memcpy(&u, &f, 4);
+    u += (uint32_t)noise;
+    return (uint16_t)(u >> 16);
+}
+
+static inline float load_moment(const void* base, int64_t i, int mode) {
+    return mode == 0 ? ((const float*)base)[i] : bf16_to_f32(((const uint16_t*)base)[i]);
+}
+
+static inline void store_moment(void* base, int64_t i, float x, int mode, const int32_t* noise) {
+    if (mode == 0) ((float*)base)[i] = x;
+    else if (mode == 1) ((uint16_t*)base)[i] = f32_to_bf16_rne(x);
+    else ((uint16_t*)base)[i] = f32_to_bf16_sr(x, noise[i]);
+}
+
+static inline __attribute__((always_inline)) void adam_range(
+        const adam_args* a, int64_t lo, int64_t hi, const int TAIL,
+        const int GBF, const int MM, const int VM, const int ST, const int L2) {
+    float* restrict p = a->param;
+    const void* restrict g = a->grad;
+    void* restrict m = a->exp_avg;
+    void* restrict v = a->exp_avg_sq;
+    uint16_t* restrict stage = a->stage;
+    const int32_t* restrict nm = a->noise_m;
+    const int32_t* restrict nv = a->noise_v;
+    const float gsign = a->gsign, decay = a->decay, wd = a->wd, beta2 = a->beta2, c2 = a->c2;
+    const float bc2_sqrt = a->bc2_sqrt, eps = a->eps, step_size = a->step_size;
+    /* torch's lerp: weight w < 0.5 -> m + w*(g-m); else g + (w-1)*(g-m), each one fma */
+    const float coeff = a->lerp_small ? a->lerp_w : a->lerp_w - 1.0f;
+    const int lerp_small = a->lerp_small;
+    for (int64_t i = lo; i < hi; i++) {
+        float gi = GBF ? bf16_to_f32(((const uint16_t*)g)[i]) : ((const float*)g)[i];
+        gi = gi * gsign;
+        float pi = p[i];
+        if (L2) gi = fmaf(pi, wd, gi); else pi = pi * decay;
+        float mi = load_moment(m, i, MM);
+        mi = fmaf(coeff, gi - mi, lerp_small ? mi : gi);
+        /* torch's vector body contracts v*b2 + (c2*g)*g into fma(c2*g, g, v*b2); its scalar tail into fma(v, b2, (c2*g)*g) */
+        float vi = TAIL ? fmaf(load_moment(v, i, VM), beta2, c2 * gi * gi) : fmaf(c2 * gi, gi, load_moment(v, i, VM) * beta2);
+        float denom = sqrtf(vi) / bc2_sqrt + eps;
+        pi = pi - step_size * mi / denom;
+        p[i] = pi;
+        store_moment(m, i, mi, MM, nm);
+        store_moment(v, i, vi, VM, nv);
+        if (ST) stage[i] = f32_to_bf16_rne(pi);
+    }
+}
+
+/* The last n % vec_width elements are torch's scalar tail, which rounds differently: a few
+   elements, so one generic (not specialised, not vectorised) loop serves every combination. */
+static __attribute__((noinline, optimize("no-tree-vectorize"))) void adam_tail(const adam_args* a, int64_t lo) {
+    adam_range(a, lo, a->n, 1, a->grad_bf16, a->m_mode, a->v_mode, a->has_stage, a->l2);
+}
+
+static inline __attribute__((always_inline)) void adam_loop(
+        const adam_args* a, const int GBF, const int MM, const int VM, const int ST, const int L2) {
+    const int64_t body = a->n - a->n % a->vec_width;
+    adam_range(a, 0, body, 0, GBF, MM, VM, ST, L2);
+    if (body < a->n) adam_tail(a, body);
+}
+
+#define KEY(g, m, v, s, l) (((((g) * 3 + (m)) * 3 + (v)) * 2 + (s)) * 2 + (l))
+#define C5(g, m, v, s, l) case KEY(g, m, v, s, l): adam_loop(a, g, m, v, s, l); return 0;
+#define CL(g, m, v, s) C5(g, m, v, s, 0) C5(g, m, v, s, 1)
+#define CS(g, m, v) CL(g, m, v, 0) CL(g, m, v, 1)
+#define CV(g, m) CS(g, m, 0) CS(g, m, 1) CS(g, m, 2)
+#define CM(g) CV(g, 0) CV(g, 1) CV(g, 2)
+
+int offload_fsdp_adam(const adam_args* a) {
+    switch (KEY(a->grad_bf16, a->m_mode, a->v_mode, a->has_stage, a->l2)) {
+        CM(0) CM(1)
+    }
+    return -1;
+}
+"""
+
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+"""``-ffp-contract=off``: only the explicit ``fmaf`` of lerp fuses, as in torch's kernel;
+``-fno-math-errno`` lets ``sqrtf`` vectorise (no errno to set, results unchanged)."""
+
+
+class _AdamArgs(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_void_p) for name in ("param", "grad", "exp_avg", "exp_avg_sq", "stage", "noise_m", "noise_v")],
+        ("n", ctypes.c_int64), ("vec_width", ctypes.c_int64),
+        *[(name, ctypes.c_float) for name in ("gsign", "decay", "wd", "lerp_w", "beta2", "c2", "bc2_sqrt", "eps", "step_size")],
+        *[(name, ctypes.c_int32) for name in ("grad_bf16", "m_mode", "v_mode", "has_stage", "l2", "lerp_small")],
+    ]  # fmt: skip
+
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_load_failed = False
+_vec_width = 8
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("OFFLOAD_FSDP_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "offload_fsdp"
+    )
+    return Path(base)
+
+
+def _build_key(compiler: str) -> str:
+    """Hash of everything the binary depends on: source, flags, compiler, and the CPU (``-march=native``)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    cpu = ""
+    with contextlib.suppress(OSError):
+        cpu = "\n".join(sorted({line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                                 if line.startswith(("model name", "flags"))}))  # fmt: skip
+    text = "\0".join([_SOURCE, " ".join(_CFLAGS), version, platform.machine(), cpu])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _compile(compiler: str, out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="offload_fsdp_step_") as tmp:
+        src, lib = Path(tmp, "host_adam.c"), Path(tmp, "host_adam.so")
+        src.write_text(_SOURCE)
+        proc = subprocess.run([compiler, *_CFLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staged = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+        shutil.copyfile(lib, staged)
+        os.replace(staged, out)  # atomic: a concurrent process sees the old file or the whole new one
+
+
+def _compile_and_load() -> ctypes.CDLL:
+    """The C loop as a shared library: from the per-user cache, else compiled into it (or a temp dir)."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"C compiler {compiler!r} not found; install gcc or set CC")
+    path = _cache_dir() / f"host_adam-{_build_key(compiler)}.so"
+    if not path.exists():
+        try:
+            _compile(compiler, path)
+        except OSError:  # cache not writable: build a private copy for this process only
+            with tempfile.TemporaryDirectory(prefix="offload_fsdp_step_") as tmp:
+                private = Path(tmp, "host_adam.so")
+                _compile(compiler, private)
+                library = ctypes.CDLL(str(private))  # mapped now: the file may go with the directory
+                return _declare(library)
+    return _declare(ctypes.CDLL(str(path)))
+
+
+def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
+    library.offload_fsdp_adam.argtypes = [ctypes.POINTER(_AdamArgs)]
+    library.offload_fsdp_adam.restype = ctypes.c_int
+    return library
+
+
+def _probe_vec_width(library: ctypes.CDLL) -> int:
+    """The vector width at which torch's fused kernel switches to its scalar tail, found by agreement.
+
+    Runs torch's kernel and the C loop (fp32 everything) on a small problem whose
+    tensors end in partial vectors, for Adam with L2, AdamW and a large lerp weight,
+    and returns the width at which all results are bit-identical. Raises if none is:
+    this torch build rounds differently, and the fused path must be used.
+    """
+    gen = torch.Generator().manual_seed(0)
+    cases = [(False, 0.1, 0.9), (True, 0.1, 0.9), (True, 0.0, 0.3)]  # (decoupled, weight_decay, beta1)
+    for width in (8, 16, 4, 32):
+        agree = True
+        for decoupled, wd, beta1 in cases:
+            ref = [torch.randn(45, generator=gen) for _ in range(3)] + [torch.rand(45, generator=gen)]
+            ours = [t.clone() for t in ref]
+            hyper = AdamHyper(lr=0.01, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=wd, maximize=False, decoupled=decoupled)
+            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+            for step in (1.0, 2.0, 3.0):
+                kernel(*([t] for t in ref), [], [torch.tensor(step)], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                       weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)  # fmt: skip
+                p, g, m, v = ours
+                args = _AdamArgs(param=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
+                                 n=p.numel(), vec_width=width, **_scalars(hyper, step), grad_bf16=0, m_mode=0, v_mode=0, has_stage=0)  # fmt: skip
+                library.offload_fsdp_adam(ctypes.byref(args))
+            agree = agree and all(torch.equal(a, b) for a, b in zip(ref, ours))
+        if agree:
+            return width
+    raise RuntimeError("its arithmetic does not reproduce this torch build's fused Adam kernel bit for bit")
+
+
+def compiled_step_available() -> bool:
+    """Compile, load and self-check the C step once per process; False (after one warning) if that fails."""
+    global _library, _load_failed, _vec_width
+    with _lock:
+        if _library is None and not _load_failed:
+            try:
+                library = _compile_and_load()
+                _vec_width = _probe_vec_width(library)
+                _library = library
+                logger.info("compiled host Adam step loaded (torch kernel vector width %d)", _vec_width)
+            except Exception as exc:  # any failure means: use the fused path, and say so once
+                _load_failed = True
+                warnings.warn(
+                    f"{HOST_STEP_ENV}=compiled: could not build the C host step ({exc}); "
+                    "falling back to torch's fused kernel (same results, slower for bf16)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return _library is not None
+
+
+def _moment_mode(flat: torch.Tensor, beta: float) -> int | None:
+    if flat.dtype == torch.float32:
+        return _MOMENT_FP32
+    if flat.dtype == torch.bfloat16:
+        return _MOMENT_BF16_SR if 1.0 - beta < _SR_BELOW else _MOMENT_BF16_RNE
+    return None
+
+
+def _covered(bucket: HostBucket) -> bool:
+    """Whether the C loop steps this bucket (else the fused path does, with the same results)."""
+    m, v = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
+    needs_cast = bucket.param_stage is not None or any(t.dtype != torch.float32 for t in (bucket.grad_stage, m, v))
+    return (
+        needs_cast
+        and bucket.master.dtype == torch.float32
+        and bucket.grad_stage.dtype in (torch.float32, torch.bfloat16)
+        and m.dtype in (torch.float32, torch.bfloat16)
+        and v.dtype in (torch.float32, torch.bfloat16)
+        and (bucket.param_stage is None or bucket.param_stage.dtype == torch.bfloat16)
+    )
+
+
+def _scalars(hyper: AdamHyper, step: float) -> dict[str, float | int]:
+    """Per-step scalars computed in double as torch's kernel does, rounded to fp32 by ctypes."""
+    l2 = not hyper.decoupled and hyper.weight_decay != 0
+    lerp_w = 1.0 - hyper.beta1
+    return {
+        "gsign": -1.0 if hyper.maximize else 1.0,
+        "decay": 1.0 - hyper.lr * hyper.weight_decay if hyper.decoupled else 1.0,
+        "wd": hyper.weight_decay, "l2": int(l2),
+        "lerp_w": lerp_w, "lerp_small": int(abs(float(torch.tensor(lerp_w, dtype=torch.float32))) < 0.5),
+        "beta2": hyper.beta2, "c2": 1.0 - hyper.beta2,
+        "bc2_sqrt": math.sqrt(1.0 - hyper.beta2**step), "eps": hyper.eps,
+        "step_size": hyper.lr / (1.0 - hyper.beta1**step),
+    }  # fmt: skip
+
+
+def _run(items: list[_AdamArgs]) -> None:
+    fn = _library.offload_fsdp_adam
+    for item in items:
+        if fn(ctypes.byref(item)) != 0:
+            raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
+
+
+def _run_parallel(items: list[_AdamArgs], threads: int) -> None:
+    """Split ``items`` (in order) into ``threads`` runs of about equal element count, one per thread."""
+    global _pool
+    if threads <= 1 or len(items) < 2:
+        _run(items)
+        return
+    if _pool is None or _pool._max_workers < threads - 1:
+        _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="offload_fsdp_step")
+    total, chunks, current, acc = sum(a.n for a in items), [], [], 0
+    for item in items:
+        current.append(item)
+        acc += item.n
+        if acc >= total * (len(chunks) + 1) / threads and len(chunks) < threads - 1:
+            chunks.append(current)
+            current = []
+    chunks.append(current)
+    futures = [_pool.submit(_run, chunk) for chunk in chunks[1:]]
+    _run(chunks[0])
+    for f in futures:
+        f.result()
+
+
+@torch.no_grad()
+def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch) -> None:
+    """Drop-in for :func:`~offload_fsdp.fused_step.adam_bucket_step` (same preconditions and side effects).
+
+    Walks the same piece grid as the fused path (pieces of ``scratch.numel`` from the
+    first active record) so the stochastic-rounding noise windows are the same, and
+    calls the C loop once per (piece, active record) overlap: each call covers one
+    record, so one step count and one set of bias corrections.
+    """
+    if not _covered(bucket) or not compiled_step_available():
+        adam_bucket_step(bucket, active, hyper, scratch)
+        return
+    active = sorted(active, key=lambda r: r.offset)
+    m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
+    master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
+    m_mode, v_mode = _moment_mode(m_flat, hyper.beta1), _moment_mode(v_flat, hyper.beta2)
+    sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
+    bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
+    stage_base = stage.data_ptr() if stage is not None else None
+    common = {
+        "grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
+        "has_stage": int(stage is not None), "vec_width": _vec_width,
+    }  # fmt: skip
+    per_step: dict[float, dict[str, float | int]] = {}
+    items = []
+    for start, stop, segs in pieces(active, scratch.numel):
+        counter = noise_counter(segs[0][2], start, scratch)
+        noise = {}
+        for name, mode, salt in (("noise_m", m_mode, 0), ("noise_v", v_mode, 1)):
+            if mode == _MOMENT_BF16_SR:
+                noise[name] = scratch.noise(stop - start, counter + salt).data_ptr()
+        for b, e, record in segs:
+            step = float(record.state["step"])
+            scalars = per_step.get(step) or per_step.setdefault(step, _scalars(hyper, step))
+            item = _AdamArgs(
+                param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
+                exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
+                stage=stage_base + b * 2 if stage_base is not None else None,
+                **{name: ptr + (b - start) * 4 for name, ptr in noise.items()},
+                n=e - b, **scalars, **common,
+            )  # fmt: skip
+            items.append(item)
+    _run_parallel(items, torch.get_num_threads())
+
+
+def select_host_step() -> HostStep:
+    """The host Adam step chosen by ``$OFFLOAD_FSDP_HOST_STEP`` (read once, at optimizer construction).
+
+    ``fused`` or unset: :func:`~offload_fsdp.fused_step.adam_bucket_step`. ``compiled``:
+    :func:`compiled_adam_bucket_step`, compiled now so that its cost (and any failure
+    warning) comes at construction rather than inside the first step.
+    """
+    choice = os.environ.get(HOST_STEP_ENV, "").strip().lower() or "fused"
+    if choice == "fused":
+        return adam_bucket_step
+    if choice == "compiled":
+        compiled_step_available()
+        return compiled_adam_bucket_step
+    raise ValueError(f"{HOST_STEP_ENV}={choice!r} is not a host step; use 'fused' (default) or 'compiled'")
