@@ -283,6 +283,16 @@ def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) ->
     cond = threading.Condition()
     state = {"alive": 0, "stop": False}
 
+    def hand_over(value: Any) -> bool:
+        # a consumer that stopped early never takes it: give up then instead of blocking forever
+        while not state["stop"]:
+            try:
+                handoff.put(value, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             it = iter(items)
@@ -293,11 +303,12 @@ def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) ->
                     if state["stop"]:
                         return
                     state["alive"] += size
-                handoff.put((next(it), size))
+                if not hand_over((next(it), size)):
+                    return
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            handoff.put(_Failure(exc))
+            hand_over(_Failure(exc))
             return
-        handoff.put(_DONE)
+        hand_over(_DONE)
 
     thread = threading.Thread(target=produce, name="fsdp-ckpt-prefetch", daemon=True)
     thread.start()

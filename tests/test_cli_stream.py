@@ -67,3 +67,13 @@ def test_reader_assembles_chunked_tensors_and_objects_from_a_plain_dcp_save(tmp_
     assert values["model.s"].item() == 2.5 and values["extra.step"] == 9
     # sorted keys: extra.step (0 bytes) and model.s (4) fit one 8-byte batch; model.w (48) goes alone
     assert [len(b) for b in reader.batches(list(reader.entries), batch_bytes=8)] == [2, 1]
+
+
+def test_prefetch_thread_ends_when_the_consumer_stops_early():
+    items = prefetch(iter(range(100)), [1] * 100, limit_bytes=1000)
+    assert next(items) == 0
+    items.close()  # what a failing writer's `for` loop does to it
+    for thread in threading.enumerate():
+        if thread.name == "fsdp-ckpt-prefetch":
+            thread.join(timeout=5)
+            assert not thread.is_alive()
