@@ -109,7 +109,11 @@ class Progress:
 
 def _open(path: str, *, warn: bool = True, check_sizes: bool = True) -> CheckpointReader:
     """Open a checkpoint; by default fail fast when a file's size differs from the manifest (cheap, no read)."""
-    reader = CheckpointReader(path)
+    from checkpoint.atomic import resolve_for_load
+
+    # the format's own lookup: falls back to <path>.old after a save killed mid-swap, and names
+    # an unfinished <path>.tmp when nothing else is there
+    reader = CheckpointReader(resolve_for_load(path))
     if reader.note and warn:
         # stdout, like the command's other output: stderr stays for the one error line
         print(f"note: {path}: {reader.note}", flush=True)
@@ -674,6 +678,8 @@ def _error_line(exc: BaseException) -> str:
         return text
     if isinstance(exc, (CliError, ValueError, TypeError, NotACheckpointError, KeyError)):
         return f"{text}; check the arguments (see `{PROG} --help`)"
+    if isinstance(exc, FileNotFoundError):
+        return f"{text}; check the path"
     if isinstance(exc, OSError):
         return f"{text}; check the path, permissions and free space"
     return f"unexpected {type(exc).__name__}: {text}; rerun with --debug and report the traceback"
