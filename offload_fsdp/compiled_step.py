@@ -185,6 +185,7 @@ _library: ctypes.CDLL | None = None
 _load_failed = False
 _vec_width = 8
 _pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
 
 
 def _cache_dir() -> Path:
@@ -338,13 +339,18 @@ def _run(items: list[_AdamArgs]) -> None:
 
 
 def _run_parallel(items: list[_AdamArgs], threads: int) -> None:
-    """Split ``items`` (in order) into ``threads`` runs of about equal element count, one per thread."""
-    global _pool
+    """Split ``items`` (in order) into ``threads`` runs of about equal element count, one per thread.
+
+    The C loop is single-threaded (torch's kernel gets its threads from torch's OpenMP
+    pool, which plain C cannot share), so this thread runs one share and a small pool
+    the rest; ctypes drops the GIL for the duration of each call.
+    """
+    global _pool, _pool_workers
     if threads <= 1 or len(items) < 2:
         _run(items)
         return
-    if _pool is None or _pool._max_workers < threads - 1:
-        _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="offload_fsdp_step")
+    if _pool is None or _pool_workers < threads - 1:
+        _pool, _pool_workers = ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_fsdp_step"), threads - 1
     total, chunks, current, acc = sum(a.n for a in items), [], [], 0
     for item in items:
         current.append(item)
@@ -392,13 +398,14 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
                 noise[name] = scratch.noise(stop - start, counter + salt).data_ptr()
         for b, e, record in segs:
             step = float(record.state["step"])
-            scalars = per_step.get(step) or per_step.setdefault(step, _scalars(hyper, step))
+            if step not in per_step:
+                per_step[step] = _scalars(hyper, step)
             item = _AdamArgs(
                 param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
                 exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
                 stage=stage_base + b * 2 if stage_base is not None else None,
                 **{name: ptr + (b - start) * 4 for name, ptr in noise.items()},
-                n=e - b, **scalars, **common,
+                n=e - b, **per_step[step], **common,
             )  # fmt: skip
             items.append(item)
     _run_parallel(items, torch.get_num_threads())
