@@ -65,7 +65,13 @@ class HostBuffers:
     """The arenas behind all buckets (kept so their memory lives as long as the optimizer)."""
 
     pinned: HostArena
-    pageable: HostArena
+    pageable: dict[torch.dtype, HostArena]
+    """one arena per dtype: views of one storage in several dtypes make ``torch.save``
+    of the state dict fail ("view the same data as different types")"""
+
+    @property
+    def pageable_reserved_bytes(self) -> int:
+        return sum(a.reserved_bytes for a in self.pageable.values())
 
 
 def _bucket_key(record: ParamShard) -> tuple:
@@ -106,22 +112,29 @@ def build_buckets(
         last.numel += record.numel
 
     pin_grads, pin_params = pin
-    pinned, pageable = HostLayout(), HostLayout()
+    pinned = HostLayout()
+    pageable: dict[torch.dtype, HostLayout] = {}
+
+    def add(pin_it: bool, numel: int, dtype: torch.dtype) -> tuple[HostLayout, int]:
+        # Nothing in the pinned arena is optimizer state (only staging, and masters that
+        # are the params' own dtype), so only the pageable side needs one arena per dtype.
+        layout = pinned if pin_it else pageable.setdefault(dtype, HostLayout())
+        return layout, layout.add(numel, dtype)
+
     handles = []
     for b in buckets:
         separate = b.master_dtype != b.param_dtype
-        h = {"grad": (pinned if pin_grads else pageable, (pinned if pin_grads else pageable).add(b.numel, b.grad_dtype))}
+        h = {"grad": add(pin_grads, b.numel, b.grad_dtype)}
         # The H2D source is pinned; a separate fp32 master never crosses the bus.
-        src_layout = pinned if pin_params else pageable
-        h["param_stage"] = (src_layout, src_layout.add(b.numel, b.param_dtype)) if separate else None
-        m_layout = pageable if separate else src_layout
-        h["master"] = (m_layout, m_layout.add(b.numel, b.master_dtype))
+        h["param_stage"] = add(pin_params, b.numel, b.param_dtype) if separate else None
+        h["master"] = add(pin_params and not separate, b.numel, b.master_dtype)
         if state_dtypes is not None and is_fused(b):
             for name in _FUSED_STATE:
-                h[name] = (pageable, pageable.add(b.numel, state_dtypes[name]))
+                h[name] = add(False, b.numel, state_dtypes[name])
         handles.append(h)
 
-    arenas = {id(pinned): pinned.allocate(pin=True), id(pageable): pageable.allocate(pin=False)}
+    arenas = {id(pinned): pinned.allocate(pin=True)}
+    arenas.update({id(layout): layout.allocate(pin=False) for layout in pageable.values()})
 
     def view(entry):
         layout, handle = entry
@@ -138,4 +151,6 @@ def build_buckets(
             r.master = b.master[sl].view(shape)
             r.grad_stage = b.grad_stage[sl].view(shape)
             r.param_stage = b.param_stage[sl].view(shape) if b.param_stage is not None else None
-    return buckets, HostBuffers(pinned=arenas[id(pinned)], pageable=arenas[id(pageable)])
+    return buckets, HostBuffers(
+        pinned=arenas[id(pinned)], pageable={dtype: arenas[id(layout)] for dtype, layout in pageable.items()}
+    )

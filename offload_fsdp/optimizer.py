@@ -293,7 +293,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "(page-locked: %s); pageable host bytes %d",
             self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
             len(device), sum(r.numel for r in device), nbytes(device), len(self._buckets),
-            pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, self._host_buffers.pageable.reserved_bytes,
+            pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, self._host_buffers.pageable_reserved_bytes,
         )  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
