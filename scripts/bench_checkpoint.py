@@ -285,7 +285,7 @@ def bench_merge(ranks_list: list[int], tensors: int, *, with_dcp: bool = True) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir under ./)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp dir; pass a path on the file system to measure)")
     parser.add_argument("--mib", type=int, default=256, help="state size for throughput (MiB)")
     parser.add_argument("--ranks-mib", type=int, default=64, help="state size for the 1/2/4-rank save times (MiB)")
     parser.add_argument("--merge-ranks", type=int, nargs="+", default=[1024])
@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parts", nargs="+", default=["throughput", "collectives", "ranks", "merge"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir or Path.cwd()))
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir))  # None: the system temp dir
     try:
         print(f"torch {torch.__version__}, {os.cpu_count()} cores, writing under {root}")
         if "throughput" in args.parts:

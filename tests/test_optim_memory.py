@@ -1,4 +1,4 @@
-"""bytes_per_param against hand-counted cases, and docs/optim.md generated from it."""
+"""bytes_per_param against hand-counted cases, and the tables in docs/optim.md and README.md generated from it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from optim import PrecisionPolicy, bytes_per_param
 from optim.memory import memory_table
 
 BF16, FP32 = torch.bfloat16, torch.float32
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "optim.md"
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -49,5 +49,6 @@ def test_offload_outside_zero_to_one_is_rejected():
         bytes_per_param(None, FP32, 1.5)
 
 
-def test_docs_table_is_the_generated_one():
-    assert memory_table() in DOC.read_text(), "docs/optim.md is stale: regenerate with `python -m optim.memory`"
+@pytest.mark.parametrize("doc", ["docs/optim.md", "README.md"])
+def test_docs_table_is_the_generated_one(doc):
+    assert memory_table() in (REPO / doc).read_text(), f"{doc} is stale: regenerate with `python -m optim.memory`"
