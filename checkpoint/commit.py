@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.atomic import staging_path, swap_into_place
 from checkpoint.convert import convert_tree
-from checkpoint.manifest import FileRecord, KeyRecord, Manifest, checksum_file, write_manifest
+from checkpoint.manifest import METADATA_NAME, FileRecord, KeyRecord, Manifest, checksum_file, write_manifest
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
 
@@ -46,7 +46,6 @@ __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "build_manifest", "commit", "commit_staged
 
 logger = logging.getLogger(__name__)
 
-METADATA_NAME = ".metadata"
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 """Chunks are cut to at most this many bytes so a reshard reads little beyond what it needs."""
 

@@ -22,6 +22,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "METADATA_NAME",
     "FileRecord",
     "KeyRecord",
     "Manifest",
@@ -35,6 +36,8 @@ __all__ = [
 FORMAT_NAME = "fsdp_dtensor"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+METADATA_NAME = ".metadata"
+"""DCP's own metadata file (fixed by ``FileSystemWriter``)"""
 _CHUNK_BYTES = 16 << 20
 
 

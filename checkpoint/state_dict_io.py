@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint.atomic import check_committed, is_committed, resolve_for_load, staging_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
 from checkpoint.convert import convert_tree, to_checkpointable
-from checkpoint.manifest import Manifest, checksum_file, read_manifest, verify_files
+from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
 from checkpoint.storage import FsdpWriter, quiet_single_process
@@ -155,21 +155,21 @@ def open_checkpoint(
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     src = resolve_for_load(path)
     manifest = None
-    if require_manifest or not (src / ".metadata").is_file() or is_committed(src):
+    if require_manifest or not (src / METADATA_NAME).is_file() or is_committed(src):
         check_committed(src)
         manifest = read_manifest(src)
     else:
         logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
     if verify != "none" and manifest is not None:
         problems = verify_files(src, manifest, checksums=verify == "full")
-        md_record = manifest.files.get(".metadata")
+        md_record = manifest.files.get(METADATA_NAME)
         if not problems and verify == "sizes" and md_record is not None:
-            if checksum_file(src / ".metadata").crc32 != md_record.crc32:
+            if checksum_file(src / METADATA_NAME).crc32 != md_record.crc32:
                 problems.append(f"{src / '.metadata'}: CRC-32 does not match the manifest (the file is corrupt)")
         if problems:
             raise CheckpointCorruptError(f"checkpoint {str(src)!r} is damaged: " + "; ".join(problems))
     try:
-        with open(src / ".metadata", "rb") as f:
+        with open(src / METADATA_NAME, "rb") as f:
             metadata = pickle.load(f)
     except Exception as exc:  # any unpickling failure means the file is damaged
         raise CheckpointCorruptError(f"{src / '.metadata'}: cannot be read ({exc!r})") from exc

@@ -32,14 +32,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, Manifest, read_manifest
 
 __all__ = ["CheckpointReader", "Entry", "Source", "dtype_name", "parse_dtype", "prefetch"]
 
 logger = logging.getLogger(__name__)
-
-_METADATA_NAME = ".metadata"
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -123,9 +120,9 @@ class CheckpointReader:
                 f"{str(self.path)!r} is a file, not a checkpoint directory; "
                 "pass the directory that holds .metadata"
             )
-        if not (self.path / _METADATA_NAME).exists():
+        if not (self.path / METADATA_NAME).exists():
             raise ValueError(
-                f"{str(self.path)!r} has no {_METADATA_NAME}: not a DCP checkpoint "
+                f"{str(self.path)!r} has no {METADATA_NAME}: not a DCP checkpoint "
                 "(an unfinished save, or the wrong directory); pass a directory written by "
                 "checkpoint.save or torch.distributed.checkpoint.save"
             )
@@ -142,7 +139,7 @@ class CheckpointReader:
             self.metadata: Metadata = dcp.FileSystemReader(self.path).read_metadata()
         except Exception as exc:  # a truncated pickle raises anything from EOFError to UnpicklingError
             raise ValueError(
-                f"{str(self.path / _METADATA_NAME)!r} cannot be read ({type(exc).__name__}: {exc}); "
+                f"{str(self.path / METADATA_NAME)!r} cannot be read ({type(exc).__name__}: {exc}); "
                 "the checkpoint is damaged: re-save it or restore the file"
             ) from exc
         self.entries: dict[str, Entry] = {
