@@ -32,12 +32,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter, _StoragePrefix
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from checkpoint.chunk_archive import crc32_combine, plan_archive
 from checkpoint.manifest import MANIFEST_NAME, FileRecord
 
 __all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
@@ -61,7 +69,7 @@ class _CrcStream(io.RawIOBase):
     _OVERLAP_BYTES = 1 << 20
     _pool: ThreadPoolExecutor | None = None
 
-    def __init__(self, raw: io.BufferedWriter) -> None:
+    def __init__(self, raw: io.RawIOBase | io.BufferedWriter) -> None:
         self.raw = raw
         self.crc = 0
         self.size = 0
@@ -72,16 +80,29 @@ class _CrcStream(io.RawIOBase):
     def write(self, b) -> int:
         view = memoryview(b).cast("B")
         if len(view) >= self._OVERLAP_BYTES:
-            if _CrcStream._pool is None:
-                _CrcStream._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc")
-            pending = _CrcStream._pool.submit(zlib.crc32, view, self.crc)
-            written = self.raw.write(view)
-            self.crc = pending.result()
+            self.write_uncounted(view)
         else:
             self.crc = zlib.crc32(view, self.crc)
-            written = self.raw.write(view)
+            self._write_all(view)
+            self.size += len(view)
+        return len(view)
+
+    def write_uncounted(self, b) -> int:
+        """Write ``b`` and return its own CRC-32 (folded into the file's, computed while the OS copies it)."""
+        view = memoryview(b).cast("B")
+        if _CrcStream._pool is None:
+            _CrcStream._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc")
+        pending = _CrcStream._pool.submit(zlib.crc32, view)
+        self._write_all(view)
+        piece_crc = pending.result()
+        self.crc = crc32_combine(self.crc, piece_crc, len(view))
         self.size += len(view)
-        return written
+        return piece_crc
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):  # an unbuffered file may take less than asked
+            done += self.raw.write(view[done:])
 
     def tell(self) -> int:
         return self.size
@@ -165,14 +186,41 @@ class FsdpWriter(FileSystemWriter):
         return plan
 
     def write_data(self, plan: SavePlan, planner: SavePlanner):
-        future = super().write_data(plan, planner)
-        results = list(future.value())
+        results = self._write_rank_file(plan, planner)
         # File records ride along with DCP's write results to the committing rank.
         results += [
             WriteResult(index=MetadataIndex(f"{_FILE_RECORD_FQN}{name}"), size_in_bytes=rec.size, storage_data=rec)
             for name, rec in sorted(self.fs.records.items())
         ]
         return _done(results)
+
+    def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """This rank's one data file, laid out as DCP's writer lays it out, then fsync'd.
+
+        Same order as ``FileSystemWriter`` (non-tensor values, then tensors in
+        plan order), each tensor a ``torch.save`` archive of exactly the chunk
+        (so plain DCP reads it), but written from the tensor's own bytes
+        (:mod:`checkpoint.chunk_archive`) with their CRC-32 computed alongside.
+        """
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path = Path(self.path) / name
+        results: list[WriteResult] = []
+        with open(path, "wb", buffering=0) as raw:
+            stream = _CrcStream(raw)
+            items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+            items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+            for item in items:
+                offset = stream.tell()
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    _write_tensor(stream, data)
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+            os.fsync(raw.fileno())
+        self.fs.records[name] = FileRecord(size=stream.size, crc32=stream.crc)
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, FileRecord] = {}
@@ -202,6 +250,29 @@ def quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _write_tensor(stream: _CrcStream, tensor) -> None:
+    """One tensor as a ``torch.save`` archive; ``torch.save`` itself only where the raw layout does not apply."""
+    # DCP's loader moves device tensors to the host and clones views of larger
+    # storages (torch.save would write the whole storage); here only the
+    # chunk's own bytes are written, so a contiguous view needs no copy.
+    tensor = tensor.detach().cpu().contiguous()
+    layout = plan_archive(tensor)
+    if layout is None:
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        torch.save(tensor, stream)
+        return
+    stream.write(layout.head)
+    data_crc = stream.write_uncounted(_tensor_bytes(tensor))
+    stream.write(layout.tail(data_crc))
+
+
+def _tensor_bytes(tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _done(value) -> Future:

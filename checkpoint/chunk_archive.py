@@ -1,0 +1,209 @@
+"""One tensor as a ``torch.save`` archive, written from its raw bytes.
+
+DCP stores every chunk as the ``torch.save`` archive of one tensor, and plain
+``dcp.load`` / ``dcp_to_torch_save`` read it with ``torch.load``. ``torch.save``
+itself spends most of its time computing the zip CRC-32 of the data record
+(a serial pass over every byte, before the bytes reach the file). This module
+builds the same kind of archive around the tensor's bytes so the writer can
+hand those bytes to the OS untouched while the CRC-32 is computed on another
+thread (:class:`checkpoint.storage.FsdpWriter`).
+
+The archive holds what ``torch.save`` writes for one contiguous CPU tensor
+(``data.pkl`` with ``torch._utils._rebuild_tensor_v2`` and one storage,
+``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/0``,
+``version``, ``.data/serialization_id``), stored (not compressed), the data
+record aligned to 64 bytes from the archive start, sizes and CRCs in zip data
+descriptors as ``torch.save`` does. ``torch.load(weights_only=True)`` accepts it.
+The serialization id is derived from the data's CRC-32, so equal tensors give
+byte-identical archives.
+
+Also here: :func:`crc32_combine`, so a file's CRC-32 is built from the CRC-32
+of its pieces without a second pass over the data.
+"""
+
+from __future__ import annotations
+
+import collections
+import zlib
+import io
+import pickle
+import struct
+import sys
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ArchiveLayout", "crc32_combine", "plan_archive"]
+
+_ARCHIVE = "archive"
+_ALIGN = 64
+_FLAGS = 0x0808  # data descriptor follows each record (bit 3), UTF-8 names (bit 11)
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_DESCRIPTOR = struct.Struct("<IIII")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_EOCD = struct.Struct("<IHHHHIIH")
+_MAX_PLAIN_ZIP = 0xFFFFFFFF - (1 << 20)
+"""Beyond this (zip64 territory) the writer falls back to ``torch.save``."""
+
+# --- CRC-32 of a concatenation (polynomial arithmetic modulo the CRC-32 polynomial) ---
+
+_POLY = 0xEDB88320  # CRC-32 polynomial, bit-reflected as zlib uses it
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """Product of two bit-reflected polynomials modulo the CRC-32 polynomial."""
+    top = 1 << 31
+    product = 0
+    while a:
+        if a & top:
+            product ^= b
+            a ^= top
+        top >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers_of_x() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(1, 64):
+        table.append(_mult_mod_p(table[-1], table[-1]))  # x^(2^k)
+    return table
+
+
+_X_2K = _powers_of_x()
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (what zlib's ``crc32_combine`` does)."""
+    shift = 1 << 31  # x^0
+    k = 3  # len2 bytes = len2 * 2^3 bits
+    n = len2
+    while n:
+        if n & 1:
+            shift = _mult_mod_p(_X_2K[k & 63], shift)
+        n >>= 1
+        k += 1
+    return _mult_mod_p(shift, crc1) ^ crc2
+
+
+# --- the archive ---
+
+
+class _StorageRef:
+    """Stands for the tensor's storage in ``data.pkl``; pickled as a persistent id, like ``torch.save`` does."""
+
+    def __init__(self, storage_type: type, numel: int) -> None:
+        self.pid = ("storage", storage_type, "0", "cpu", numel)
+
+
+class _TensorRef:
+    def __init__(self, storage: _StorageRef, shape: tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self):
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.append(step)
+            step *= size
+        args = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, args
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        return obj.pid if isinstance(obj, _StorageRef) else None
+
+
+def _data_pkl(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> bytes | None:
+    try:
+        storage_type = getattr(torch, torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type())
+    except (KeyError, AttributeError, RuntimeError):
+        return None  # a dtype without a legacy storage class: torch.save knows better
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_TensorRef(_StorageRef(storage_type, numel), shape))
+    return buf.getvalue()
+
+
+@dataclass
+class ArchiveLayout:
+    """An archive split around the tensor bytes: ``head``, the data, then ``tail(data_crc)``."""
+
+    head: bytes
+    data_size: int
+    _records: list[tuple[str, int, int, int]]
+    """(name, local header offset, size, crc) of the records in ``head``; the data record's crc filled later"""
+    _after: list[tuple[str, bytes]]
+
+    def tail(self, data_crc: int) -> bytes:
+        """Everything after the data: its descriptor, the small records, the central directory."""
+        out = bytearray(_DESCRIPTOR.pack(0x08074B50, data_crc, self.data_size, self.data_size))
+        records = list(self._records)
+        name, offset, size, _ = records[-1]
+        records[-1] = (name, offset, size, data_crc)
+        pos = len(self.head) + self.data_size + len(out)
+        after = list(self._after)
+        after.append((f"{_ARCHIVE}/.data/serialization_id", f"{0:020d}{data_crc:020d}".encode()))
+        for name, payload in after:
+            record, crc = _record(name, payload, pos)
+            records.append((name, pos, len(payload), crc))
+            out += record
+            pos += len(record)
+        central_start = pos
+        for name, offset, size, crc in records:
+            encoded = name.encode()
+            out += _CENTRAL.pack(
+                0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size, len(encoded), 0, 0, 0, 0, 0, offset
+            )
+            out += encoded
+        central_size = len(out) - (central_start - len(self.head) - self.data_size)
+        out += _EOCD.pack(0x06054B50, 0, 0, len(records), len(records), central_size, central_start, 0)
+        return bytes(out)
+
+
+def _local_header(name: str, pos: int) -> bytes:
+    """A local file header whose payload starts 64-byte aligned from the archive start (torch's "FB" padding)."""
+    encoded = name.encode()
+    bare = pos + _LOCAL.size + len(encoded)
+    pad = (-(bare + 4)) % _ALIGN
+    extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    return _LOCAL.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)) + encoded + extra
+
+
+def _record(name: str, payload: bytes, pos: int) -> tuple[bytes, int]:
+    crc = zlib.crc32(payload)
+    header = _local_header(name, pos)
+    return header + payload + _DESCRIPTOR.pack(0x08074B50, crc, len(payload), len(payload)), crc
+
+
+def plan_archive(tensor: torch.Tensor) -> ArchiveLayout | None:
+    """The archive around ``tensor``'s bytes, or ``None`` when ``torch.save`` must write it.
+
+    Precondition: ``tensor`` is a contiguous CPU tensor (its bytes in row-major
+    order are what goes between ``head`` and ``tail``). ``None`` for tensors
+    beyond the plain-zip size limit, non-strided layouts, subclasses, and
+    dtypes without a legacy storage class.
+    """
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or sys.byteorder != "little":
+        return None
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes > _MAX_PLAIN_ZIP:
+        return None
+    pkl = _data_pkl(tensor.dtype, tuple(tensor.shape), tensor.numel())
+    if pkl is None:
+        return None
+    head = bytearray()
+    records = []
+    for name, payload in (
+        ("data.pkl", pkl),
+        (".format_version", b"1"),
+        (".storage_alignment", str(_ALIGN).encode()),
+        ("byteorder", b"little"),
+    ):
+        full = f"{_ARCHIVE}/{name}"
+        record, crc = _record(full, payload, len(head))
+        records.append((full, len(head), len(payload), crc))
+        head += record
+    data_name = f"{_ARCHIVE}/data/0"
+    records.append((data_name, len(head), nbytes, 0))
+    head += _local_header(data_name, len(head))
+    return ArchiveLayout(bytes(head), nbytes, records, [(f"{_ARCHIVE}/version", b"3\n")])
