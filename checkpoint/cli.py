@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -699,12 +700,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.group = group = join_group()  # SOLO unless run under torchrun
         if group.rank != 0 and not getattr(args, "parallel", False):
             return 0  # commands that do not split their work run on process 0 only
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at interpreter exit
+        return code
     except SystemExit:
         raise  # --help
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted; outputs may be incomplete, delete them and rerun", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`fsdp-ckpt inspect ... | head`): not our failure, so no
+        # error line; point stdout at /dev/null so the interpreter's final flush is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except BaseException as exc:
         if debug:
             raise

@@ -102,3 +102,15 @@ def test_help_of_every_command_has_examples(command, capsys):
         main([command, "--help"])
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "examples:" in out and f"fsdp-ckpt {command} " in out
+
+
+def test_a_reader_closing_the_pipe_early_is_not_reported_as_an_error(ckpt):
+    # `fsdp-ckpt inspect CKPT | head`: the pipe is gone before the output is written.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "checkpoint.cli", "inspect", str(ckpt)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141
+    assert "error" not in stderr.lower() and "Traceback" not in stderr
