@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import zlib
 import io
+import math
 import pickle
 import struct
 import sys
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ArchiveLayout", "crc32_combine", "plan_archive"]
+__all__ = ["ArchiveLayout", "archive_layout", "crc32_combine", "plan_archive"]
 
 _ARCHIVE = "archive"
 _ALIGN = 64
@@ -134,6 +135,14 @@ class ArchiveLayout:
     """(name, local header offset, size, crc) of the records in ``head``; the data record's crc filled later"""
     _after: list[tuple[str, bytes]]
 
+    @property
+    def tail_size(self) -> int:
+        return len(self.tail(0))  # the CRC changes bytes, never lengths
+
+    def data_crc(self, tail: bytes) -> int:
+        """The data CRC-32 recorded in a tail read back from a file."""
+        return _DESCRIPTOR.unpack_from(tail)[1]
+
     def tail(self, data_crc: int) -> bytes:
         """Everything after the data: its descriptor, the small records, the central directory."""
         out = bytearray(_DESCRIPTOR.pack(0x08074B50, data_crc, self.data_size, self.data_size))
@@ -183,12 +192,24 @@ def plan_archive(tensor: torch.Tensor) -> ArchiveLayout | None:
     beyond the plain-zip size limit, non-strided layouts, subclasses, and
     dtypes without a legacy storage class.
     """
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or sys.byteorder != "little":
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
         return None
-    nbytes = tensor.numel() * tensor.element_size()
+    return archive_layout(tensor.dtype, tuple(tensor.shape))
+
+
+def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout | None:
+    """The archive this module writes for a tensor of ``dtype`` and ``shape`` (``None``: not one it writes).
+
+    A reader uses it to find the data of an archive it recognises byte for byte
+    without parsing the zip directory first.
+    """
+    if sys.byteorder != "little":
+        return None
+    numel = math.prod(shape)
+    nbytes = numel * torch._utils._element_size(dtype)
     if nbytes > _MAX_PLAIN_ZIP:
         return None
-    pkl = _data_pkl(tensor.dtype, tuple(tensor.shape), tensor.numel())
+    pkl = _data_pkl(dtype, shape, numel)
     if pkl is None:
         return None
     head = bytearray()

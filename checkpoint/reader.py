@@ -7,14 +7,18 @@ copy into a new tensor) and then copies the needed part into the destination
 DCP reads them) holding one contiguous tensor of exactly the chunk's shape,
 so this reader locates the tensor's bytes inside the archive (zip: stored, not
 compressed) and ``readinto``\\ s just the needed byte range, into the
-destination when it is contiguous. Anything else (another writer's archive,
-zip64, a transform) goes through DCP's own path.
+destination when it is contiguous. A whole chunk whose archive is byte for
+byte what :mod:`checkpoint.chunk_archive` writes is read in one sequential
+``preadv`` (head, data into the destination, tail) with no zip parsing first.
+Anything else (another writer's archive, zip64, a transform) goes through
+DCP's own path.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from checkpoint.chunk_archive import archive_layout
 
 __all__ = ["DirectReader"]
 
@@ -43,6 +49,7 @@ class DirectReader(FileSystemReader):
         super().__init__(path)
         self._metadata = metadata
         self._direct = direct
+        self._layouts: dict = {}  # (dtype, chunk shape) -> ArchiveLayout | None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
@@ -64,12 +71,49 @@ class DirectReader(FileSystemReader):
                         f.seek(info.offset)
                         planner.load_bytes(item, io.BytesIO(_read_exact(f, info.length, path)))
                         continue
+                    if self._read_known_archive(f, info, item, planner):
+                        continue
                     if info.offset not in tensor_locations:
                         tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
                     self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _read_known_archive(self, f, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
+        """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
+
+        Reads head, data (straight into the destination) and tail with one
+        ``preadv`` and then checks head and tail byte for byte against
+        :func:`checkpoint.chunk_archive.archive_layout`; only then is the data
+        known to be where it landed. ``False`` (nothing committed; the caller's
+        general path rewrites the whole destination) for anything else:
+        partial reads, another dtype, a non-contiguous destination, another
+        writer's archive, a short read.
+        """
+        if info.transform_descriptors or not hasattr(os, "preadv"):
+            return False
+        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        chunk_sizes = _chunk_sizes(md, item)
+        if any(item.storage_offsets) or tuple(item.lengths) != chunk_sizes:
+            return False
+        target = planner.resolve_tensor(item).detach()
+        if not target.is_contiguous() or target.dtype != md.properties.dtype or target.numel() == 0:
+            return False
+        key = (md.properties.dtype, chunk_sizes)
+        if key not in self._layouts:
+            self._layouts[key] = archive_layout(*key)
+        layout = self._layouts[key]
+        if layout is None or len(layout.head) + layout.data_size + layout.tail_size != info.length:
+            return False
+        head, tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
+        data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        if os.preadv(f.fileno(), [head, data, tail], info.offset) != info.length:
+            return False
+        if head != layout.head or tail != layout.tail(layout.data_crc(tail)):
+            return False
+        planner.commit_tensor(item, target)
+        return True
 
     def _read_tensor(self, f, path: Path, info: _StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]

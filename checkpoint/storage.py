@@ -22,10 +22,12 @@ through its public extension points (subclass overrides, no patching):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import io
 import json
 import os
+import sys
 import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +95,10 @@ class _CrcStream(io.RawIOBase):
         if _CrcStream._pool is None:
             _CrcStream._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc")
         pending = _CrcStream._pool.submit(zlib.crc32, view)
+        start = self.size
         self._write_all(view)
+        # Let the disk start on these pages now: the file's final fsync then waits for less.
+        _start_writeback(self.raw, start, len(view))
         piece_crc = pending.result()
         self.crc = crc32_combine(self.crc, piece_crc, len(view))
         self.size += len(view)
@@ -118,6 +123,31 @@ class _CrcStream(io.RawIOBase):
         if not self.closed:
             self.raw.close()
         super().close()
+
+
+_sync_file_range = None  # resolved on first use; False where unavailable
+
+
+def _start_writeback(raw, offset: int, length: int) -> None:
+    """Start (not wait for) writeback of a just-written range: Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``.
+
+    Only a hint for speed; durability still comes from the fsync that ends every file.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            try:
+                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                _sync_file_range = fn
+            except (OSError, AttributeError):
+                pass
+    if _sync_file_range:
+        try:
+            _sync_file_range(raw.fileno(), offset, length, 2)  # 2 = SYNC_FILE_RANGE_WRITE
+        except (OSError, io.UnsupportedOperation):
+            pass
 
 
 class _CrcFileSystem(FileSystem):

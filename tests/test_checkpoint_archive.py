@@ -81,3 +81,33 @@ def test_views_transposes_and_dtypes_without_a_storage_class_save_and_read_back_
     data_file = tmp_path / "c" / "__0_0.distcp"
     assert read_manifest(tmp_path / "c").files["__0_0.distcp"].crc32 == zlib.crc32(data_file.read_bytes())
     assert data_file.stat().st_size < base.numel() * 4 + 4 * 1024 * 5  # the view's storage was not written whole
+
+
+def test_reader_takes_whole_chunks_in_one_read_for_our_archives_and_falls_back_for_torch_save_ones(tmp_path, monkeypatch):
+    import pickle
+
+    from checkpoint.reader import DirectReader
+
+    state = {"w": torch.randn(6, 5), "b": torch.arange(7, dtype=torch.bfloat16), "t": torch.tensor(2.0)}
+    checkpoint.save_state_dict(state, tmp_path / "ours")
+    with pytest.warns(UserWarning):
+        dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)  # torch.save archives
+    taken = []
+    original = DirectReader._read_known_archive
+    monkeypatch.setattr(
+        DirectReader, "_read_known_archive", lambda self, *a: taken.append(original(self, *a)) or taken[-1]
+    )
+    for name in ("ours", "plain"):
+        taken.clear()
+        metadata = pickle.loads((tmp_path / name / ".metadata").read_bytes())
+        back = {k: torch.full_like(v, 7) for k, v in state.items()}
+        with pytest.warns(UserWarning):
+            dcp.load(back, storage_reader=DirectReader(tmp_path / name, metadata), no_dist=True)
+        for key, value in state.items():
+            assert torch.equal(back[key], value), (name, key)
+        if name == "ours":
+            assert taken == [True] * len(state)
+    # A partial read (a reshard) takes the general path and gets the right rows.
+    rows = torch.zeros(2, 5)
+    checkpoint.load_state_dict({"w": checkpoint.shard(rows, (6, 5), offsets=(3, 0))}, tmp_path / "ours", strict=False)
+    assert torch.equal(rows, state["w"][3:5])
