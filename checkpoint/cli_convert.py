@@ -1,0 +1,223 @@
+"""``fsdp-ckpt export`` (to safetensors / a torch file), ``import`` (from them) and ``reshard``.
+
+All three plan their outputs from the command-line key transforms
+(``--rename`` / ``--split`` / ``--merge`` / ``--rules``) and stream the source
+tensor by tensor, read ahead on a background thread while the writer writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint.cli_report import CliError, Progress, human_bytes
+from checkpoint.cli_source import open_source
+from checkpoint.stream import Entry, parse_dtype, prefetch
+from checkpoint.transforms import Rename, Rules, Split, Target, parse_part_list, plan, stream_targets
+
+__all__ = ["OVERLAP_BYTES", "cmd_export", "cmd_import", "cmd_reshard"]
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------- key transforms and outputs
+
+
+def _rules(args: argparse.Namespace) -> Rules:
+    rules = Rules(
+        renames=tuple(Rename(p, r) for p, r in args.rename or ()),
+        splits=tuple(_split_rule(a, "--split") for a in args.split or ()),
+        merges=tuple(_split_rule(a, "--merge") for a in args.merge or ()),
+    )
+    if args.rules:
+        rules = Rules.from_file(args.rules).merged_with(rules)
+    return rules
+
+
+def _split_rule(values: Sequence[str], flag: str) -> Split:
+    fused, dim, parts = values
+    if not dim.lstrip("-").isdigit() or int(dim) < 0:
+        raise CliError(f"{flag} {fused!r}: dim {dim!r} is not a non-negative integer; write e.g. {flag} NAME 0 A,B")
+    names, sizes = parse_part_list(parts)
+    return Split(fused=fused, dim=int(dim), parts=names, sizes=sizes)
+
+
+def _check_fresh_output(path: Path, force: bool) -> None:
+    if path.exists() and (path.is_file() or any(path.iterdir())) and not force:
+        raise CliError(f"output {str(path)!r} already exists and is not empty; choose a new path or pass --force")
+
+
+# --------------------------------------------------------------------------- export
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    reader = open_source(args.src)
+    targets = plan(reader.entries, _rules(args))
+    logger.info("planned %d outputs from %d keys", len(targets), len(reader.entries))
+    if args.model_only:
+        targets = [t for t in targets if t.name.startswith("model.")]
+    if not targets:
+        raise CliError(f"{args.src} has nothing to export{' under model.' if args.model_only else ''}; check the path")
+    dtype = parse_dtype(args.dtype) if args.dtype else None
+    out_name = (lambda t: t.name.removeprefix("model.")) if args.model_only else (lambda t: t.name)
+    tensors = [t for t in targets if t.kind == "tensor"]
+    objects = [t for t in targets if t.kind == "object"]
+
+    def out_dtype(t: Target) -> torch.dtype:
+        # model weights only: a bf16 optimizer state (or step count) would silently lose precision
+        cast_it = dtype is not None and t.dtype.is_floating_point and t.name.startswith("model.")
+        return dtype if cast_it else t.dtype
+
+    def cast(t: Target, v: Any) -> Any:
+        return v.to(out_dtype(t)) if isinstance(v, torch.Tensor) and v.dtype != out_dtype(t) else v
+
+    group = args.group
+    # objects are small: rank 0 reads them for the index / the torch file's skeleton
+    object_values = {}
+    if objects and group.rank == 0:
+        object_values = {out_name(t): v for t, v in stream_targets(reader, objects)}
+    specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
+    total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
+    dst = Path(args.dst)
+    start = time.perf_counter()
+    if args.format == "safetensors":
+        from checkpoint.safetensors_io import plan_shards, write_index, write_shards
+
+        group.together(lambda: _prepare_safetensors_dir(dst, args.force), only_rank0=True)
+        by_name = {n: (n, d, s) for n, d, s in specs}
+        names = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
+        shards = [[by_name[n] for n in g] for g in names]
+        mine = group.share([sum(Entry(n, "tensor", d, s).nbytes for n, d, s in sh) for sh in shards])
+        my_names = {n for i, g in enumerate(names) if mine[i] for n in g}
+        my_targets = [t for t in tensors if out_name(t) in my_names]
+        logger.info("writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards),
+                    human_bytes(args.max_shard_size))
+        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
+        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
+        group.together(lambda: write_shards(dst, shards, values, full_keys=not args.model_only,
+                                            on_bytes=bar.add, which=mine.__getitem__))
+        objects_json = _json_objects(object_values)
+        group.together(lambda: write_index(dst, shards, objects=objects_json), only_rank0=True)
+        where = f"{len(shards)} file(s) + model.safetensors.index.json in {dst}"
+    else:
+        from checkpoint.torchfile_io import fill_tensors, finish, staging_file
+
+        tmp = staging_file(dst)
+        group.together(lambda: _prepare_torch_file(dst, tmp, specs, object_values, args.force), only_rank0=True)
+        mine = group.share([Entry(n, "tensor", d, s).nbytes for n, d, s in specs])
+        my_targets = [t for i, t in enumerate(tensors) if mine[i]]
+        my_specs = [spec for i, spec in enumerate(specs) if mine[i]]
+        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
+        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
+        group.together(lambda: fill_tensors(tmp, my_specs, values, on_bytes=bar.add))
+        group.together(lambda: finish(tmp, dst), only_rank0=True)
+        where = str(dst)
+    bar.close()
+    seconds = time.perf_counter() - start
+    if group.rank == 0:
+        print(f"exported {len(specs)} tensors ({human_bytes(total)}) and {len(object_values)} objects to {where} "
+              f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)"
+              + (f" with {group.size} processes" if group.size > 1 else ""))
+    return 0
+
+
+def _prepare_safetensors_dir(dst: Path, force: bool) -> None:
+    _check_fresh_output(dst, force)
+    if force and dst.is_dir():
+        # shards of an earlier export would otherwise sit beside the new ones, unindexed
+        for stale in [*dst.glob("model-*-of-*.safetensors"), dst / "model.safetensors.index.json"]:
+            stale.unlink(missing_ok=True)
+    dst.mkdir(parents=True, exist_ok=True)
+
+
+def _prepare_torch_file(dst: Path, tmp: Path, specs, objects: dict[str, Any], force: bool) -> None:
+    from checkpoint.torchfile_io import write_skeleton
+
+    if dst.is_dir():
+        raise CliError(f"output {str(dst)!r} is a directory; --format torch writes one file: give a file name")
+    _check_fresh_output(dst, force)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    write_skeleton(tmp, specs, objects)
+
+
+OVERLAP_BYTES = 128 << 20
+"""How far reading may run ahead of writing, beyond the largest tensor (peak ~ largest + this + a chunk)."""
+
+
+def _overlapped(source: Any, targets: list[Target], cast: Callable[[Target, Any], Any] | None = None) -> Iterator[tuple[Target, Any]]:
+    """:func:`stream_targets`, read on a background thread while the caller writes."""
+    sizes = [t.nbytes for t in targets]
+    limit = max(sizes, default=0) + OVERLAP_BYTES
+    return prefetch(stream_targets(source, targets, cast=cast), sizes, limit_bytes=limit)
+
+
+def _renamed_values(stream: Iterator[tuple[Target, Any]], name: Callable[[Target], str]) -> Iterator[tuple[str, Any]]:
+    for target, value in stream:
+        yield name(target), value
+        del value  # a generator expression would keep it alive while the next tensor is read
+
+
+def _json_objects(objects: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in objects.items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            raise CliError(
+                f"{name!r} holds a {type(value).__name__}, which safetensors export cannot store; "
+                "use --model-only, or --format torch"
+            ) from None
+        out[name] = value
+    return out
+
+
+# --------------------------------------------------------------------------- import / reshard
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    src = Path(args.src)
+    if not src.exists():
+        raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
+    if src.is_dir() or src.suffix == ".safetensors":
+        from checkpoint.safetensors_io import SafetensorsSource
+
+        source: Any = SafetensorsSource(src, prefix=args.key_prefix if args.key_prefix is not None else "model.")
+    else:
+        from checkpoint.torchfile_io import TorchFileSource
+
+        source = TorchFileSource(src, prefix=args.key_prefix)
+    return _write_from(source, args, verb="imported")
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    return _write_from(open_source(args.src), args, verb="resharded")
+
+
+def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
+    from checkpoint.rewrite import write_checkpoint
+
+    if args.world_size < 1:
+        raise CliError(f"--world-size {args.world_size} must be at least 1")
+    targets = plan(source.entries, _rules(args))
+    logger.info("planned %d keys from %d; writing for %d rank(s)", len(targets), len(source.entries), args.world_size)
+    dst = Path(args.dst)
+    total = sum(t.nbytes for t in targets)
+    bar = Progress(verb.removesuffix("ed"), total, not args.quiet)
+    start = time.perf_counter()
+    write_checkpoint(
+        dst, args.world_size, targets, _overlapped(source, targets),
+        max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force, group=args.group,
+    )
+    bar.close()
+    seconds = time.perf_counter() - start
+    if args.group.rank == 0:
+        print(f"{verb} {len(targets)} keys ({human_bytes(total)}) into {dst} for {args.world_size} rank(s) "
+              f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)")
+    return 0

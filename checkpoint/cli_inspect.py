@@ -1,0 +1,183 @@
+"""``fsdp-ckpt inspect`` (what a checkpoint holds) and ``fsdp-ckpt verify`` (whether all of it is there and reads)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from checkpoint.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
+from checkpoint.cli_source import open_source
+from checkpoint.manifest import verify_files
+from checkpoint.stream import CheckpointReader, Entry, dtype_name
+
+__all__ = ["cmd_inspect", "cmd_verify"]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    reader = open_source(args.ckpt, warn=False, check_sizes=False)
+    rows = [_inspect_row(e) for e in reader.entries.values()]
+    totals: dict[str, dict[str, int]] = {}
+    for row in rows:
+        group = row["key"].split(".", 1)[0] if "." in row["key"] else "other"
+        t = totals.setdefault(group, {"keys": 0, "tensors": 0, "bytes": 0})
+        t["keys"] += 1
+        t["tensors"] += row["kind"] == "tensor"
+        t["bytes"] += row["bytes"]
+    info = {
+        "path": str(reader.path),
+        "format": reader.manifest.format if reader.manifest else "dcp",
+        "version": reader.manifest.version if reader.manifest else None,
+        "world_size": reader.world_size,
+        "committed": reader.committed,
+        "note": reader.note,
+        "data_files": len(reader.data_files()),
+        "totals": totals,
+        "keys": rows,
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"checkpoint  {info['path']}")
+    version = f" version {info['version']}" if info["version"] is not None else ""
+    print(f"format      {info['format']}{version}")
+    print(f"committed   {'yes (manifest.json)' if reader.committed else 'no: ' + (reader.note or '')}")
+    print(f"world size  {info['world_size']}   data files {info['data_files']}")
+    width = max([len(r["key"]) for r in rows] + [3])
+    print(f"\n{'key':<{width}}  {'dtype':<9} {'shape':<20} {'chunks':>6} {'bytes':>12}")
+    for r in rows:
+        shape = "x".join(map(str, r["shape"])) if r["kind"] == "tensor" else "(object)"
+        print(f"{r['key']:<{width}}  {r['dtype'] or '-':<9} {shape or '()':<20} {r['chunks']:>6} {r['bytes']:>12}")
+    print()
+    for group, t in sorted(totals.items()):
+        print(f"{group:<10} {t['keys']:>6} keys {t['tensors']:>6} tensors {human_bytes(t['bytes']):>12}")
+    return 0
+
+
+def _inspect_row(e: Entry) -> dict[str, Any]:
+    return {
+        "key": e.key,
+        "kind": e.kind,
+        "dtype": dtype_name(e.dtype) if e.dtype is not None else None,
+        "shape": list(e.shape),
+        "chunks": len(e.chunks),
+        "bytes": e.nbytes,
+    }
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    reader = open_source(args.ckpt, warn=False, check_sizes=False)
+    problems: list[str] = []
+    if reader.manifest is not None:
+        problems += verify_files(reader.path, reader.manifest, checksums=not args.no_checksums)
+        problems += _manifest_key_problems(reader)
+    else:
+        print(f"note: {reader.note}")
+    reported = {p.split(":", 1)[0] for p in problems}
+    # .metadata's own view of the data files: catches a file the manifest does not list
+    problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
+    for entry in reader.entries.values():
+        if entry.kind == "tensor":
+            problems += _coverage_problems(entry)
+    broken_files = {p.split(":", 1)[0] for p in problems}
+    problems += _readability_problems(reader, skip_files=broken_files, progress=not args.quiet)
+    if problems:
+        for p in problems:
+            print(f"PROBLEM {p}")
+        raise CliError(
+            f"{len(problems)} problem(s) in {args.ckpt}; restore the damaged files from a copy or re-save the checkpoint",
+            EXIT_FOUND_PROBLEMS,
+        )
+    nbytes = sum(e.nbytes for e in reader.entries.values())
+    print(f"OK {args.ckpt}: {len(reader.entries)} keys, {len(reader.data_files())} data files, "
+          f"{human_bytes(nbytes)} of tensors, every element covered once and readable")
+    return 0
+
+
+def _manifest_key_problems(reader: CheckpointReader) -> list[str]:
+    assert reader.manifest is not None
+    problems = []
+    keys = reader.manifest.keys
+    for key in sorted(set(keys) - set(reader.entries)):
+        problems.append(f"{key}: listed in manifest.json but absent from .metadata")
+    for key in sorted(set(reader.entries) - set(keys)):
+        problems.append(f"{key}: in .metadata but not in manifest.json")
+    for key in sorted(set(keys) & set(reader.entries)):
+        rec, entry = keys[key], reader.entries[key]
+        if rec.kind == "tensor" and entry.kind == "tensor":
+            if rec.dtype != dtype_name(entry.dtype) or tuple(rec.shape or ()) != entry.shape:
+                problems.append(
+                    f"{key}: manifest says {rec.dtype} {list(rec.shape or ())}, "
+                    f".metadata says {dtype_name(entry.dtype)} {list(entry.shape)}"
+                )
+        elif rec.kind == "tensor" or entry.kind == "tensor":
+            problems.append(f"{key}: manifest kind {rec.kind!r} but .metadata kind {entry.kind!r}")
+    return problems
+
+
+def _data_file_problems(reader: CheckpointReader) -> list[str]:
+    """Without a manifest: every referenced data file exists and is long enough for what it holds."""
+    needed: dict[str, int] = {}
+    for info in (reader.metadata.storage_data or {}).values():
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    problems = []
+    for name, end in sorted(needed.items()):
+        path = reader.path / name
+        if not path.exists():
+            problems.append(f"{path}: missing (.metadata points into it)")
+        elif path.stat().st_size < end:
+            problems.append(f"{path}: {path.stat().st_size} bytes but .metadata needs {end} (truncated)")
+    return problems
+
+
+def _coverage_problems(entry: Entry) -> list[str]:
+    """Chunks inside the tensor, pairwise disjoint, and their volumes adding up to the tensor's."""
+    problems = []
+    volume = 0
+    boxes = sorted(entry.chunks)
+    for offsets, sizes in boxes:
+        if len(offsets) != len(entry.shape) or any(
+            o < 0 or o + s > full for o, s, full in zip(offsets, sizes, entry.shape)
+        ):
+            problems.append(f"{entry.key}: chunk at {list(offsets)} of size {list(sizes)} leaves shape {list(entry.shape)}")
+        volume += math.prod(sizes)
+    for i, (oa, sa) in enumerate(boxes):
+        for ob, sb in boxes[i + 1 :]:
+            if entry.shape and ob[0] >= oa[0] + sa[0]:
+                break  # sorted by dim-0 offset: no later box can reach back into this one
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)) and math.prod(sa) and math.prod(sb):
+                problems.append(f"{entry.key}: chunks at {list(oa)} and {list(ob)} overlap (elements stored twice)")
+    if volume != entry.numel and not problems:
+        problems.append(f"{entry.key}: chunks hold {volume} elements but the tensor has {entry.numel} (some never stored)")
+    return problems
+
+
+def _readability_problems(reader: CheckpointReader, *, skip_files: set[str], progress: bool) -> list[str]:
+    problems = []
+    bar = Progress("verify", sum(e.nbytes for e in reader.entries.values()), progress)
+    keys = [
+        key for key in reader.entries
+        # already reported as missing / truncated: reading it would only repeat that
+        if not {str(reader.path / f) for f in reader.files_of(key)} & skip_files
+    ]
+    for batch in reader.batches(keys):
+        problems += _read_problems(reader, batch)
+        bar.add(sum(reader.entries[k].nbytes for k in batch))
+    bar.close()
+    return problems
+
+
+def _read_problems(reader: CheckpointReader, keys: list[str]) -> list[str]:
+    """Read ``keys`` in one pass; on failure, one by one so that each unreadable key is named."""
+    try:
+        reader.read_many(keys)
+        return []
+    except ValueError as exc:
+        if len(keys) == 1:
+            return [f"{keys[0]}: cannot be read: {exc}"]
+    return [problem for key in keys for problem in _read_problems(reader, [key])]
