@@ -67,8 +67,11 @@ def save(
     Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
     ``max_chunk_bytes``, ``process_group`` (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
-    :func:`checkpoint.async_save`).
+    :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
+    staging copies (see :mod:`checkpoint.async_save` for the trade-off).
     """
+    if not async_ and "max_staging_bytes" in options:
+        raise ValueError("max_staging_bytes only applies to an async save: pass async_=True or call checkpoint.async_save")
     state = _training_state(model, optimizer, extra)
     if async_:
         return async_save_state_dict(state, path, **options)

@@ -1,14 +1,28 @@
-"""Asynchronous save: the caller blocks only while the state is copied to host memory.
+"""Asynchronous save: the caller blocks only until the state is staged.
 
-Staging takes a host snapshot of every local tensor (a device tensor is
-copied device -> host once, into pinned memory when CUDA is available; a
-host-resident tensor, like a ``HybridDeviceOptimizer``'s state, is copied
-host -> host, no device round trip), then one background thread writes the
-snapshot through :func:`checkpoint.save_state_dict` on a dedicated gloo
-process group, so its collectives never interleave with training's.
+Two ways to stage, both giving the state *as it was at call time* even
+though the caller changes it right after:
 
-Staging memory is bounded by one checkpoint: a new async save first waits for
-the previous one to finish, so at most one snapshot is alive.
+* ``max_staging_bytes=None`` (default): a host snapshot of every local tensor
+  (a device tensor is copied device -> host once, into pinned memory when
+  CUDA is available; a host-resident tensor, like a ``HybridDeviceOptimizer``'s
+  state, host -> host, no device round trip). The caller blocks for the copy
+  only; host memory: one checkpoint's worth (this rank's share).
+* ``max_staging_bytes=N``: bounded staging (:mod:`checkpoint.staging`). The
+  background writer starts on the live tensors at once, while the caller
+  copies what the writer has not reached yet, at most ``N`` bytes of copies.
+  The caller blocks until every tensor is either written to the OS (page
+  cache; not yet fsync'd) or copied. Trade-off: less memory, longer block:
+  about the time to write what does not fit in ``N``. ``N=0`` copies
+  nothing: host-resident state goes to the file with no copy, and the caller
+  blocks until all data is written (but not for the fsyncs, the metadata or
+  the commit). A copy of mutable host state cannot be avoided any other way
+  if the caller may change it before it is written.
+
+One background thread writes through :func:`checkpoint.save_state_dict` on a
+dedicated gloo process group, so its collectives never interleave with
+training's. At most one async save is in flight: a new one first waits for
+the previous one to finish, so at most one set of staging buffers is alive.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import torch.distributed as dist
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree
 from checkpoint.shard import CheckpointShard
+from checkpoint.staging import gate_state_dict
 
 __all__ = ["async_save_state_dict", "stage"]
 
@@ -79,24 +94,41 @@ def async_save_state_dict(
     mode: str = "collective",
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
+    max_staging_bytes: int | None = None,
 ) -> Future:
     """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
 
-    Returns a ``concurrent.futures.Future`` whose ``result()`` is ``None`` once
-    the checkpoint is committed (and re-raises the save's error otherwise).
+    Returns once the state is staged (see the module docstring for what
+    ``max_staging_bytes`` changes), with a ``concurrent.futures.Future`` whose
+    ``result()`` is ``None`` once the checkpoint is committed (and re-raises
+    the save's error otherwise). The caller may change its tensors as soon as
+    this returns.
     """
     global _executor, _in_flight
     from checkpoint.state_dict_io import save_state_dict
 
+    if max_staging_bytes is not None and max_staging_bytes < 0:
+        raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     with _lock:
         if _in_flight is not None:
-            wait([_in_flight])  # bound staging memory: one snapshot alive at a time (its error stays in its future)
+            wait([_in_flight])  # bound staging memory: one save in flight at a time (its error stays in its future)
         group = process_group if process_group is not None else _background_group()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+        gate = None
+        if max_staging_bytes is None:
+            staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+        else:
+            converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+            if torch.cuda.is_available():
+                # The writer thread reads live device tensors on its own stream: the caller's queued work must land first.
+                torch.cuda.synchronize()
+            staged, gate = gate_state_dict(converted, max_staging_bytes)
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-async-save")
         _in_flight = _executor.submit(
             save_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
         )
+        if gate is not None:
+            gate.wait_staged(_in_flight)
+            logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
         return _in_flight

@@ -38,6 +38,8 @@ def to_checkpointable(
     Loading writes into the local tensor in place.
     """
     if isinstance(value, CheckpointShard):
+        if value.max_chunk_bytes == max_chunk_bytes:
+            return value  # already converted (e.g. staged by an async save, which may be a gated subclass)
         return CheckpointShard(value.local, value.spec, writes=value.writes, max_chunk_bytes=max_chunk_bytes)
     if isinstance(value, DTensor):
         return _from_dtensor(value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes)

@@ -49,6 +49,7 @@ from torch.futures import Future
 
 from checkpoint.chunk_archive import crc32_combine, plan_archive
 from checkpoint.manifest import MANIFEST_NAME, FileRecord
+from checkpoint.staging import StagedShard
 
 __all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
 
@@ -235,6 +236,10 @@ class FsdpWriter(FileSystemWriter):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         path = Path(self.path) / name
         results: list[WriteResult] = []
+        # An async save with bounded staging waits for each item to be in the OS's hands (checkpoint.staging).
+        gates = {v.gate for v in getattr(planner, "state_dict", {}).values() if isinstance(v, StagedShard)}
+        for gate in gates:
+            gate.begin(plan.items)
         with open(path, "wb", buffering=0) as raw:
             stream = _CrcStream(raw)
             items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
@@ -248,6 +253,8 @@ class FsdpWriter(FileSystemWriter):
                     _write_tensor(stream, data)
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                for gate in gates:
+                    gate.written(item.index.fqn)
             os.fsync(raw.fileno())
         self.fs.records[name] = FileRecord(size=stream.size, crc32=stream.crc)
         return results

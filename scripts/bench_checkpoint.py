@@ -10,6 +10,8 @@ Parts (``--parts`` picks a subset):
   one file, and a cold read of it; and plain ``dcp.save`` / ``dcp.load`` of the
   same state. "Cold": every file is dropped from the page cache with
   ``posix_fadvise(DONTNEED)`` after it is written (no root needed).
+* ``async``: how long an async save blocks the caller, with a whole
+  snapshot and with ``max_staging_bytes`` of 64 MiB and 0, vs a blocking save.
 * ``collectives``: calls to torch.distributed collectives per save on 2 gloo
   ranks for 8 / 64 / 512 tensors: ours (collective and scale mode) and a
   per-tensor metadata ``all_gather_object`` (what Megatron-LM's flat-buffer
@@ -120,6 +122,31 @@ def bench_throughput(root: Path, mib: int) -> None:
         f"ours vs plain dcp: save {results['dcp'][0] / results['ours'][0]:.2f}x faster, "
         f"load {results['dcp'][1] / results['ours'][1]:.2f}x faster"
     )
+
+
+def bench_async(root: Path, mib: int) -> None:
+    """How long an async save blocks the caller, by staging budget, vs a blocking save of the same state."""
+    from checkpoint.async_save import async_save_state_dict
+
+    state = _state(mib << 20)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"\n== async save of {nbytes / 2**20:.0f} MiB (host tensors), best of 2: time the caller is blocked")
+    blocking = min(_timed(lambda: checkpoint.save_state_dict({"model": state}, root / "sync")) for _ in range(2))
+    print(f"blocking save              {blocking:6.3f} s")
+    for budget in (None, 64 << 20, 0):
+        blocked, total = [], []
+        for _ in range(2):
+            shutil.rmtree(root / "async", ignore_errors=True)
+            start = time.perf_counter()
+            future = async_save_state_dict({"model": state}, root / "async", max_staging_bytes=budget)
+            blocked.append(time.perf_counter() - start)
+            future.result()
+            total.append(time.perf_counter() - start)
+        label = "whole snapshot" if budget is None else f"max_staging_bytes={budget >> 20} MiB"
+        print(
+            f"async, {label:30s} blocked {min(blocked):6.3f} s ({min(blocked) / blocking:4.2f}x the blocking save), "
+            f"committed after {min(total):6.3f} s; staging memory <= {nbytes if budget is None else budget} B"
+        )
 
 
 _COUNTED = (
@@ -291,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge-ranks", type=int, nargs="+", default=[1024])
     parser.add_argument("--merge-tensors", type=int, default=1000)
     parser.add_argument("--merge-ours-only", action="store_true", help="skip DCP's central plan (memory / time)")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "collectives", "ranks", "merge"])
+    parser.add_argument("--parts", nargs="+", default=["throughput", "async", "collectives", "ranks", "merge"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.dir:
@@ -301,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"torch {torch.__version__}, {os.cpu_count()} cores, writing under {root}")
         if "throughput" in args.parts:
             bench_throughput(root, args.mib)
+        if "async" in args.parts:
+            bench_async(root, args.mib)
         if "collectives" in args.parts:
             bench_collectives(root)
         if "ranks" in args.parts:

@@ -299,6 +299,18 @@ def _three_rank_body(rank: int, world_size: int, root: str, ref_a: dict, ref_fla
     reloaded = _fsdp(_net(10), world_size)
     checkpoint.load(root / "async3", model=reloaded)
     out["async"] = [n for n, p in reloaded.named_parameters() if not torch.equal(_full(p), ref_a[n])]
+    # the same with no staging copies: the caller waits until its live shards are written
+    model = _fsdp(_net(9), world_size)
+    checkpoint.load(root / "a", model=model)
+    future = checkpoint.async_save(root / "async3b", model=model, max_staging_bytes=0, mode="scale")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    future.result(timeout=120)
+    dist.barrier()
+    reloaded = _fsdp(_net(10), world_size)
+    checkpoint.load(root / "async3b", model=reloaded)
+    out["async"] += [n for n, p in reloaded.named_parameters() if not torch.equal(_full(p), ref_a[n])]
     # plain DCP reads ours at another world size
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
