@@ -71,11 +71,13 @@ class _CrcStream(io.RawIOBase):
 
     _OVERLAP_BYTES = 1 << 20
     _pool: ThreadPoolExecutor | None = None
+    _writeback: ThreadPoolExecutor | None = None
 
     def __init__(self, raw: io.RawIOBase | io.BufferedWriter) -> None:
         self.raw = raw
         self.crc = 0
         self.size = 0
+        self._hints: list = []  # pending writeback hints; they use the file, so they end before it closes
 
     def writable(self) -> bool:
         return True
@@ -98,12 +100,20 @@ class _CrcStream(io.RawIOBase):
         pending = _CrcStream._pool.submit(zlib.crc32, view)
         start = self.size
         self._write_all(view)
-        # Let the disk start on these pages now: the file's final fsync then waits for less.
-        _start_writeback(self.raw, start, len(view))
+        # Let the disk start on these pages now, so the file's final fsync waits for less. On its own
+        # thread: under a congested disk the hint itself can block, and the next write need not wait for it.
+        if _CrcStream._writeback is None:
+            _CrcStream._writeback = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writeback")
+        self._hints.append(_CrcStream._writeback.submit(_start_writeback, self.raw, start, len(view)))
         piece_crc = pending.result()
         self.crc = crc32_combine(self.crc, piece_crc, len(view))
         self.size += len(view)
         return piece_crc
+
+    def wait_for_hints(self) -> None:
+        for hint in self._hints:
+            hint.result()
+        self._hints.clear()
 
     def _write_all(self, view: memoryview) -> None:
         done = 0
@@ -242,20 +252,23 @@ class FsdpWriter(FileSystemWriter):
             gate.begin(plan.items)
         with open(path, "wb", buffering=0) as raw:
             stream = _CrcStream(raw)
-            items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-            items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-            for item in items:
-                offset = stream.tell()
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    stream.write(data.getbuffer())
-                else:
-                    _write_tensor(stream, data)
-                length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
-                for gate in gates:
-                    gate.written(item.index.fqn)
-            os.fsync(raw.fileno())
+            try:
+                items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+                items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+                for item in items:
+                    offset = stream.tell()
+                    data = planner.resolve_data(item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                    else:
+                        _write_tensor(stream, data)
+                    length = stream.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                    for gate in gates:
+                        gate.written(item.index.fqn)
+                os.fsync(raw.fileno())
+            finally:
+                stream.wait_for_hints()  # before the file closes, even when a write failed
         self.fs.records[name] = FileRecord(size=stream.size, crc32=stream.crc)
         return results
 
