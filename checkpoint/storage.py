@@ -1,13 +1,21 @@
 """DCP storage writer for the ``fsdp_dtensor`` format: deterministic, checksummed, committed last.
 
-:class:`FsdpWriter` is DCP's ``FileSystemWriter`` with four changes, all made
+:class:`FsdpWriter` is DCP's ``FileSystemWriter`` with these changes, all made
 through its public extension points (subclass overrides, no patching):
+
+* ``write_data`` writes the rank's one file itself, in DCP's layout (same
+  order, same write results, each chunk a ``torch.save`` archive so plain DCP
+  reads it) but from the tensors' raw bytes (:mod:`checkpoint.chunk_archive`):
+  no ``torch.save`` serialisation pass, the CRC-32 computed on a helper thread
+  while the OS copies the bytes, writeback of each chunk started right away
+  (the fsync at the end then waits for less), and, for an async save with
+  bounded staging, each written item reported to its :class:`~checkpoint.staging.StagingGate`;
 
 * ``storage_meta()`` returns ``None``: DCP's default records a random
   ``save_id`` and the (temporary) path in ``.metadata``, which would make two
   saves of the same state differ;
 * every data file's size and CRC-32 are computed while it is written (one
-  pass over the bytes) and travel to the committing rank inside DCP's own
+  pass over the bytes, pieces combined with ``crc32_combine``) and travel to the committing rank inside DCP's own
   write results (stripped again before ``.metadata`` is written);
 * in the default *collective* mode, the coordinator's ``finish`` writes
   ``.metadata``, then ``manifest.json`` (the commit record), then swaps the
