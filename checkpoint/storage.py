@@ -112,7 +112,8 @@ class _CrcStream(io.RawIOBase):
         # thread: under a congested disk the hint itself can block, and the next write need not wait for it.
         if _CrcStream._writeback is None:
             _CrcStream._writeback = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writeback")
-        self._hints.append(_CrcStream._writeback.submit(_start_writeback, self.raw, start, len(view)))
+        if view:  # a length of 0 would mean "to the end of the file"
+            self._hints.append(_CrcStream._writeback.submit(_start_writeback, self.raw, start, len(view)))
         piece_crc = pending.result()
         self.crc = crc32_combine(self.crc, piece_crc, len(view))
         self.size += len(view)
