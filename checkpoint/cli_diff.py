@@ -9,7 +9,8 @@ import torch
 
 from checkpoint.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress
 from checkpoint.cli_source import open_source
-from checkpoint.stream import Entry, dtype_name
+from checkpoint.manifest import dtype_name
+from checkpoint.stream import Entry
 
 __all__ = ["cmd_diff"]
 

@@ -10,7 +10,8 @@ from typing import Any
 from checkpoint.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.cli_source import open_source
 from checkpoint.manifest import verify_files
-from checkpoint.stream import CheckpointReader, Entry, dtype_name
+from checkpoint.manifest import dtype_name
+from checkpoint.stream import CheckpointReader, Entry
 
 __all__ = ["cmd_inspect", "cmd_verify"]
 

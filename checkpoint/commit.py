@@ -38,7 +38,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.atomic import staging_path, swap_into_place
 from checkpoint.convert import convert_tree
-from checkpoint.manifest import METADATA_NAME, FileRecord, KeyRecord, Manifest, checksum_file, write_manifest
+from checkpoint.manifest import (
+    METADATA_NAME,
+    FileRecord,
+    KeyRecord,
+    Manifest,
+    checksum_file,
+    dtype_name,
+    write_manifest,
+)
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
 
@@ -171,7 +179,7 @@ def build_manifest(
     keys = {}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            keys[key] = KeyRecord("tensor", str(item.properties.dtype).removeprefix("torch."), tuple(item.size))
+            keys[key] = KeyRecord("tensor", dtype_name(item.properties.dtype), tuple(item.size))
         else:
             keys[key] = KeyRecord("bytes")
     return Manifest(world_size=world_size, keys=keys, files=dict(files), extra_info=dict(extra_info or {}))

@@ -18,6 +18,8 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -28,6 +30,7 @@ __all__ = [
     "Manifest",
     "NotACheckpointError",
     "checksum_file",
+    "dtype_name",
     "read_manifest",
     "verify_files",
     "write_manifest",
@@ -39,6 +42,11 @@ MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 """DCP's own metadata file (fixed by ``FileSystemWriter``)"""
 _CHUNK_BYTES = 16 << 20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how the manifest spells a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 class NotACheckpointError(ValueError):

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint.chunk_archive import crc32_combine, plan_archive
-from checkpoint.manifest import MANIFEST_NAME, FileRecord
+from checkpoint.manifest import MANIFEST_NAME, FileRecord, dtype_name
 from checkpoint.staging import StagedShard
 
 __all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
@@ -359,8 +359,7 @@ def rank_record(metadata: Metadata, results: list[WriteResult], files: dict[str,
             for chunk in item.chunks:
                 info = where[(key, tuple(chunk.offsets))]
                 chunks.append([list(chunk.offsets), list(chunk.sizes), info.relative_path, info.offset, info.length])
-            dtype = str(item.properties.dtype).removeprefix("torch.")
-            tensors[key] = {"dtype": dtype, "size": list(item.size), "chunks": chunks}
+            tensors[key] = {"dtype": dtype_name(item.properties.dtype), "size": list(item.size), "chunks": chunks}
         else:
             info = where[(key, None)]
             blobs[key] = [info.relative_path, info.offset, info.length]

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, Manifest, read_manifest
 
-__all__ = ["CheckpointReader", "Entry", "Source", "dtype_name", "parse_dtype", "prefetch"]
+__all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +72,6 @@ class Source(Protocol):
     def read(self, key: str) -> Any:
         """The full value of ``key`` (a tensor in its global shape, or a plain object)."""
         ...
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (the manifest's spelling)."""
-    return str(dtype).removeprefix("torch.")
 
 
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
