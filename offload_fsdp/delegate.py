@@ -15,7 +15,7 @@ import torch
 
 from offload_fsdp.records import ParamShard
 
-__all__ = ["DelegatedOptimizer"]
+__all__ = ["DelegatedOptimizer", "hyperparameters"]
 
 _NOT_HYPER = ("params", "param_names")
 

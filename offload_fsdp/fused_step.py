@@ -180,9 +180,10 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
     flats = (master, grads, m_flat, v_flat)
     if stage is None and all(t.dtype == torch.float32 for t in flats):
-        spans = [slice(r.offset, r.offset + r.numel) for r in active if r.numel]
-        if spans:
-            _kernel_call(kernel, hyper, *([t[s] for s in spans] for t in flats), [r.state["step"] for r in active if r.numel])
+        nonempty = [(r, n) for r in active if (n := r.numel)]  # numel is a property, not free
+        if nonempty:
+            spans = [slice(r.offset, r.offset + n) for r, n in nonempty]
+            _kernel_call(kernel, hyper, *([t[s] for s in spans] for t in flats), [r.state["step"] for r, _ in nonempty])
         return
     for start, stop, segs in pieces(active, scratch.numel):
         p = _as_fp32(master, start, stop, scratch, "param")

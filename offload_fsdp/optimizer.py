@@ -35,7 +35,7 @@ from torch.profiler import record_function
 
 from offload_fsdp.buckets import HostBucket, build_buckets
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
-from offload_fsdp.delegate import DelegatedOptimizer
+from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.records import ParamShard, build_records, partition
@@ -586,7 +586,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             owner = self.cpu_optimizer_cls if r.offloaded else self.gpu_optimizer_cls
             load_record_state(r, saved, owner.__name__)
         for ours, theirs in zip(self.param_groups, saved_groups):
-            ours.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+            ours.update(hyperparameters(theirs))
         # torch.distributed.checkpoint's set_state_dict loads the optimizer BEFORE the model
         # weights: re-check the masters against the params at the next step.
         self._refresh_masters_before_step = True

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from optim.grad import get_grad
+from optim.grad import get_grad, local_tensor
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -103,7 +103,7 @@ def _bucket(params: list[torch.Tensor], mesh_or_group: DeviceMesh | dist.Process
             continue
         name = f"parameter {index} (shape {tuple(param.shape)})"
         source = grad if isinstance(grad, DTensor) else param
-        local = grad._local_tensor if isinstance(grad, DTensor) else grad
+        local = local_tensor(grad)
         if grad.is_sparse:
             raise TypeError(f"{name}: sparse gradients are not supported by clip_grad_norm_")
         buckets.all_grads.append(local)
@@ -223,7 +223,7 @@ def clip_grad_norm_(
         )
     coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     grads = [get_grad(p) for p in params]
-    locals_ = [g._local_tensor if isinstance(g, DTensor) else g for g in grads if g is not None]
+    locals_ = [local_tensor(g) for g in grads if g is not None]
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for t in locals_:
         by_device[t.device].append(t)
