@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from checkpoint.atomic import is_committed, staging_path
 from checkpoint.cli_parallel import SOLO, Group
 from checkpoint.commit import commit_staged
-from checkpoint.manifest import METADATA_NAME, FileRecord, checksum_file
+from checkpoint.manifest import METADATA_NAME, FileRecord
 from checkpoint.transforms import Target
 
 __all__ = ["row_blocks", "write_checkpoint"]
@@ -207,7 +207,6 @@ def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_in
         pickle.dump(metadata, f)
         f.flush()
         os.fsync(f.fileno())
-    records[METADATA_NAME] = checksum_file(meta_path)
     info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
     commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
 

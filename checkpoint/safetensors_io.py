@@ -28,7 +28,7 @@ import torch
 
 from checkpoint.stream import Entry
 
-__all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_index", "write_safetensors", "write_shards"]
+__all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_index", "write_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,20 +84,6 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     return memoryview(t.view(torch.uint8).numpy())
-
-
-def write_safetensors(
-    directory: Path,
-    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]],
-    values: Iterator[tuple[str, torch.Tensor]],
-    *,
-    objects: dict[str, Any] | None = None,
-    full_keys: bool = False,
-    on_bytes: Callable[[int], None] | None = None,
-) -> list[str]:
-    """Write every shard, then the index; see :func:`write_shards` and :func:`write_index`."""
-    write_shards(directory, shards, values, full_keys=full_keys, on_bytes=on_bytes)
-    return write_index(directory, shards, objects=objects)
 
 
 def write_shards(

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, Manifest, read_manifest
+from checkpoint.reader import DirectReader
 
 __all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
@@ -85,17 +86,6 @@ def parse_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"unknown floating dtype {name!r}; use one of bf16, fp16, fp32, fp64")
     return dtype
-
-
-class _MetadataReusingReader(dcp.FileSystemReader):
-    """A FileSystemReader that hands back metadata parsed once, so reading N keys parses it once, not N times."""
-
-    def __init__(self, path: Path, metadata: Metadata) -> None:
-        super().__init__(path)
-        self._parsed = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._parsed
 
 
 class CheckpointReader:
@@ -183,7 +173,7 @@ class CheckpointReader:
             with warnings.catch_warnings():
                 # no_dist=True is deliberate: a reader process needs no process group
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(state, storage_reader=_MetadataReusingReader(self.path, self.metadata), no_dist=True)
+                dcp.load(state, storage_reader=DirectReader(self.path, self.metadata, direct=False), no_dist=True)
         except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
             files = sorted({f for key in keys for f in self.files_of(key)})
             raise ValueError(

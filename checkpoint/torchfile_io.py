@@ -30,30 +30,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from checkpoint.stream import Entry
 
-__all__ = ["TorchFileSource", "fill_tensors", "finish", "staging_file", "write_skeleton", "write_torch_file"]
+__all__ = ["TorchFileSource", "fill_tensors", "finish", "staging_file", "write_skeleton"]
 
 logger = logging.getLogger(__name__)
 
 _FULL_PREFIXES = ("model.", "optimizer.", "extra.")
-
-
-def write_torch_file(
-    path: Path,
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-    objects: dict[str, Any],
-    values: Iterator[tuple[str, torch.Tensor]],
-    *,
-    on_bytes: Callable[[int], None] | None = None,
-) -> None:
-    """Write ``{name: tensor} | objects`` as one torch file, filling tensors from ``values`` in ``specs`` order.
-
-    Writes under ``path.tmp`` and renames when complete (fsynced), so ``path``
-    is never a half-written file.
-    """
-    tmp = staging_file(path)
-    write_skeleton(tmp, specs, objects)
-    fill_tensors(tmp, specs, values, on_bytes=on_bytes)
-    finish(tmp, path)
 
 
 def staging_file(path: Path) -> Path:

@@ -39,7 +39,7 @@ import torch
 from checkpoint.stream import Entry
 
 __all__ = [
-    "Merge", "Rename", "Rules", "Split", "Target", "join_key", "materialize", "parse_part_list", "plan",
+    "Merge", "Rename", "Rules", "Split", "Target", "materialize", "parse_part_list", "plan",
     "split_key", "stream_targets",
 ]
 
@@ -56,10 +56,6 @@ def split_key(key: str) -> tuple[str, str, str] | None:
             if dot and fqn:
                 return prefix, fqn, "." + last
     return None
-
-
-def join_key(parts: tuple[str, str, str]) -> str:
-    return "".join(parts)
 
 
 def _template_regex(template: str) -> re.Pattern[str]:
