@@ -194,8 +194,7 @@ def build_optimizer(
     if not tensors:
         raise ValueError("build_optimizer got no parameters; pass model.parameters() or param groups")
     if offload_fraction is not None:
-        if not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"offload_fraction={offload_fraction} must lie in [0, 1]")
+        # HybridDeviceOptimizer validates offload_fraction itself (ValueError / TypeError naming it).
         return _build_offloaded(
             params, tensors, name_key, backend_key, precision, offload_fraction, cuda_graphs, hyperparameters
         )

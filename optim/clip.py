@@ -162,24 +162,15 @@ def _reduce_device(group: object) -> torch.device:
     return torch.device("cpu")
 
 
-def grad_norm(
-    params: torch.Tensor | Iterable[torch.Tensor],
-    norm_type: float = 2.0,
-    *,
-    mesh_or_group: DeviceMesh | dist.ProcessGroup | None = None,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """The global gradient norm of ``params`` from local shards (see the module doc); no gradient is changed.
-
-    Collective: one ``all_reduce`` per distinct process group among the
-    gradients (typically one). Returns a 0-d fp32 (fp64 for fp64 grads) tensor
-    on the CPU, or on the device of the first non-CPU gradient.
-    """
+def _check_norm_type(norm_type: float) -> float:
     norm_type = float(norm_type)
     if not (norm_type > 0 or math.isinf(norm_type)) or norm_type == -math.inf:
         raise ValueError(f"norm_type={norm_type} is not supported; use a p > 0 or float('inf')")
-    params = [params] if torch.is_tensor(params) else list(params)
-    buckets = _bucket(params, mesh_or_group)
+    return norm_type
+
+
+def _total_norm(buckets: _Buckets, norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """The global norm of the bucketed gradients: one ``all_reduce`` per process group among them."""
     acc_dtype = _accumulate_dtype(buckets.all_grads)
     result_device = next((t.device for t in buckets.all_grads if t.device.type != "cpu"), torch.device("cpu"))
     is_inf = math.isinf(norm_type)
@@ -194,6 +185,24 @@ def grad_norm(
             part = part.to(result_device)
         total = torch.maximum(total, part) if is_inf else total + part
     return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def grad_norm(
+    params: torch.Tensor | Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    mesh_or_group: DeviceMesh | dist.ProcessGroup | None = None,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """The global gradient norm of ``params`` from local shards (see the module doc); no gradient is changed.
+
+    Collective: one ``all_reduce`` per distinct process group among the
+    gradients (typically one). Returns a 0-d fp32 (fp64 for fp64 grads) tensor
+    on the CPU, or on the device of the first non-CPU gradient.
+    """
+    norm_type = _check_norm_type(norm_type)
+    params = [params] if torch.is_tensor(params) else list(params)
+    return _total_norm(_bucket(params, mesh_or_group), norm_type, foreach)
 
 
 def clip_grad_norm_(
@@ -211,21 +220,21 @@ def clip_grad_norm_(
     ``max_norm / (norm + 1e-6)`` clamped to 1; a non-finite norm raises
     ``RuntimeError`` with ``error_if_nonfinite=True``, else propagates into the
     gradients as torch does), computed on local shards as described in the
-    module doc. Side effect: gradients (``grad`` or ``decoupled_grad``) are
-    scaled in place, their storage is kept.
+    module doc. Collective: as :func:`grad_norm`. Side effect: gradients
+    (``grad`` or ``decoupled_grad``) are scaled in place, their storage is kept.
     """
+    norm_type = _check_norm_type(norm_type)
     params = [params] if torch.is_tensor(params) else list(params)
-    total = grad_norm(params, norm_type, mesh_or_group=mesh_or_group, foreach=foreach)
+    buckets = _bucket(params, mesh_or_group)  # the gradients are collected once, for the norm and the scaling
+    total = _total_norm(buckets, norm_type, foreach)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
-            f"the total norm of order {float(norm_type)} of the gradients is non-finite ({total.item()}), so it "
+            f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
             "cannot be clipped; pass error_if_nonfinite=False to scale the gradients by the non-finite factor"
         )
     coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-    grads = [get_grad(p) for p in params]
-    locals_ = [local_tensor(g) for g in grads if g is not None]
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for t in locals_:
+    for t in buckets.all_grads:
         by_device[t.device].append(t)
     for device, group in by_device.items():
         scale = coefficient.to(device)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["get_grad", "set_grad", "local_tensor", "zero_grad"]
+__all__ = ["get_grad", "set_grad", "local_tensor", "zero_decoupled_grad", "zero_grad"]
 
 DECOUPLED_GRAD_ATTR = "decoupled_grad"
 
@@ -48,6 +48,17 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def _clear_slot(param: torch.Tensor, attr: str, set_to_none: bool) -> None:
+    grad = getattr(param, attr, None)
+    if grad is None:
+        return
+    if set_to_none:
+        setattr(param, attr, None)
+    else:
+        with torch.no_grad():
+            grad.zero_()
+
+
 def zero_grad(params: Iterable[torch.Tensor], *, set_to_none: bool = True) -> None:
     """Clear both gradient slots (``grad`` and ``decoupled_grad``) of every param.
 
@@ -56,11 +67,11 @@ def zero_grad(params: Iterable[torch.Tensor], *, set_to_none: bool = True) -> No
     zeroed in place (their storage, and any view of it, is kept).
     """
     for param in params:
-        for grad in (param.grad, getattr(param, DECOUPLED_GRAD_ATTR, None)):
-            if grad is not None and not set_to_none:
-                with torch.no_grad():
-                    grad.zero_()
-        if set_to_none:
-            param.grad = None
-            if getattr(param, DECOUPLED_GRAD_ATTR, None) is not None:
-                setattr(param, DECOUPLED_GRAD_ATTR, None)
+        _clear_slot(param, "grad", set_to_none)
+        _clear_slot(param, DECOUPLED_GRAD_ATTR, set_to_none)
+
+
+def zero_decoupled_grad(params: Iterable[torch.Tensor], *, set_to_none: bool = True) -> None:
+    """Clear ``decoupled_grad`` only, as :func:`zero_grad` does; for use after an optimizer cleared ``.grad``."""
+    for param in params:
+        _clear_slot(param, DECOUPLED_GRAD_ATTR, set_to_none)

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim.grad import DECOUPLED_GRAD_ATTR
+from optim.grad import get_grad, set_grad
 
 __all__ = ["GraphSafeGrads", "graph_safe_grads"]
 
@@ -44,7 +44,7 @@ class GraphSafeGrads:
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:
-    per = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    per = max(1, _ALIGN_BYTES // dtype.itemsize)
     return -(-numel // per) * per
 
 
@@ -53,8 +53,10 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
 
     ``grad_dtype=None`` keeps each param's dtype (the view goes to ``.grad``);
     otherwise gradients are ``grad_dtype`` and, for params of another dtype, the
-    view goes to ``decoupled_grad`` (the :mod:`optim.grad` protocol). Existing
-    gradient values are copied into the views. Plain tensors only: a DTensor's
+    view goes to ``decoupled_grad`` (the :mod:`optim.grad` protocol). Each param's
+    existing gradient (as :func:`~optim.grad.get_grad` reads it) is copied into
+    its view, cast if the dtype differs, and the other slot is cleared, so
+    ``get_grad`` returns the view. Plain tensors only: a DTensor's
     gradient is allocated by its FSDP implementation, which this cannot pin.
     Side effect: replaces ``.grad`` / ``decoupled_grad`` of every param.
     """
@@ -74,12 +76,8 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
     for key, entries in layout.items():
         for param, offset in entries:
             view = buffers[key][offset : offset + param.numel()].view(param.shape)
-            old = param.grad if key[1] == param.dtype else getattr(param, DECOUPLED_GRAD_ATTR, None)
+            old = get_grad(param)
             if old is not None:
-                view.copy_(old)
-            if key[1] == param.dtype:
-                param.grad = view
-            else:
-                param.grad = None
-                setattr(param, DECOUPLED_GRAD_ATTR, view)
+                view.copy_(old)  # casts when the gradient changes slot (dtype)
+            set_grad(param, view)  # also clears the other slot, so get_grad reads the view
     return GraphSafeGrads(buffers)

@@ -6,7 +6,7 @@ bf16 parameter whose fp32 gradient lives in ``param.decoupled_grad`` (see
 an update applied in bf16 would drop everything below bf16's resolution.
 
 :func:`enable_main_params` fixes that with the optimizer's own hooks, keeping
-the optimizer a real, unmodified ``torch.optim`` object whose ``param_groups``
+the optimizer a real ``torch.optim`` object of its own class whose ``param_groups``
 hold the model's parameters (so LR schedulers and ``get_state_dict`` work):
 
 * before ``step``, every parameter with a gradient is pointed (``param.data``)
@@ -14,7 +14,10 @@ hold the model's parameters (so LR schedulers and ``get_state_dict`` work):
   ``"main_param"``, and its ``.grad`` at the gradient from :func:`~optim.grad.get_grad`
   (cast to the main dtype only if it is not already in it);
 * after ``step``, the updated main copy is cast back into the parameter's own
-  storage, and ``.grad`` is restored to what it was.
+  storage, and ``.grad`` is restored to what it was;
+* ``optimizer.zero_grad`` also clears ``decoupled_grad``. torch.optim has no
+  zero_grad hook, so the method is shadowed on the instance (the class is
+  untouched, and ``state_dict`` never holds methods).
 
 Adam's moments are then created in the main dtype too. Parameters already in
 the main dtype with a gradient of that dtype in ``decoupled_grad`` only get
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from optim.grad import get_grad
+from optim.grad import get_grad, zero_decoupled_grad
 
 __all__ = ["MAIN_PARAM_KEY", "enable_main_params"]
 
@@ -50,15 +53,25 @@ class _MainParamsHooks:
         self._undo: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
         self._incoming_state: dict[Any, dict[str, Any]] | None = None
         self._incoming_groups: list[dict[str, Any]] | None = None
+        self._own_zero_grad = optimizer.zero_grad  # the class's, or an instance override made before ours
 
     def register(self) -> list[RemovableHandle]:
         opt = self.optimizer
+        # torch.optim has no zero_grad hook: shadow the method on this instance only (as torch's
+        # LR schedulers do with step), so the class, isinstance and state_dict stay torch's own.
+        opt.zero_grad = self.zero_grad  # type: ignore[method-assign]
         return [
             opt.register_step_pre_hook(self.before_step),
             opt.register_step_post_hook(self.after_step),
             opt.register_load_state_dict_pre_hook(self.before_load),
             opt.register_load_state_dict_post_hook(self.after_load),
         ]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's own ``zero_grad`` (``.grad``), then the same for every param's ``decoupled_grad``."""
+        self._own_zero_grad(set_to_none=set_to_none)
+        params = (param for group in self.optimizer.param_groups for param in group["params"])
+        zero_decoupled_grad(params, set_to_none=set_to_none)
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         assert not self._undo, "step hooks re-entered: a previous step did not finish"
@@ -121,8 +134,9 @@ def enable_main_params(optimizer: torch.optim.Optimizer, main_params_dtype: torc
 
     Side effects: registers step and load-state-dict hooks on ``optimizer``
     (idempotent); the optimizer state gains a ``"main_param"`` entry for every
-    parameter not already in ``main_params_dtype``. ``optimizer.zero_grad()``
-    still clears ``.grad`` only; clear ``decoupled_grad`` with :func:`optim.zero_grad`.
+    parameter not already in ``main_params_dtype``; ``optimizer.zero_grad`` is
+    replaced, on this instance only, by one that also clears (or, with
+    ``set_to_none=False``, zeroes in place) every param's ``decoupled_grad``.
     """
     if getattr(optimizer, _HOOKS_ATTR, None) is not None:
         return

@@ -51,10 +51,6 @@ class MemoryFootprint:
     """name -> bytes for each device buffer (``param``, ``grad``, ...)"""
 
 
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def bytes_per_param(
     policy: PrecisionPolicy | None,
     param_dtype: torch.dtype,
@@ -73,13 +69,13 @@ def bytes_per_param(
     main_dtype = policy.main_params_dtype
     separate_main = main_dtype != param_dtype
 
-    device_parts: dict[str, float] = {"param": _size(param_dtype), "grad": _size(grad_dtype)}
+    device_parts: dict[str, float] = {"param": param_dtype.itemsize, "grad": grad_dtype.itemsize}
     host_parts: dict[str, float] = {}
     on_device = 1.0 - offload
     optimizer_parts = {
-        "main_param": _size(main_dtype),
-        "exp_avg": _size(policy.exp_avg_dtype),
-        "exp_avg_sq": _size(policy.exp_avg_sq_dtype),
+        "main_param": main_dtype.itemsize,
+        "exp_avg": policy.exp_avg_dtype.itemsize,
+        "exp_avg_sq": policy.exp_avg_sq_dtype.itemsize,
     }
     for name, size in optimizer_parts.items():
         if name == "main_param" and not separate_main:
@@ -92,9 +88,9 @@ def bytes_per_param(
         if offload:
             host_parts[name] = offload * size
     if offload:
-        host_parts["grad_staging"] = offload * _size(grad_dtype)
+        host_parts["grad_staging"] = offload * grad_dtype.itemsize
         if separate_main:
-            host_parts["param_staging"] = offload * _size(param_dtype)
+            host_parts["param_staging"] = offload * param_dtype.itemsize
     return MemoryFootprint(
         host=sum(host_parts.values()),
         device=sum(device_parts.values()),

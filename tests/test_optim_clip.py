@@ -107,6 +107,30 @@ def test_graph_safe_grads_put_other_dtypes_in_decoupled_grad():
     assert p.decoupled_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 
+
+def test_graph_safe_grads_clear_a_stale_decoupled_grad_so_get_grad_reads_the_view_backward_fills():
+    weight = torch.nn.Parameter(torch.randn(3, 2, generator=torch.Generator().manual_seed(7)))
+    weight.decoupled_grad = torch.full((3, 2), 7.0)  # left over from an earlier, decoupled, setup
+    handle = graph_safe_grads([weight])
+    handle.zero_()
+    inputs = torch.randn(4, 3, generator=torch.Generator().manual_seed(8))
+    (inputs @ weight).square().sum().backward()
+    reference = weight.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad((inputs @ reference).square().sum(), reference)
+    (buffer,) = handle.buffers.values()
+    assert get_grad(weight).untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    torch.testing.assert_close(get_grad(weight), expected)
+
+
+def test_graph_safe_grads_carry_the_gradient_get_grad_reads_into_a_view_of_another_slot():
+    p = torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))
+    old = torch.arange(6.0).view(2, 3) / 4  # exact in bf16
+    set_grad(p, old)  # fp32 gradient of a bf16 param: decoupled_grad
+    graph_safe_grads([p])  # views in the param's own dtype: the gradient moves to .grad
+    assert getattr(p, "decoupled_grad", None) is None and get_grad(p) is p.grad
+    assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad.float(), old)
+
+
 @pytest.mark.cuda
 def test_gradients_split_between_host_and_device_give_the_single_device_norm():
     params = _params(6)

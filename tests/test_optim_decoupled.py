@@ -104,6 +104,19 @@ def test_zero_grad_clears_both_slots_or_zeroes_them_in_place():
     assert get_grad(p) is None
 
 
+def test_zero_grad_of_the_built_torch_optimizer_clears_decoupled_grads_too():
+    params, _ = _pair([(4, 2), (3,)])
+    opt = build_optimizer(params, "adamw", lr=0.1)
+    assert type(opt) is torch.optim.AdamW  # still the user's class, not a wrapper
+    grads = _grads(0, [tuple(p.shape) for p in params])
+    for p, g in zip(params, grads):
+        set_grad(p, g)  # fp32 grads of bf16 params: decoupled_grad
+    opt.zero_grad(set_to_none=False)
+    assert all(p.decoupled_grad is g and not g.any() for p, g in zip(params, grads))  # zeroed in place
+    opt.zero_grad()
+    assert all(get_grad(p) is None for p in params)
+
+
 def test_fp64_params_are_never_stepped_through_a_narrower_fp32_main_copy():
     p = torch.nn.Parameter(torch.full((3,), 1.0 + 1e-12, dtype=torch.float64))
     r = torch.nn.Parameter(p.detach().clone())

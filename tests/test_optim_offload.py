@@ -77,3 +77,9 @@ def test_offload_refuses_sgd_and_cuda_graphs():
         build_optimizer(params, "sgd", offload_fraction=1.0)
     with pytest.raises(ValueError, match="cuda_graphs"):
         build_optimizer(params, offload_fraction=1.0, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("fraction", [1.5, -0.1, float("nan")])
+def test_offload_fraction_outside_0_1_is_refused_naming_it(fraction):
+    with pytest.raises(ValueError, match="offload_fraction"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(3))], offload_fraction=fraction)
