@@ -34,15 +34,14 @@ class HostLayout:
 
     def add(self, numel: int, dtype: torch.dtype) -> int:
         """Reserve room for a flat buffer; returns its handle for :meth:`HostArena.view`."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
         offset = -(-self.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         self.requests.append((numel, dtype, offset))
-        self.nbytes = offset + numel * itemsize
+        self.nbytes = offset + numel * dtype.itemsize
         return len(self.requests) - 1
 
     @property
     def used_bytes(self) -> int:
-        return sum(n * torch.empty((), dtype=d).element_size() for n, d, _ in self.requests)
+        return sum(n * d.itemsize for n, d, _ in self.requests)
 
     def allocate(self, *, pin: bool) -> HostArena:
         return HostArena(self, pin=pin)
@@ -87,5 +86,4 @@ class HostArena:
 
     def view(self, handle: int) -> torch.Tensor:
         numel, dtype, offset = self.layout.requests[handle]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.storage[offset : offset + numel * itemsize].view(dtype)
+        return self.storage[offset : offset + numel * dtype.itemsize].view(dtype)

@@ -41,6 +41,7 @@ from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.records import ParamShard, build_records, partition
 from offload_fsdp.state_io import check_groups_match, load_record_state
 from optim.grad import get_grad, local_tensor
+from optim.grad import zero_grad as zero_grads  # both slots: .grad and decoupled_grad
 from optim.precision import PrecisionPolicy
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer"]
@@ -548,14 +549,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
-        super().zero_grad(set_to_none=set_to_none)
+        zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
-            decoupled = getattr(r.param, "decoupled_grad", None)
-            if decoupled is not None:
-                if set_to_none:
-                    r.param.decoupled_grad = None
-                else:
-                    decoupled.zero_()
             r.staged_grad_key = None
 
     @torch.no_grad()

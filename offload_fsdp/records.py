@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from checkpoint.shard_spec import ShardSpec, shard_spec_of
+from checkpoint.shard_spec import shard_spec_of
 from optim.grad import local_tensor
 
 if TYPE_CHECKING:
@@ -33,12 +33,8 @@ class ParamShard:
     """the parameter as the user gave it (a plain tensor, a DTensor, or a flat-shard tensor)"""
     name: str
     """fully-qualified name when known (named params), else its position ``param_groups[g][i]``"""
-    index: int
-    """position in the flattened parameter order: the integer id used by ``state_dict()``"""
     group_index: int
     """index of its group in ``optimizer.param_groups`` (hyper-parameters are read from there)"""
-    shard_spec: ShardSpec | None = None
-    """flat-shard / box description for plain-tensor shards (None for whole tensors and DTensors)"""
     offloaded: bool = False
     """True when its update runs on the host (fp32 master + state in host buckets)"""
     grad_dtype: torch.dtype | None = None
@@ -59,7 +55,8 @@ class ParamShard:
 
     # --- delegated optimizers (device share, and host buckets without a fused kernel) ---
     working: torch.Tensor | None = None
-    """plain tensor a delegated optimizer instance updates (the local param, or an fp32 master)"""
+    """the plain tensor the update is applied to, set for every trainable record: the host
+    ``master`` when offloaded, else the local param or its device fp32 master"""
 
     # --- public optimizer state ---
     state: dict[str, Any] | None = None
@@ -93,8 +90,7 @@ class ParamShard:
     @property
     def has_separate_master(self) -> bool:
         """True when a master of higher precision than the param exists (stored as ``master_param``)."""
-        master = self.master if self.offloaded else self.working
-        return master is not None and master.dtype != self.param.dtype
+        return self.working is not None and self.working.dtype != self.param.dtype
 
     def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
         """Present a local state tensor like the param: a DTensor with its mesh/placements, else as is.
@@ -117,8 +113,8 @@ def _name_of(group: dict[str, Any], group_index: int, position: int) -> str:
     return f"param_groups[{group_index}]['params'][{position}]"
 
 
-def _validate(param: torch.Tensor, name: str) -> ShardSpec | None:
-    """Reject parameters this optimizer cannot serve, naming them; return the flat-shard spec if any."""
+def _validate(param: torch.Tensor, name: str) -> None:
+    """Reject parameters this optimizer cannot serve, naming them (a flat-shard spec must fit the tensor)."""
     if param.device.type == "meta":
         raise ValueError(
             f"parameter {name!r} is on the meta device; materialize the model (e.g. to_empty + init) "
@@ -136,25 +132,26 @@ def _validate(param: torch.Tensor, name: str) -> ShardSpec | None:
             )
         if not param._local_tensor.is_contiguous():
             raise ValueError(f"parameter {name!r}: its local shard is not contiguous; cannot stage it in flat buffers")
-        return None
+        return
     if not param.is_contiguous():
         raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
     spec = shard_spec_of(param)
     if spec is not None:
         spec.check_local(param, name=name)
-    return spec
 
 
-def build_records(param_groups: list[dict[str, Any]]) -> list[ParamShard]:
-    """One validated record per parameter, in ``param_groups`` order (the state-dict id order)."""
+def build_records(groups: list[dict[str, Any]], *, first_group_index: int = 0) -> list[ParamShard]:
+    """One validated record per parameter of ``groups``, in order (the state-dict id order).
+
+    ``groups[0]`` is ``param_groups[first_group_index]`` (non-zero for a group added
+    after construction). Raises, naming the parameter, before returning any record.
+    """
     records: list[ParamShard] = []
-    for group_index, group in enumerate(param_groups):
+    for group_index, group in enumerate(groups, start=first_group_index):
         for position, param in enumerate(group["params"]):
             name = _name_of(group, group_index, position)
-            spec = _validate(param, name)
-            records.append(
-                ParamShard(param=param, name=name, index=len(records), group_index=group_index, shard_spec=spec)
-            )
+            _validate(param, name)
+            records.append(ParamShard(param=param, name=name, group_index=group_index))
     return records
 
 

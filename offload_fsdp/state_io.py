@@ -74,14 +74,13 @@ def _load_value(r: ParamShard, key: str, value: Any) -> None:
 
 
 def _load_master(r: ParamShard, src: torch.Tensor) -> None:
-    target = r.master if r.offloaded else r.working
-    if src.shape != target.shape:
+    if src.shape != r.working.shape:
         raise ValueError(
-            f"master_param of parameter {r.name!r} has local shape {tuple(src.shape)}, expected {tuple(target.shape)}"
+            f"master_param of parameter {r.name!r} has local shape {tuple(src.shape)}, expected {tuple(r.working.shape)}"
         )
-    target.copy_(src)
+    r.working.copy_(src)
     if r.offloaded:
-        r.param_stage.copy_(r.master)
+        r.param_stage.copy_(r.working)
         r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
     else:
         r.local.copy_(r.working)
