@@ -1,22 +1,28 @@
-"""Opt-in host Adam(W) step as one compiled C loop per piece: ``OFFLOAD_FSDP_HOST_STEP=compiled``.
+"""The host Adam(W) step as one compiled C loop per piece (the default where a C compiler is found).
 
-The default host step (:mod:`offload_fsdp.fused_step`) runs torch's fused kernel on
+``OFFLOAD_FSDP_HOST_STEP`` chooses: ``auto`` (default) uses this loop for the
+buckets it covers when it builds, else torch's fused kernel; ``compiled`` insists
+on it (building at construction, warning if it cannot); ``fused`` never uses it.
+
+The fused path (:mod:`offload_fsdp.fused_step`) runs torch's fused kernel on
 fp32 views, so a bf16 grad is first upcast into scratch, bf16 moments are upcast and
 cast back, and the bf16 param staging is written by a separate downcast: several
 extra passes over each piece. This module does all of it in one loop that reads the
 bf16 (or fp32) grad and the fp32 master and moments once and writes the master, the
 moments (fp32, bf16 round-to-nearest or bf16 stochastic rounding) and the bf16 param
-staging once: the 28 B/param of the roofline and nothing else.
+staging once: the 28 B/param of the roofline and nothing else (the staging with
+streaming stores, so its cache lines are not read in first).
 
 The loop mirrors the arithmetic of torch's CPU fused Adam kernel operation for
 operation (same fp32 roundings, the same ``lerp`` with a fused multiply-add, no
 other contraction), and the stochastic rounding reads the same counter-based noise
 windows of :class:`~offload_fsdp.fused_step.FusedScratch` over the same piece grid,
-so results are bit-identical to the default path (checked by
+so results are bit-identical to the fused path (checked by
 ``tests/test_offload_fastpath.py``): state dicts and resumes are interchangeable.
 
 It is plain C (no torch headers, no torch.compile), compiled with the system C
-compiler (``$CC``, else ``cc``) when an optimizer is built with this step: about
+compiler (``$CC``, else ``cc``) at the first step that needs it (at construction
+with ``compiled``): about
 4-10 s on a busy 2-core host, then cached per user (``$OFFLOAD_FSDP_CACHE_DIR``,
 else ``~/.cache/offload_fsdp``, keyed by source, flags, compiler and CPU) so later
 processes load it in ~0.1 s. Before first use it checks itself against torch's
@@ -26,7 +32,8 @@ releases the GIL during the call, so with more than one torch thread the pieces 
 a bucket are spread over a small thread pool. Buckets it does not cover (fp16
 anything, a bf16 master with ``param_update_in_fp32=False``, all-fp32 buckets that
 the fused kernel already steps at the roofline) and any failure to compile or load
-fall back to :func:`~offload_fsdp.fused_step.adam_bucket_step`; a failure warns once.
+fall back to :func:`~offload_fsdp.fused_step.adam_bucket_step`. A failure is reported once
+per process: a ``RuntimeWarning`` with ``compiled``, a log warning with ``auto``.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ __all__ = ["HOST_STEP_ENV", "HostStep", "compiled_adam_bucket_step", "compiled_s
 logger = logging.getLogger(__name__)
 
 HOST_STEP_ENV = "OFFLOAD_FSDP_HOST_STEP"
-"""Environment variable read at optimizer construction: ``fused`` (default) or ``compiled``."""
+"""Environment variable read at optimizer construction: ``auto`` (default), ``compiled`` or ``fused``."""
 
 HostStep = Callable[[HostBucket, list[ParamShard], AdamHyper, FusedScratch], None]
 
@@ -70,6 +77,28 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#define STORE_FENCE() _mm_sfence()
+#else
+#define STORE_FENCE() ((void)0)
+#endif
+
+/* The bf16 param staging is only written, never read, by the step. A plain store first
+   reads each cache line in (read-for-ownership): 2 more bytes per param on top of the
+   28 B/param roofline. So the loop writes staging values into a block in L1 and the block
+   goes out with non-temporal (streaming) stores, which skip that read; STORE_FENCE at the
+   end of the call makes them visible before anyone (the H2D copy) reads the staging. */
+#define STAGE_BLOCK 2048
+
+static inline void stream_u16(uint16_t* restrict dst, const uint16_t* restrict src, int64_t n) {
+    int64_t i = 0;
+#if defined(__SSE2__)
+    for (; i < n && ((uintptr_t)(dst + i) & 63); i++) dst[i] = src[i];  /* to a cache-line boundary */
+    for (; i + 8 <= n; i += 8) _mm_stream_si128((__m128i*)(dst + i), _mm_loadu_si128((const __m128i*)(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = src[i];
+}
 
 typedef struct {
     float* param; const void* grad; void* exp_avg; void* exp_avg_sq; uint16_t* stage;
@@ -107,12 +136,13 @@ static inline void store_moment(void* base, int64_t i, float x, int mode, const 
 
 static inline __attribute__((always_inline)) void adam_range(
         const adam_args* a, int64_t lo, int64_t hi, const int TAIL,
-        const int GBF, const int MM, const int VM, const int ST, const int L2) {
+        const int GBF, const int MM, const int VM, const int ST, const int L2,
+        uint16_t* restrict stage, const int64_t stage_base) {
+    /* stage[i - stage_base] receives the bf16 param of element i (a block buffer or the staging itself) */
     float* restrict p = a->param;
     const void* restrict g = a->grad;
     void* restrict m = a->exp_avg;
     void* restrict v = a->exp_avg_sq;
-    uint16_t* restrict stage = a->stage;
     const int32_t* restrict nm = a->noise_m;
     const int32_t* restrict nv = a->noise_v;
     const float gsign = a->gsign, decay = a->decay, wd = a->wd, beta2 = a->beta2, c2 = a->c2;
@@ -134,25 +164,34 @@ static inline __attribute__((always_inline)) void adam_range(
         p[i] = pi;
         store_moment(m, i, mi, MM, nm);
         store_moment(v, i, vi, VM, nv);
-        if (ST) stage[i] = f32_to_bf16_rne(pi);
+        if (ST) stage[i - stage_base] = f32_to_bf16_rne(pi);
     }
 }
 
 /* The last n % vec_width elements are torch's scalar tail, which rounds differently: a few
    elements, so one generic (not specialised, not vectorised) loop serves every combination. */
 static __attribute__((noinline, optimize("no-tree-vectorize"))) void adam_tail(const adam_args* a, int64_t lo) {
-    adam_range(a, lo, a->n, 1, a->grad_bf16, a->m_mode, a->v_mode, a->has_stage, a->l2);
+    adam_range(a, lo, a->n, 1, a->grad_bf16, a->m_mode, a->v_mode, a->has_stage, a->l2, a->stage, 0);
 }
 
 static inline __attribute__((always_inline)) void adam_loop(
         const adam_args* a, const int GBF, const int MM, const int VM, const int ST, const int L2) {
     const int64_t body = a->n - a->n % a->vec_width;
-    adam_range(a, 0, body, 0, GBF, MM, VM, ST, L2);
+    if (ST) {
+        uint16_t block[STAGE_BLOCK] __attribute__((aligned(64)));
+        for (int64_t lo = 0; lo < body; lo += STAGE_BLOCK) {
+            const int64_t hi = lo + STAGE_BLOCK < body ? lo + STAGE_BLOCK : body;
+            adam_range(a, lo, hi, 0, GBF, MM, VM, ST, L2, block, lo);
+            stream_u16(a->stage + lo, block, hi - lo);
+        }
+    } else {
+        adam_range(a, 0, body, 0, GBF, MM, VM, ST, L2, 0, 0);
+    }
     if (body < a->n) adam_tail(a, body);
 }
 
 #define KEY(g, m, v, s, l) (((((g) * 3 + (m)) * 3 + (v)) * 2 + (s)) * 2 + (l))
-#define C5(g, m, v, s, l) case KEY(g, m, v, s, l): adam_loop(a, g, m, v, s, l); return 0;
+#define C5(g, m, v, s, l) case KEY(g, m, v, s, l): adam_loop(a, g, m, v, s, l); STORE_FENCE(); return 0;
 #define CL(g, m, v, s) C5(g, m, v, s, 0) C5(g, m, v, s, 1)
 #define CS(g, m, v) CL(g, m, v, 0) CL(g, m, v, 1)
 #define CV(g, m) CS(g, m, 0) CS(g, m, 1) CS(g, m, 2)
@@ -273,8 +312,12 @@ def _probe_vec_width(library: ctypes.CDLL) -> int:
     raise RuntimeError("its arithmetic does not reproduce this torch build's fused Adam kernel bit for bit")
 
 
-def compiled_step_available() -> bool:
-    """Compile, load and self-check the C step once per process; False (after one warning) if that fails."""
+def compiled_step_available(*, warn: bool = True) -> bool:
+    """Compile, load and self-check the C step once per process; False if that fails.
+
+    The first failure is reported once: a ``RuntimeWarning`` if ``warn`` (the user
+    asked for ``compiled``), else a log warning (``auto`` quietly uses the fused path).
+    """
     global _library, _load_failed, _vec_width
     with _lock:
         if _library is None and not _load_failed:
@@ -285,12 +328,14 @@ def compiled_step_available() -> bool:
                 logger.info("compiled host Adam step loaded (torch kernel vector width %d)", _vec_width)
             except Exception as exc:  # any failure means: use the fused path, and say so once
                 _load_failed = True
-                warnings.warn(
-                    f"{HOST_STEP_ENV}=compiled: could not build the C host step ({exc}); "
-                    "falling back to torch's fused kernel (same results, slower for bf16)",
-                    RuntimeWarning,
-                    stacklevel=3,
+                message = (
+                    f"could not build the compiled host step ({exc}); falling back to torch's fused kernel "
+                    f"(same results, slower for bf16); set {HOST_STEP_ENV}=fused to skip the attempt"
                 )
+                if warn:
+                    warnings.warn(f"{HOST_STEP_ENV}=compiled: {message}", RuntimeWarning, stacklevel=3)
+                else:
+                    logger.warning(message)
         return _library is not None
 
 
@@ -374,7 +419,7 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
     calls the C loop once per (piece, active record) overlap: each call covers one
     record, so one step count and one set of bias corrections.
     """
-    if not _covered(bucket) or not compiled_step_available():
+    if not _covered(bucket) or not compiled_step_available(warn=False):  # `compiled` already warned at construction
         adam_bucket_step(bucket, active, hyper, scratch)
         return
     active = sorted(active, key=lambda r: r.offset)
@@ -414,14 +459,17 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
 def select_host_step() -> HostStep:
     """The host Adam step chosen by ``$OFFLOAD_FSDP_HOST_STEP`` (read once, at optimizer construction).
 
-    ``fused`` or unset: :func:`~offload_fsdp.fused_step.adam_bucket_step`. ``compiled``:
-    :func:`compiled_adam_bucket_step`, compiled now so that its cost (and any failure
-    warning) comes at construction rather than inside the first step.
+    ``auto`` or unset: :func:`compiled_adam_bucket_step`, which builds the C loop at the
+    first step with a bucket it covers (an all-fp32 model never builds it) and steps
+    with torch's fused kernel if that fails. ``compiled``: the same, built now so that
+    its cost and any failure warning come at construction. ``fused``:
+    :func:`~offload_fsdp.fused_step.adam_bucket_step` only.
     """
-    choice = os.environ.get(HOST_STEP_ENV, "").strip().lower() or "fused"
+    choice = os.environ.get(HOST_STEP_ENV, "").strip().lower() or "auto"
     if choice == "fused":
         return adam_bucket_step
     if choice == "compiled":
         compiled_step_available()
-        return compiled_adam_bucket_step
-    raise ValueError(f"{HOST_STEP_ENV}={choice!r} is not a host step; use 'fused' (default) or 'compiled'")
+    elif choice != "auto":
+        raise ValueError(f"{HOST_STEP_ENV}={choice!r} is not a host step; use 'auto' (default), 'compiled' or 'fused'")
+    return compiled_adam_bucket_step

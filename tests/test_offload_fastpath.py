@@ -1,4 +1,4 @@
-"""The opt-in compiled host step (``OFFLOAD_FSDP_HOST_STEP=compiled``) against the default fused path.
+"""The compiled host step (``OFFLOAD_FSDP_HOST_STEP=auto``, the default, or ``compiled``) against the fused path.
 
 Stated tolerance: none. The compiled C loop reproduces torch's fused Adam kernel
 bit for bit (and the default path's bf16 casts and stochastic-rounding noise), so
@@ -8,6 +8,7 @@ every comparison here is ``torch.equal`` on params and on every state tensor.
 from __future__ import annotations
 
 import io
+import logging
 import shutil
 
 import pytest
@@ -25,16 +26,19 @@ SIZES = (37, 1000, 3, 129)  # partial vectors at every record end; 3 < one vecto
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) for the compiled host step")
 
 
-def _params(dtype):
+def _params(dtype, sizes=SIZES):
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(n, generator=gen).to(dtype).requires_grad_() for n in SIZES]
+    return [torch.randn(n, generator=gen).to(dtype).requires_grad_() for n in sizes]
 
 
 def _build(monkeypatch, host_step, params, policy, opt_cls, piece=64, **hyper):
-    monkeypatch.setenv(HOST_STEP_ENV, host_step)
+    if host_step is None:
+        monkeypatch.delenv(HOST_STEP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(HOST_STEP_ENV, host_step)
     opt = HybridDeviceOptimizer(opt_cls(params, lr=0.01, **hyper), 1.0, precision=policy)
     opt._scratch = FusedScratch(piece)  # small pieces split params, so calls start and end mid-record
-    assert opt._adam_step is (compiled_adam_bucket_step if host_step == "compiled" else adam_bucket_step)
+    assert opt._adam_step is (adam_bucket_step if host_step == "fused" else compiled_adam_bucket_step)
     return opt
 
 
@@ -56,9 +60,9 @@ def _steps(opt, params, policy, start, stop, threads=1):
         torch.set_num_threads(threads_before)
 
 
-def _train(monkeypatch, host_step, dtype, policy, opt_cls, steps, *, piece=64, threads=1, **hyper):
-    """``steps`` steps from fixed initial params; returns (params, state_dict)."""
-    params = _params(dtype)
+def _train(monkeypatch, host_step, dtype, policy, opt_cls, steps, *, piece=64, threads=1, sizes=SIZES, **hyper):
+    """``steps`` steps from fixed initial params; returns (params, state_dict). ``host_step=None``: env unset."""
+    params = _params(dtype, sizes)
     opt = _build(monkeypatch, host_step, params, policy, opt_cls, piece, **hyper)
     _steps(opt, params, policy, 0, steps, threads)
     return [p.detach().clone() for p in params], opt.state_dict()
@@ -165,3 +169,39 @@ def test_a_failed_build_warns_once_and_falls_back_to_the_fused_path(monkeypatch,
         _train(monkeypatch, "compiled", dtype, policy, opt_cls, 1, **hyper)
     assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
     _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 2, **hyper), compiled)
+
+
+@needs_cc
+def test_the_default_host_step_runs_bf16_buckets_in_the_compiled_loop_with_identical_results(monkeypatch, c_calls):
+    dtype, policy, opt_cls, hyper = CASES["bf16 params, fp32 state, AdamW"]
+    default = _train(monkeypatch, None, dtype, policy, opt_cls, 3, **hyper)
+    assert sum(c_calls) == 3 * sum(SIZES) - SIZES[1]
+    _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 3, **hyper), default)
+
+
+@needs_cc
+def test_staging_written_in_streamed_blocks_matches_the_fused_path_across_block_and_piece_edges(monkeypatch, c_calls):
+    """Records longer than the C loop's 2048-element staging block, starting at odd offsets."""
+    dtype, policy, opt_cls, hyper = CASES["bf16 params, fp32 state, AdamW"]
+    sizes = (5001, 2048, 7, 4099)
+    for piece in (3000, 1 << 19):
+        fused = _train(monkeypatch, "fused", dtype, policy, opt_cls, 2, piece=piece, sizes=sizes, **hyper)
+        compiled = _train(monkeypatch, "compiled", dtype, policy, opt_cls, 2, piece=piece, sizes=sizes, **hyper)
+        _assert_identical(fused, compiled)
+    assert sum(c_calls) == 2 * (2 * sum(sizes) - sizes[1])  # two piece sizes; param 1 has no grad at step 1
+
+
+def test_a_failed_build_under_the_default_logs_once_without_a_warning_and_uses_the_fused_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(compiled_step, "_library", None)
+    monkeypatch.setattr(compiled_step, "_load_failed", False)
+    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    dtype, policy, opt_cls, hyper = CASES["bf16 params, fp32 state, AdamW"]
+    import warnings
+
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
+        warnings.simplefilter("error", RuntimeWarning)  # auto must not raise a RuntimeWarning
+        default = _train(monkeypatch, None, dtype, policy, opt_cls, 2, **hyper)
+        _train(monkeypatch, None, dtype, policy, opt_cls, 1, **hyper)
+    assert len([r for r in caplog.records if "falling back" in r.getMessage()]) == 1
+    _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 2, **hyper), default)
