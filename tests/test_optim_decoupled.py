@@ -104,6 +104,19 @@ def test_zero_grad_clears_both_slots_or_zeroes_them_in_place():
     assert get_grad(p) is None
 
 
+def test_zero_grad_in_place_zeroes_every_buffer_of_both_slots_across_dtypes_and_keeps_each():
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in ((3, BF16), (5, torch.float32), (2, torch.float64))]
+    kept = []
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+        p.decoupled_grad = torch.full(p.shape, 3.0)
+        kept.append((p.grad, p.decoupled_grad))
+    zero_grad(params, set_to_none=False)
+    for p, (grad, decoupled) in zip(params, kept):
+        assert p.grad is grad and p.decoupled_grad is decoupled
+        assert not grad.any() and not decoupled.any()
+
+
 def test_zero_grad_of_the_built_torch_optimizer_clears_decoupled_grads_too():
     params, _ = _pair([(4, 2), (3,)])
     opt = build_optimizer(params, "adamw", lr=0.1)
