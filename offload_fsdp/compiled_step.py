@@ -429,29 +429,36 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
     sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
     bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
     stage_base = stage.data_ptr() if stage is not None else None
+    sr_m, sr_v = m_mode == _MOMENT_BF16_SR, v_mode == _MOMENT_BF16_SR
+    # Per step count, a struct with every field but the per-call pointers and length:
+    # copying its bytes and setting those few fields is several times cheaper than
+    # building an item from keywords, and there are hundreds of items per bucket.
+    templates: dict[float, bytes] = {}
     common = {
         "grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
         "has_stage": int(stage is not None), "vec_width": _vec_width,
     }  # fmt: skip
-    per_step: dict[float, dict[str, float | int]] = {}
+    steps = {id(r): float(r.state["step"]) for r in active}
     items = []
     for start, stop, segs in pieces(active, scratch.numel):
-        counter = noise_counter(segs[0][2], start, scratch)
-        noise = {}
-        for name, mode, salt in (("noise_m", m_mode, 0), ("noise_v", v_mode, 1)):
-            if mode == _MOMENT_BF16_SR:
-                noise[name] = scratch.noise(stop - start, counter + salt).data_ptr()
+        if sr_m or sr_v:
+            counter = noise_counter(segs[0][2], start, scratch)
+            noise_m = scratch.noise(stop - start, counter).data_ptr() - start * 4 if sr_m else 0
+            noise_v = scratch.noise(stop - start, counter + 1).data_ptr() - start * 4 if sr_v else 0
         for b, e, record in segs:
-            step = float(record.state["step"])
-            if step not in per_step:
-                per_step[step] = _scalars(hyper, step)
-            item = _AdamArgs(
-                param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
-                exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
-                stage=stage_base + b * 2 if stage_base is not None else None,
-                **{name: ptr + (b - start) * 4 for name, ptr in noise.items()},
-                n=e - b, **per_step[step], **common,
-            )  # fmt: skip
+            step = steps[id(record)]
+            if step not in templates:
+                templates[step] = bytes(_AdamArgs(**_scalars(hyper, step), **common))
+            item = _AdamArgs.from_buffer_copy(templates[step])
+            item.param, item.grad = bases["p"] + b * sizes["p"], bases["g"] + b * sizes["g"]
+            item.exp_avg, item.exp_avg_sq = bases["m"] + b * sizes["m"], bases["v"] + b * sizes["v"]
+            item.n = e - b
+            if stage_base is not None:
+                item.stage = stage_base + b * 2
+            if sr_m:
+                item.noise_m = noise_m + b * 4
+            if sr_v:
+                item.noise_v = noise_v + b * 4
             items.append(item)
     _run_parallel(items, torch.get_num_threads())
 
