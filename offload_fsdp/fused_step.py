@@ -24,7 +24,7 @@ When nothing needs a cast (fp32 params, grads and moments) the whole bucket is
 one kernel call over per-record views: there is nothing to fold, and piecing
 would only add per-call overhead.
 
-:mod:`offload_fsdp.compiled_step` (opt-in, ``OFFLOAD_FSDP_HOST_STEP=compiled``) does
+:mod:`offload_fsdp.compiled_step` (the default where a C compiler is found; this module is its fallback) does
 the same update as one C pass per piece, with bit-identical results: it relies on
 this module's piece grid (:func:`pieces`) and noise counters (:func:`noise_counter`).
 """

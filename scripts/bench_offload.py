@@ -13,9 +13,10 @@ over the same parameters and with the memory-bandwidth roofline (bytes moved per
 parameter / a copy bandwidth this script measures). With CUDA it adds: full step
 time vs max(D2H, host step, H2D) each timed alone (overlap efficiency), bytes
 over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
-and GPU memory saved. ``--host-step both`` (the default) times torch's fused
-kernel in pieces (the default path) and the opt-in compiled C loop
-(``OFFLOAD_FSDP_HOST_STEP=compiled``) side by side in the same rounds.
+and GPU memory saved. ``--host-step both`` (the default) times the compiled C
+loop (the default host step, ``OFFLOAD_FSDP_HOST_STEP=auto``) and torch's fused
+kernel in pieces (its fallback, ``OFFLOAD_FSDP_HOST_STEP=fused``) side by side in
+the same rounds.
 
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
@@ -349,8 +350,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4096, help="GPU iteration batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--host-step", choices=("fused", "compiled", "both"), default="both",
-                        help="host Adam step(s) to time on the CPU: torch's fused kernel in pieces (the default "
-                             "path), the opt-in compiled C loop (OFFLOAD_FSDP_HOST_STEP=compiled), or both")  # fmt: skip
+                        help="host Adam step(s) to time on the CPU: the compiled C loop (the default host step), "
+                             "torch's fused kernel in pieces (its fallback, OFFLOAD_FSDP_HOST_STEP=fused), or both")  # fmt: skip
     parser.add_argument("--timeline-json", default=None, metavar="PATH",
                         help="only record per-bucket D2H / host step / H2D spans of one step into PATH "
                              "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip
