@@ -81,6 +81,7 @@ def _bucket_key(record: ParamShard) -> tuple:
 def build_buckets(
     records: list[ParamShard],
     *,
+    first_index: int = 0,
     bucket_numel: int,
     master_dtype_of: Callable[[torch.dtype], torch.dtype],
     state_dtypes: dict[str, torch.dtype] | None,
@@ -92,7 +93,9 @@ def build_buckets(
 
     ``master_dtype_of`` maps a param dtype to its host master dtype; ``state_dtypes``
     gives the fused path's moment dtypes; buckets for which ``is_fused`` holds get
-    flat moment storage (the others are served by a delegated optimizer). ``pin`` = (pin grads, pin params). Side effect: sets each record's
+    flat moment storage (the others are served by a delegated optimizer). ``pin`` = (pin grads, pin params).
+    Buckets are numbered from ``first_index`` (a group added later continues the
+    optimizer's numbering); the arenas are new and hold only these buckets. Side effect: sets each record's
     ``bucket``/``offset``/``master``/``param_stage``/``grad_stage``. Masters and
     staging are NOT initialised from the params here (the caller fetches them).
     """
@@ -102,7 +105,7 @@ def build_buckets(
         last = buckets[-1] if buckets else None
         if last is None or _bucket_key(last.records[0]) != key or (last.numel and last.numel + record.numel > bucket_numel):
             last = HostBucket(
-                index=len(buckets), group_index=record.group_index, device=record.local.device,
+                index=first_index + len(buckets), group_index=record.group_index, device=record.local.device,
                 param_dtype=record.param.dtype, master_dtype=master_dtype_of(record.param.dtype),
                 grad_dtype=record.grad_dtype, records=[], numel=0, engine=engine_for(record.local.device),
             )  # fmt: skip

@@ -24,6 +24,15 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
+def _inner_groups(records: list[ParamShard], groups: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
+    """(wrapper group indices, one inner group each over the records' ``working`` tensors), in group order."""
+    by_group: dict[int, list[ParamShard]] = {}
+    for r in records:
+        by_group.setdefault(r.group_index, []).append(r)
+    indices = sorted(by_group)
+    return indices, [{**hyperparameters(groups[g]), "params": [r.working for r in by_group[g]]} for g in indices]
+
+
 class DelegatedOptimizer:
     """``cls`` over the ``working`` tensors of ``records``; groups mirror the wrapper's groups.
 
@@ -32,21 +41,31 @@ class DelegatedOptimizer:
     """
 
     def __init__(self, cls: type[torch.optim.Optimizer], records: list[ParamShard], groups: list[dict[str, Any]], *, where: str) -> None:
-        self.cls, self.records, self.where = cls, records, where
-        by_group: dict[int, list[ParamShard]] = {}
-        for r in records:
-            by_group.setdefault(r.group_index, []).append(r)
-        self.group_indices = sorted(by_group)
-        inner_groups = [
-            {**hyperparameters(groups[g]), "params": [r.working for r in by_group[g]]} for g in self.group_indices
-        ]
+        self.cls, self.where = cls, where
+        self.group_indices, inner_groups = _inner_groups(records, groups)
         try:
             self.inner = cls(inner_groups)
         except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
-            raise TypeError(
-                f"{cls.__name__} could not be built over {where} tensors ({exc}); "
-                f"pass a {'cpu' if where == 'host' else 'gpu'}_optimizer_cls that supports them"
-            ) from exc
+            raise self._unsupported(exc) from exc
+        self.records = list(records)
+
+    def add_records(self, records: list[ParamShard], groups: list[dict[str, Any]]) -> None:
+        """Take over ``records`` of wrapper groups not served yet (a group added later): new inner groups."""
+        indices, inner_groups = _inner_groups(records, groups)
+        assert not set(indices) & set(self.group_indices), "each wrapper group maps to one inner group"
+        try:
+            for inner_group in inner_groups:
+                self.inner.add_param_group(inner_group)
+        except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
+            raise self._unsupported(exc) from exc
+        self.group_indices += indices
+        self.records += records
+
+    def _unsupported(self, exc: Exception) -> TypeError:
+        return TypeError(
+            f"{self.cls.__name__} could not be built over {self.where} tensors ({exc}); "
+            f"pass a {'cpu' if self.where == 'host' else 'gpu'}_optimizer_cls that supports them"
+        )
 
     def sync_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         """Copy the wrapper's current hyper-parameters (lr, betas, ...) into the inner groups."""

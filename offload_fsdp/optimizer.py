@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from offload_fsdp.buckets import HostBucket, build_buckets
+from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
-from offload_fsdp.records import ParamShard, build_records, partition
+from offload_fsdp.records import ParamShard, build_records, param_name, partition
 from offload_fsdp.state_io import check_groups_match, load_record_state
 from optim.grad import get_grad, local_tensor
 from optim.grad import zero_grad as zero_grads  # both slots: .grad and decoupled_grad
@@ -109,7 +109,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     Side effects of construction: host buffers are allocated once (exact size),
     masters are copied from the params, hooks are registered on offloaded params,
-    and the partition is logged at INFO.
+    and the partition is logged at INFO. :meth:`add_param_group` does the same for
+    a group added later, partitioning that group on its own.
     """
 
     def __init__(
@@ -147,26 +148,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
         self._stage_hook: Callable[[str, HostBucket, bool], None] | None = None
 
-        self._records = build_records(self.param_groups)
-        accelerated = torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in self._records)
-        partition(self._records, fraction, host_resident_is_offloaded=accelerated)
-        for r in self._records:
-            if r.offloaded:
-                r.grad_dtype = self.precision.main_grads_dtype or r.param.dtype
-        self._buckets, self._host_buffers = build_buckets(
-            self._records,
-            bucket_numel=bucket_numel,
-            master_dtype_of=self._master_dtype,
-            state_dtypes={"exp_avg": self.precision.exp_avg_dtype, "exp_avg_sq": self.precision.exp_avg_sq_dtype},
-            is_fused=self._bucket_is_fused,
-            pin=(pin_cpu_grads and accelerated, pin_cpu_params and accelerated),
-            engine_for=self._engine_for,
-        )
-        self._init_host_copies()
-        self._device_delegate = self._build_device_delegate()
-        self._hook_handles = self._register_hooks() if self.overlap else []
-        self._warn_unused_precision()
-        self._log_partition()
+        self._pin = (pin_cpu_grads, pin_cpu_params)
+        self._bucket_numel = bucket_numel
+        self._records: list[ParamShard] = []
+        self._buckets: list[HostBucket] = []
+        self._device_delegate: DelegatedOptimizer | None = None
+        self._hook_handles: list[Any] = []
+        self._accelerated = False
+        self._host_buffers = self._place(build_records(self.param_groups), "construction")
+        # Arenas of groups added by add_param_group, held like _host_buffers (their pinned
+        # registration is undone when an arena's storage object dies).
+        self._later_host_buffers: list[HostBuffers] = []
         self._built = True
         # Weights loaded between construction (or a state-dict load) and the first step
         # must not be reverted by masters copied earlier: step() refreshes them once.
@@ -226,10 +218,47 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._engines[key] = StreamCopyEngine(device) if key.type != "cpu" else SyncCopyEngine()
         return self._engines[key]
 
+    def _place(self, records: list[ParamShard], what: str) -> HostBuffers:
+        """Partition ``records`` (new, validated) and give each side what it needs; returns their arenas.
+
+        Offloaded records get exactly-sized buckets of their own (existing buffers are
+        never touched) with masters copied from the params and backward hooks; the
+        others join the device delegate. Side effects: ``_records``, ``_buckets``,
+        ``_hook_handles`` and ``_device_delegate`` grow; the partition is logged.
+        """
+        accelerated = self._accelerated or (
+            torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in records)
+        )
+        partition(records, self.offload_fraction, host_resident_is_offloaded=accelerated)
+        for r in records:
+            if r.offloaded:
+                r.grad_dtype = self.precision.main_grads_dtype or r.param.dtype
+        buckets, buffers = build_buckets(
+            records,
+            first_index=len(self._buckets),
+            bucket_numel=self._bucket_numel,
+            master_dtype_of=self._master_dtype,
+            state_dtypes={"exp_avg": self.precision.exp_avg_dtype, "exp_avg_sq": self.precision.exp_avg_sq_dtype},
+            is_fused=self._bucket_is_fused,
+            pin=(self._pin[0] and accelerated, self._pin[1] and accelerated),
+            engine_for=self._engine_for,
+        )
+        self._init_host_copies(buckets)
+        # The last step that can fail (building the device class); self is changed only from here on.
+        self._join_device_delegate(records)
+        if self.overlap:
+            self._hook_handles.extend(self._register_hooks(records))
+        self._accelerated = accelerated
+        self._records.extend(records)
+        self._buckets.extend(buckets)
+        self._warn_unused_precision(records)
+        self._log_partition(records, buckets, buffers, what)
+        return buffers
+
     @torch.no_grad()
-    def _init_host_copies(self) -> None:
+    def _init_host_copies(self, buckets: list[HostBucket]) -> None:
         """Fill host masters / param staging from the params; attach fallback delegates."""
-        for bucket in self._buckets:
+        for bucket in buckets:
             for r in bucket.records:
                 bucket.engine.fetch(r.push_source, r.local)
                 if r.param_stage is not None:
@@ -241,21 +270,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 )
 
     @torch.no_grad()
-    def _build_device_delegate(self) -> DelegatedOptimizer | None:
-        records = [r for r in self._records if r.trainable and not r.offloaded]
+    def _join_device_delegate(self, records: list[ParamShard]) -> None:
+        """Give the trainable, not offloaded ``records`` a working tensor and add them to the device delegate."""
+        records = [r for r in records if r.trainable and not r.offloaded]
         for r in records:
             master_dtype = self._master_dtype(r.param.dtype)
             # A device fp32 master for low-precision params; otherwise the local param itself.
             r.working = r.local.to(master_dtype, copy=True) if master_dtype != r.param.dtype else r.local
         if not records:
-            return None
-        return DelegatedOptimizer(self.gpu_optimizer_cls, records, self.param_groups, where="device")
+            return
+        if self._device_delegate is None:
+            self._device_delegate = DelegatedOptimizer(self.gpu_optimizer_cls, records, self.param_groups, where="device")
+        else:
+            self._device_delegate.add_records(records, self.param_groups)
 
-    def _register_hooks(self) -> list[Any]:
+    def _register_hooks(self, records: list[ParamShard]) -> list[Any]:
         """Post-accumulate-grad hooks that start an offloaded grad's D2H as soon as it is final."""
         handles = []
         self_ref = weakref.ref(self)
-        for r in self._records:
+        for r in records:
             if not r.offloaded:
                 continue
 
@@ -271,9 +304,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             handles.append(r.param.register_post_accumulate_grad_hook(hook))
         return handles
 
-    def _warn_unused_precision(self) -> None:
+    def _warn_unused_precision(self, records: list[ParamShard]) -> None:
         low = {self.precision.exp_avg_dtype, self.precision.exp_avg_sq_dtype} != {torch.float32}
-        delegated = any(not r.offloaded or not r.bucket.fused for r in self._records if r.trainable)
+        delegated = any(not r.offloaded or not r.bucket.fused for r in records if r.trainable)
         if low and delegated:
             warnings.warn(
                 "PrecisionPolicy exp_avg/exp_avg_sq dtypes apply to the host fused Adam(W) path only; "
@@ -281,29 +314,81 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _log_partition(self) -> None:
+    def _log_partition(self, records: list[ParamShard], buckets: list[HostBucket], buffers: HostBuffers, what: str) -> None:
         def nbytes(rs: list[ParamShard]) -> int:
             return sum(r.numel * r.param.element_size() for r in rs)
 
-        host = [r for r in self._records if r.offloaded]
-        device = [r for r in self._records if r.trainable and not r.offloaded]
-        pinned = self._host_buffers.pinned
+        host = [r for r in records if r.offloaded]
+        device = [r for r in records if r.trainable and not r.offloaded]
+        pinned = buffers.pinned
         logger.info(
-            "HybridDeviceOptimizer partition (offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
+            "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
             "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
             "(page-locked: %s); pageable host bytes %d",
-            self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
-            len(device), sum(r.numel for r in device), nbytes(device), len(self._buckets),
-            pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, self._host_buffers.pageable_reserved_bytes,
+            what, self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
+            len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
+            pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
         )  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_built", False):
-            raise ValueError(
-                "HybridDeviceOptimizer sizes its host buffers once at construction and cannot add a param "
-                "group later; build a new HybridDeviceOptimizer over all parameter groups instead"
-            )
-        super().add_param_group(param_group)
+        """As torch; after construction the new group also gets its own host buffers and hooks.
+
+        The group is partitioned on its own by the construction rule
+        (:func:`~offload_fsdp.records.partition`): ``offload_fraction`` of the group's
+        trainable device-resident local elements, as a whole-parameter prefix in the
+        group's order (its CPU-resident params take the host path when an accelerator
+        holds any of the optimizer's params; with none, the fraction counts all of the
+        group's trainable elements). Offloaded params get exactly-sized host buckets
+        and arenas of their own (existing buffers are never reallocated or moved);
+        the others join the device optimizer. Masters are copied from the params now.
+
+        Raises ``ValueError`` naming a parameter that is already in a group (or twice
+        in this one), and anything the construction-time checks raise; on an error the
+        optimizer is left as it was.
+        """
+        if not getattr(self, "_built", False):  # Optimizer.__init__ adding the user's groups
+            super().add_param_group(param_group)
+            return
+        try:
+            super().add_param_group(param_group)
+        except ValueError:
+            self._check_new_params(param_group, existing=len(self.param_groups))
+            raise
+        index = len(self.param_groups) - 1
+        try:
+            self._check_new_params(param_group, existing=index)
+            records = build_records([self.param_groups[index]], first_group_index=index)
+            self._later_host_buffers.append(self._place(records, f"param group {index} added"))
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _check_new_params(self, group: dict[str, Any], *, existing: int) -> None:
+        """Raise ``ValueError`` naming a param of a new group that is already optimised or listed twice.
+
+        ``existing``: how many of ``param_groups`` are the groups already built.
+        (torch's own check only says that "some parameters" repeat, and only warns
+        about a repeat inside the group, which would give a param two records here.)
+        """
+        params = group["params"]
+        if not isinstance(params, list):
+            return  # torch failed before normalising the group; its error stands
+        owner = {id(p): g for g, built in enumerate(self.param_groups[:existing]) for p in built["params"]}
+        names = {id(r.param): r.name for r in self._records}
+        seen: set[int] = set()
+        for position, p in enumerate(params):
+            name = names.get(id(p)) or param_name(group, existing, position)
+            if id(p) in owner:
+                raise ValueError(
+                    f"parameter {name!r} of the new param group is already in param group {owner[id(p)]} (some "
+                    "parameters appear in more than one parameter group); add each parameter to one group only"
+                )
+            if id(p) in seen:
+                raise ValueError(
+                    f"the new param group lists parameter {name!r} twice (again at position {position}); "
+                    "list each parameter once"
+                )
+            seen.add(id(p))
 
     # ------------------------------------------------------------------ step
 

@@ -22,7 +22,7 @@ from optim.grad import local_tensor
 if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
 
-__all__ = ["ParamShard", "build_records", "partition"]
+__all__ = ["ParamShard", "build_records", "param_name", "partition"]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -106,7 +106,8 @@ class ParamShard:
         )
 
 
-def _name_of(group: dict[str, Any], group_index: int, position: int) -> str:
+def param_name(group: dict[str, Any], group_index: int, position: int) -> str:
+    """FQN from the group's ``param_names`` when given, else the position ``param_groups[g]['params'][i]``."""
     names = group.get("param_names")
     if names is not None and position < len(names):
         return str(names[position])
@@ -149,7 +150,7 @@ def build_records(groups: list[dict[str, Any]], *, first_group_index: int = 0) -
     records: list[ParamShard] = []
     for group_index, group in enumerate(groups, start=first_group_index):
         for position, param in enumerate(group["params"]):
-            name = _name_of(group, group_index, position)
+            name = param_name(group, group_index, position)
             _validate(param, name)
             records.append(ParamShard(param=param, name=name, group_index=group_index))
     return records
@@ -168,7 +169,9 @@ def partition(records: list[ParamShard], offload_fraction: float, *, host_reside
     already on the CPU always take the host path and the fraction counts
     device-resident elements only. Without an accelerator every param is on the
     CPU and the fraction counts them all. Each rank partitions its own local
-    shard independently: no communication.
+    shard independently: no communication. Called once with all records at
+    construction, and once with each group's records when a group is added later
+    (the fraction then applies within that group).
     """
     trainable = [r for r in records if r.trainable]
     candidates = trainable

@@ -106,12 +106,6 @@ def test_hyperparameters_next_to_a_wrapped_optimizer_are_rejected():
         HybridDeviceOptimizer(HybridDeviceOptimizer(inner, 1.0), 1.0)
 
 
-def test_add_param_group_after_construction_is_refused_with_the_fix():
-    opt = HybridDeviceOptimizer(_named(), 1.0, lr=0.1)
-    with pytest.raises(ValueError, match="build a new HybridDeviceOptimizer"):
-        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
-
-
 def test_invalid_bucket_size_is_rejected():
     with pytest.raises(ValueError, match="bucket_numel"):
         HybridDeviceOptimizer(_named(), 1.0, lr=0.1, bucket_numel=0)
