@@ -29,7 +29,8 @@ import os
 import shutil
 from pathlib import Path
 
-from checkpoint.manifest import MANIFEST_NAME, NotACheckpointError, fsync_dir
+from checkpoint.durable import fsync_dir
+from checkpoint.manifest import MANIFEST_NAME, NotACheckpointError
 
 __all__ = ["OLD_SUFFIX", "TMP_SUFFIX", "is_committed", "old_path", "resolve_for_load", "staging_path", "swap_into_place"]
 

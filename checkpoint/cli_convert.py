@@ -107,9 +107,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         group.together(lambda: write_index(dst, shards, objects=objects_json), only_rank0=True)
         where = f"{len(shards)} file(s) + model.safetensors.index.json in {dst}"
     else:
-        from checkpoint.torchfile_io import fill_tensors, finish, staging_file
+        from checkpoint.durable import durable_replace, temp_path
+        from checkpoint.torchfile_io import fill_tensors
 
-        tmp = staging_file(dst)
+        tmp = temp_path(dst)
         group.together(lambda: _prepare_torch_file(dst, tmp, specs, object_values, args.force), only_rank0=True)
         mine = group.share([Entry(n, "tensor", d, s).nbytes for n, d, s in specs])
         my_targets = [t for i, t in enumerate(tensors) if mine[i]]
@@ -117,7 +118,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
         values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
         group.together(lambda: fill_tensors(tmp, my_specs, values, on_bytes=bar.add))
-        group.together(lambda: finish(tmp, dst), only_rank0=True)
+        group.together(lambda: durable_replace(tmp, dst), only_rank0=True)
         where = str(dst)
     bar.close()
     seconds = time.perf_counter() - start

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.atomic import staging_path, swap_into_place
 from checkpoint.convert import convert_tree
+from checkpoint.durable import durable_write
 from checkpoint.manifest import (
     METADATA_NAME,
     FileRecord,
@@ -50,7 +51,15 @@ from checkpoint.manifest import (
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
 
-__all__ = ["DEFAULT_MAX_CHUNK_BYTES", "build_manifest", "commit", "commit_staged", "merge_metadata", "write_rank"]
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "build_manifest",
+    "commit",
+    "commit_staged",
+    "merge_metadata",
+    "write_metadata",
+    "write_rank",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +114,7 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
     problems = metadata_problems(merged)
     if problems:
         raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]))
-    _write_metadata(staged, merged)
+    write_metadata(staged, merged)
     info = {"mode": "scale", **(extra_info or {})}
     commit_staged(path, merged, files, world_size, extra_info=info)
 
@@ -164,13 +173,9 @@ def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]
     return metadata, files
 
 
-def _write_metadata(directory: Path, metadata: Metadata) -> None:
-    tmp = directory / (METADATA_NAME + ".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / METADATA_NAME)
+def write_metadata(directory: Path, metadata: Metadata) -> None:
+    """Pickle DCP's ``.metadata`` into ``directory`` durably (temp file, fsync, rename)."""
+    durable_write(Path(directory) / METADATA_NAME, lambda f: pickle.dump(metadata, f))
 
 
 def build_manifest(

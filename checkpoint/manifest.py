@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.durable import durable_write
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -139,26 +141,7 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
 
     This is the commit point of a save: call it after every other file is on disk.
     """
-    directory = Path(directory)
-    tmp = directory / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST_NAME)
-    fsync_dir(directory)
-
-
-def fsync_dir(directory: str | os.PathLike) -> None:
-    """Make a rename inside ``directory`` durable (no-op where directories can't be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    durable_write(Path(directory) / MANIFEST_NAME, manifest.to_json(), sync_dir=True)
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

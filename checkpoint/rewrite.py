@@ -8,8 +8,10 @@ file ``__<rank>_0.distcp``. Writing rank by rank through ``dcp.save`` instead
 would need either a whole rank's share in memory (the whole model when M = 1)
 or re-reading every source tensor once per rank.
 
-The files are exactly what DCP's ``FileSystemWriter`` produces (one
-``torch.save`` record per chunk, non-tensor values as ``torch.save`` bytes,
+The files are laid out as DCP's ``FileSystemWriter`` lays them out (one
+``torch.save``-compatible archive per chunk, written from the tensor's raw
+bytes by :mod:`checkpoint.data_file` as :class:`~checkpoint.storage.FsdpWriter`
+writes them; non-tensor values as ``torch.save`` bytes,
 ``.metadata`` a pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`),
 so ``dcp.load``, ``dcp_to_torch_save`` and :mod:`checkpoint` read them.
 Staging and commit are the format's own (:func:`checkpoint.commit.commit_staged`
@@ -23,17 +25,14 @@ from __future__ import annotations
 import io
 import logging
 import math
-import os
-import pickle
 import shutil
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 # _StorageInfo is what FileSystemReader expects in Metadata.storage_data: (file, offset, length)
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -45,8 +44,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.atomic import is_committed, staging_path
 from checkpoint.cli_parallel import SOLO, Group
-from checkpoint.commit import commit_staged
-from checkpoint.manifest import METADATA_NAME, FileRecord
+from checkpoint.commit import commit_staged, write_metadata
+from checkpoint.data_file import CrcStream, write_tensor
+from checkpoint.manifest import FileRecord
 from checkpoint.transforms import Target
 
 __all__ = ["row_blocks", "write_checkpoint"]
@@ -62,35 +62,6 @@ def row_blocks(rows: int, world_size: int) -> list[tuple[int, int]]:
         start = min(rank * per_rank, rows)
         out.append((start, min(per_rank, rows - start)))
     return out
-
-
-class _CrcFile:
-    """An append-only binary file that keeps its size and CRC-32 as it is written (no second read)."""
-
-    def __init__(self, path: Path) -> None:
-        self.name = path.name
-        self._f = open(path, "wb")
-        self.size = 0
-        self.crc = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._f.write(view)
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def abort(self) -> None:
-        self._f.close()
-
-    def close(self) -> FileRecord:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        return FileRecord(size=self.size, crc32=self.crc)
 
 
 def _chunks_of(shape: tuple[int, ...], itemsize: int, world_size: int, max_chunk_bytes: int):
@@ -140,7 +111,7 @@ def write_checkpoint(
         except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
             error = exc
     group.agree(error)  # staging exists (and is empty) before anyone writes into it
-    files = {r: _CrcFile(staging / f"__{r}_0.distcp") for r in range(world_size) if group.mine(r)}
+    files = {r: CrcStream.create(staging / _file_name(r)) for r in range(world_size) if group.mine(r)}
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
     records: dict[str, FileRecord] = {}
@@ -158,12 +129,12 @@ def write_checkpoint(
                 if 0 in files:  # non-tensor values live in rank 0's file
                     buf = io.BytesIO()
                     torch.save(value, buf)
-                    storage[MetadataIndex(target.name)] = _StorageInfo(files[0].name, files[0].size, buf.tell())
+                    storage[MetadataIndex(target.name)] = _StorageInfo(_file_name(0), files[0].size, buf.tell())
                     files[0].write(buf.getbuffer())
         missing = [t.name for t in targets if t.name not in state_md]
         if missing:
             raise ValueError(f"no value arrived for {missing[:3]} (internal error; report it)")
-        records = {f.name: f.close() for f in files.values()}
+        records = {_file_name(r): f.finish() for r, f in files.items()}
     except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
         for f in files.values():
             f.abort()
@@ -202,11 +173,7 @@ def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_in
         storage_data=storage,
         version=CURRENT_DCP_VERSION,
     )
-    meta_path = staging / METADATA_NAME
-    with open(meta_path, "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        os.fsync(f.fileno())
+    write_metadata(staging, metadata)
     info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
     commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
 
@@ -229,12 +196,14 @@ def _write_tensor(name, value, files, storage, world_size, max_chunk_bytes) -> T
         piece = value
         for dim, (o, s) in enumerate(zip(offsets, sizes)):
             piece = piece.narrow(dim, o, s)
-        # torch.save stores a view's whole storage: save a compact copy of the chunk only
-        if piece.untyped_storage().nbytes() != piece.numel() * piece.element_size() or not piece.is_contiguous():
-            piece = piece.contiguous().clone()
         start = out.size
-        torch.save(piece, out)
-        storage[MetadataIndex(name, torch.Size(offsets))] = _StorageInfo(out.name, start, out.size - start)
+        write_tensor(out, piece)
+        storage[MetadataIndex(name, torch.Size(offsets))] = _StorageInfo(_file_name(rank), start, out.size - start)
     return TensorStorageMetadata(
         properties=TensorProperties(dtype=value.dtype), size=torch.Size(shape), chunks=chunks
     )
+
+
+def _file_name(rank: int) -> str:
+    """Rank ``rank``'s data file, named as DCP's ``FileSystemWriter`` names it."""
+    return f"__{rank}_0{DEFAULT_SUFFIX}"

@@ -5,7 +5,7 @@ through its public extension points (subclass overrides, no patching):
 
 * ``write_data`` writes the rank's one file itself, in DCP's layout (same
   order, same write results, each chunk a ``torch.save`` archive so plain DCP
-  reads it) but from the tensors' raw bytes (:mod:`checkpoint.chunk_archive`):
+  reads it) but from the tensors' raw bytes (:mod:`checkpoint.data_file`):
   no ``torch.save`` serialisation pass, the CRC-32 computed on a helper thread
   while the OS copies the bytes, writeback of each chunk started right away
   (the fsync at the end then waits for less), and, for an async save with
@@ -30,19 +30,13 @@ through its public extension points (subclass overrides, no patching):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import io
 import json
 import os
-import sys
 import warnings
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -55,7 +49,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint.chunk_archive import crc32_combine, plan_archive
+from checkpoint.data_file import CrcStream, write_tensor
+from checkpoint.durable import durable_write
 from checkpoint.manifest import MANIFEST_NAME, FileRecord, dtype_name
 from checkpoint.staging import StagedShard
 
@@ -67,107 +62,6 @@ _FILE_RECORD_FQN = "__fsdp_dtensor_file_record__"
 
 def rank_record_name(rank: int) -> str:
     return f"__{rank}{RANK_RECORD_SUFFIX}"
-
-
-class _CrcStream(io.RawIOBase):
-    """A write-only file that keeps the CRC-32 and size of what went through it.
-
-    A large buffer's CRC is computed on a helper thread while the main thread
-    hands the same buffer to the OS (both release the GIL), and joined before
-    ``write`` returns: the caller may free the buffer right after.
-    """
-
-    _OVERLAP_BYTES = 1 << 20
-    _pool: ThreadPoolExecutor | None = None
-    _writeback: ThreadPoolExecutor | None = None
-
-    def __init__(self, raw: io.RawIOBase | io.BufferedWriter) -> None:
-        self.raw = raw
-        self.crc = 0
-        self.size = 0
-        self._hints: list = []  # pending writeback hints; they use the file, so they end before it closes
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        view = memoryview(b).cast("B")
-        if len(view) >= self._OVERLAP_BYTES:
-            self.write_uncounted(view)
-        else:
-            self.crc = zlib.crc32(view, self.crc)
-            self._write_all(view)
-            self.size += len(view)
-        return len(view)
-
-    def write_uncounted(self, b) -> int:
-        """Write ``b`` and return its own CRC-32 (folded into the file's, computed while the OS copies it)."""
-        view = memoryview(b).cast("B")
-        if _CrcStream._pool is None:
-            _CrcStream._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc")
-        pending = _CrcStream._pool.submit(zlib.crc32, view)
-        start = self.size
-        self._write_all(view)
-        # Let the disk start on these pages now, so the file's final fsync waits for less. On its own
-        # thread: under a congested disk the hint itself can block, and the next write need not wait for it.
-        if _CrcStream._writeback is None:
-            _CrcStream._writeback = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writeback")
-        if view:  # a length of 0 would mean "to the end of the file"
-            self._hints.append(_CrcStream._writeback.submit(_start_writeback, self.raw, start, len(view)))
-        piece_crc = pending.result()
-        self.crc = crc32_combine(self.crc, piece_crc, len(view))
-        self.size += len(view)
-        return piece_crc
-
-    def wait_for_hints(self) -> None:
-        for hint in self._hints:
-            hint.result()
-        self._hints.clear()
-
-    def _write_all(self, view: memoryview) -> None:
-        done = 0
-        while done < len(view):  # an unbuffered file may take less than asked
-            done += self.raw.write(view[done:])
-
-    def tell(self) -> int:
-        return self.size
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.raw.close()
-        super().close()
-
-
-_sync_file_range = None  # resolved on first use; False where unavailable
-
-
-def _start_writeback(raw, offset: int, length: int) -> None:
-    """Start (not wait for) writeback of a just-written range: Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``.
-
-    Only a hint for speed; durability still comes from the fsync that ends every file.
-    """
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        if sys.platform.startswith("linux"):
-            try:
-                fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-                fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                _sync_file_range = fn
-            except (OSError, AttributeError):
-                pass
-    if _sync_file_range:
-        try:
-            _sync_file_range(raw.fileno(), offset, length, 2)  # 2 = SYNC_FILE_RANGE_WRITE
-        except (OSError, io.UnsupportedOperation):
-            pass
 
 
 class _CrcFileSystem(FileSystem):
@@ -185,7 +79,7 @@ class _CrcFileSystem(FileSystem):
             return
         path = Path(path)
         with open(path, "wb") as raw:
-            stream = _CrcStream(raw)
+            stream = CrcStream(raw)
             try:
                 yield stream
             finally:
@@ -259,26 +153,25 @@ class FsdpWriter(FileSystemWriter):
         gates = {v.gate for v in getattr(planner, "state_dict", {}).values() if isinstance(v, StagedShard)}
         for gate in gates:
             gate.begin(plan.items)
-        with open(path, "wb", buffering=0) as raw:
-            stream = _CrcStream(raw)
-            try:
-                items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-                items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-                for item in items:
-                    offset = stream.tell()
-                    data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
-                        stream.write(data.getbuffer())
-                    else:
-                        _write_tensor(stream, data)
-                    length = stream.tell() - offset
-                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
-                    for gate in gates:
-                        gate.written(item.index.fqn)
-                os.fsync(raw.fileno())
-            finally:
-                stream.wait_for_hints()  # before the file closes, even when a write failed
-        self.fs.records[name] = FileRecord(size=stream.size, crc32=stream.crc)
+        stream = CrcStream.create(path)
+        try:
+            items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+            items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+            for item in items:
+                offset = stream.tell()
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    write_tensor(stream, data)
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                for gate in gates:
+                    gate.written(item.index.fqn)
+        except BaseException:
+            stream.abort()
+            raise
+        self.fs.records[name] = stream.finish()
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -296,7 +189,7 @@ class FsdpWriter(FileSystemWriter):
             # Scale mode: this record, written after the rank's data is durable, is its "done" mark.
             record = rank_record(metadata, clean[0] if clean else [], files)
             record["world_size"] = self.world_size
-            _write_json_durably(Path(self.path) / rank_record_name(self.rank), record)
+            durable_write(Path(self.path) / rank_record_name(self.rank), json.dumps(record, sort_keys=True))
             return
         super().finish(metadata, clean)
         if self.on_commit is not None:
@@ -311,42 +204,10 @@ def quiet_single_process():
         yield
 
 
-def _write_tensor(stream: _CrcStream, tensor) -> None:
-    """One tensor as a ``torch.save`` archive; ``torch.save`` itself only where the raw layout does not apply."""
-    # DCP's loader moves device tensors to the host and clones views of larger
-    # storages (torch.save would write the whole storage); here only the
-    # chunk's own bytes are written, so a contiguous view needs no copy.
-    tensor = tensor.detach().cpu().contiguous()
-    layout = plan_archive(tensor)
-    if layout is None:
-        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone()
-        torch.save(tensor, stream)
-        return
-    stream.write(layout.head)
-    data_crc = stream.write_uncounted(_tensor_bytes(tensor))
-    stream.write(layout.tail(data_crc))
-
-
-def _tensor_bytes(tensor) -> memoryview:
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
 def _done(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
-
-
-def _write_json_durably(path: Path, data: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rank_record(metadata: Metadata, results: list[WriteResult], files: dict[str, FileRecord]) -> dict:

@@ -30,15 +30,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from checkpoint.stream import Entry
 
-__all__ = ["TorchFileSource", "fill_tensors", "finish", "staging_file", "write_skeleton"]
+__all__ = ["TorchFileSource", "fill_tensors", "write_skeleton"]
 
 logger = logging.getLogger(__name__)
 
 _FULL_PREFIXES = ("model.", "optimizer.", "extra.")
-
-
-def staging_file(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
 
 
 def write_skeleton(tmp: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], objects: dict[str, Any]) -> None:
@@ -73,13 +69,6 @@ def fill_tensors(
             on_bytes(Entry(name, "tensor", dtype, shape).nbytes)
         del dst, tensor
     del mapped
-
-
-def finish(tmp: Path, path: Path) -> None:
-    """fsync the filled file and rename it into place."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 _SLAB_BYTES = 16 << 20

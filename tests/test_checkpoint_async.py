@@ -38,13 +38,13 @@ def gates(monkeypatch):
 @pytest.fixture
 def slow_writer(monkeypatch):
     """Each tensor takes a while to write, so the caller would return before the writer is done if it did not wait."""
-    original = checkpoint.storage._write_tensor
+    original = checkpoint.storage.write_tensor
 
     def slow(stream, tensor):
         time.sleep(0.03)
         original(stream, tensor)
 
-    monkeypatch.setattr(checkpoint.storage, "_write_tensor", slow)
+    monkeypatch.setattr(checkpoint.storage, "write_tensor", slow)
 
 
 @pytest.mark.parametrize("budget", [0, 64 * 32 * 4 * 2, 1 << 30])

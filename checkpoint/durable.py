@@ -1,0 +1,86 @@
+"""Durable file replacement: write a sibling temp file, fsync it, rename it over the target.
+
+Every small file a checkpoint commits by (``.metadata``, ``manifest.json``, a
+rank's ``__<rank>.rank.json``, an exported torch file) goes through here, so a
+reader sees either the old file or the whole new one, never a torn write, and
+the bytes are on disk before the name points at them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["durable_replace", "durable_write", "fsync_dir", "temp_path"]
+
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_path(path: str | os.PathLike) -> Path:
+    """The sibling ``<name>.tmp`` a file is written under before it is renamed to ``path``.
+
+    Same directory as ``path``, so the rename is atomic (never across file systems).
+    """
+    path = Path(path)
+    return path.with_name(path.name + TEMP_SUFFIX)
+
+
+def durable_write(
+    path: str | os.PathLike,
+    data: bytes | str | Callable[[BinaryIO], object],
+    *,
+    sync_dir: bool = False,
+) -> None:
+    """Replace ``path`` by ``data`` (bytes, UTF-8 text, or a function writing to a binary file).
+
+    Side effects: writes ``temp_path(path)``, fsyncs it, renames it to ``path``
+    and, with ``sync_dir``, fsyncs the directory so the rename itself survives a
+    crash (pass it where this write is a commit point). If writing fails, the
+    temp file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _rename(tmp, path, sync_dir)
+
+
+def durable_replace(tmp: str | os.PathLike, path: str | os.PathLike, *, sync_dir: bool = False) -> None:
+    """fsync ``tmp``, a file already written by other means (e.g. through a memory map), and rename it to ``path``.
+
+    Precondition: ``tmp`` is in ``path``'s directory and nothing writes to it any more.
+    """
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    _rename(Path(tmp), Path(path), sync_dir)
+
+
+def _rename(tmp: Path, path: Path, sync_dir: bool) -> None:
+    os.replace(tmp, path)
+    if sync_dir:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename inside ``directory`` durable (no-op where directories can't be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,106 @@
+"""The tensor-major writer behind reshard / import (checkpoint/rewrite.py), called in-process.
+
+The reference is the dict of full tensors handed to the writer; plain
+``torch.distributed.checkpoint`` reads the result back.
+"""
+
+import pickle
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from checkpoint.atomic import staging_path
+from checkpoint.chunk_archive import archive_layout
+from checkpoint.manifest import METADATA_NAME, read_manifest, verify_files
+from checkpoint.rewrite import write_checkpoint
+from checkpoint.transforms import Target
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _reference() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model.wide": torch.randn(5, 12, generator=g),  # a row is 48 B
+        "model.cube": torch.randn(3, 2, 5, generator=g).bfloat16(),  # a row is 20 B
+        "model.scalar": torch.tensor(2.5),
+        "extra.step": 11,
+    }
+
+
+def _targets(ref: dict) -> list[Target]:
+    out = []
+    for name, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            out.append(Target(name, "tensor", value.dtype, tuple(value.shape), (name,)))
+        else:
+            out.append(Target(name, "object", None, (), (name,)))
+    return out
+
+
+def _write(dst, ref: dict, world_size: int, max_chunk_bytes: int) -> None:
+    targets = _targets(ref)
+    write_checkpoint(dst, world_size, targets, [(t, ref[t.name]) for t in targets], max_chunk_bytes=max_chunk_bytes)
+
+
+def _read_back(path, ref: dict) -> dict:
+    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in ref.items()}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def test_a_failure_while_writing_metadata_leaves_no_torn_metadata_in_staging(tmp_path, monkeypatch):
+    ref = _reference()
+
+    def torn_dump(obj, f, *args, **kwargs):
+        f.write(b"half a pickle")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pickle, "dump", torn_dump)
+    with pytest.raises(OSError, match="disk full"):
+        _write(tmp_path / "out", ref, world_size=2, max_chunk_bytes=1 << 20)
+    staged = staging_path(tmp_path / "out")
+    assert not (staged / METADATA_NAME).exists()
+    assert sorted(p.name for p in staged.iterdir()) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (tmp_path / "out").exists()
+
+
+def _stored_chunks(path):
+    """(key, offsets, sizes, stored bytes) of every tensor chunk of a checkpoint."""
+    metadata = pickle.loads((path / METADATA_NAME).read_bytes())
+    for index, info in metadata.storage_data.items():
+        if index.offset is None:
+            continue
+        item = metadata.state_dict_metadata[index.fqn]
+        chunk = next(c for c in item.chunks if c.offsets == index.offset)
+        with open(path / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            yield index.fqn, tuple(chunk.offsets), tuple(chunk.sizes), f.read(info.length)
+
+
+def _chunk_of(tensor: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    for dim, (o, s) in enumerate(zip(offsets, sizes)):
+        tensor = tensor.narrow(dim, o, s)
+    return tensor.contiguous()
+
+
+def test_rewrite_stores_every_chunk_as_the_raw_bytes_archive_the_save_path_writes(tmp_path):
+    ref = _reference()
+    _write(tmp_path / "out", ref, world_size=2, max_chunk_bytes=40)
+    chunks = list(_stored_chunks(tmp_path / "out"))
+    assert len(chunks) > len([v for v in ref.values() if isinstance(v, torch.Tensor)])  # some tensors were cut
+    for key, offsets, sizes, stored in chunks:
+        piece = _chunk_of(ref[key], offsets, sizes)
+        layout = archive_layout(piece.dtype, tuple(piece.shape))
+        data = piece.reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert stored == layout.head + data + layout.tail(zlib.crc32(data)), key
+    back = _read_back(tmp_path / "out", ref)
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(back[key], value), key
+        else:
+            assert back[key] == value, key
+    manifest = read_manifest(tmp_path / "out")
+    assert verify_files(tmp_path / "out", manifest) == []  # sizes and CRC-32s kept while writing match the files
