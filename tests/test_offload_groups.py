@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 from offload_fsdp import HybridDeviceOptimizer
 from tests.distributed import run_ranks
+from tests.test_offload_state import SHAPES, _grads, _params, _roundtrip
 
-SHAPES = [(7, 3), (5,), (4, 4), (0, 2), (6,), (3, 2)]
 FIRST = 2  # params[:FIRST] at construction, params[FIRST:] added later as group 1
 ADD_AT = 2  # the group is added before this step
 CONFIGS = {
@@ -18,16 +16,6 @@ CONFIGS = {
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)),
 }
 ADDED_HYPER = {"lr": 0.003, "weight_decay": 0.0}
-
-
-def _params(dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
-
-
-def _grads(step, dtype):
-    gen = torch.Generator().manual_seed(700 + step)
-    return [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
 
 
 def _add_group(opt, params):
@@ -46,13 +34,6 @@ def _steps(opt, params, start, stop):
 
 def _build(params, fraction, cls=torch.optim.AdamW, **kw):
     return HybridDeviceOptimizer(params[:FIRST], fraction, cpu_optimizer_cls=cls, bucket_numel=20, **kw)
-
-
-def _roundtrip(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,7 +72,7 @@ def test_resume_of_an_optimizer_with_an_added_group_is_bit_exact(fraction):
     opt_a = _build(first, fraction)
     _steps(opt_a, first, 0, 4)
     saved = _roundtrip(opt_a.state_dict())
-    assert [g["params"] for g in saved["param_groups"]] == [[0, 1], [2, 3, 4, 5]]
+    assert [g["params"] for g in saved["param_groups"]] == [list(range(FIRST)), list(range(FIRST, len(SHAPES)))]
 
     resumed = _params(torch.bfloat16, seed=99)
     with torch.no_grad():
