@@ -65,7 +65,13 @@ def _clear_slots(params: Iterable[torch.Tensor], attrs: tuple[str, ...], set_to_
                 continue
             if set_to_none:
                 setattr(param, attr, None)
-            elif grad.is_sparse:
+                continue
+            # As torch's zero_grad: a grad built with create_graph=True leaves its graph first.
+            if grad.grad_fn is not None:
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            if grad.is_sparse:
                 grad.zero_()
             else:
                 local = local_tensor(grad)

@@ -8,6 +8,7 @@ of the params with the fp32 gradients in ``.grad``, clipped by torch.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from optim import PrecisionPolicy, build_optimizer, clip_grad_norm_, get_grad, set_grad, zero_grad
@@ -138,3 +139,13 @@ def test_fp64_params_are_never_stepped_through_a_narrower_fp32_main_copy():
     opt.step()
     torch.optim.SGD([r], lr=1e-13).step()
     assert torch.equal(p.detach(), r.detach()) and "main_param" not in opt.state[p]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward:UserWarning")  # create_graph=True: a known cycle
+def test_zero_grad_in_place_detaches_a_grad_built_with_create_graph_as_torch_does():
+    p = torch.nn.Parameter(torch.ones(3))
+    (p * p).sum().backward(create_graph=True)
+    assert p.grad.grad_fn is not None
+    kept = p.grad
+    zero_grad([p], set_to_none=False)
+    assert p.grad is kept and p.grad.grad_fn is None and not p.grad.requires_grad and not p.grad.any()
