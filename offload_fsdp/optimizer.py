@@ -142,7 +142,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.precision = precision if precision is not None else PrecisionPolicy()
         self.overlap = overlap_cpu_optimizer_d2h_h2d
         self._scratch = FusedScratch()
-        self._adam_step = select_host_step()  # fused kernel, or the opt-in compiled loop ($OFFLOAD_FSDP_HOST_STEP)
+        self._adam_step = select_host_step()  # compiled loop (default) or fused kernel ($OFFLOAD_FSDP_HOST_STEP)
         self._engines: dict[torch.device, CopyEngine] = {}
         # Optional timing probe, called as hook(stage, bucket, is_begin) around each bucket's "d2h"
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
