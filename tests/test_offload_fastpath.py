@@ -205,3 +205,15 @@ def test_a_failed_build_under_the_default_logs_once_without_a_warning_and_uses_t
         _train(monkeypatch, None, dtype, policy, opt_cls, 1, **hyper)
     assert len([r for r in caplog.records if "falling back" in r.getMessage()]) == 1
     _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 2, **hyper), default)
+
+
+@needs_cc
+def test_the_built_step_is_cached_so_a_later_process_loads_it_without_compiling(monkeypatch, tmp_path):
+    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_step, "_library", None)
+    monkeypatch.setattr(compiled_step, "_load_failed", False)
+    assert compiled_step.compiled_step_available()
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+    monkeypatch.setattr(compiled_step, "_library", None)  # a "later process": fresh module state
+    monkeypatch.setattr(compiled_step, "_compile", lambda *a: pytest.fail("compiled again despite the cache"))
+    assert compiled_step.compiled_step_available()
