@@ -154,6 +154,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._buckets: list[HostBucket] = []
         self._device_delegate: DelegatedOptimizer | None = None
         self._hook_handles: list[Any] = []
+        self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
         self._accelerated = False
         self._host_buffers = self._place(build_records(self.param_groups), "construction")
         # Arenas of groups added by add_param_group, held like _host_buffers (their pinned
@@ -295,8 +296,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             def hook(param: torch.Tensor, record: ParamShard = r) -> None:
                 opt = self_ref()
                 grad = get_grad(param)
-                if opt is None or grad is None or grad.layout != torch.strided:
-                    return  # errors are raised by step(), with the param's name
+                if opt is None or opt._defer_grad_copies or grad is None or grad.layout != torch.strided:
+                    return  # deferred (step() copies it), or an error step() raises with the param's name
                 local = local_tensor(grad)
                 if local.dtype == record.grad_dtype and local.shape == record.local.shape:
                     opt._stage_grad(record, local)
@@ -391,6 +392,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             seen.add(id(p))
 
     # ------------------------------------------------------------------ step
+
+    @contextlib.contextmanager
+    def defer_grad_copies(self) -> Iterator[None]:
+        """Backward inside this context starts no device-to-host grad copies (like DDP's ``no_sync``).
+
+        With gradient accumulation every micro-batch's backward would copy its
+        partial grad to the host again; run all but the last micro-batch's backward
+        in this context and only the final grad crosses PCIe (from the last
+        backward's hooks, or at :meth:`step`). Results are the same either way:
+        ``step()`` copies every grad not yet staged. FSDP2 needs it only without
+        ``set_requires_gradient_sync(False)``, which already skips the reduce-scatter
+        that runs these hooks.
+        """
+        previous, self._defer_grad_copies = self._defer_grad_copies, True
+        try:
+            yield
+        finally:
+            self._defer_grad_copies = previous
 
     def _collect_active(self) -> list[tuple[ParamShard, torch.Tensor]]:
         """(record, local grad) of every record with a gradient; validates them, naming the param."""

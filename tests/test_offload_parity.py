@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -316,6 +318,32 @@ def test_grads_are_staged_during_backward_and_not_copied_again_by_step():
         assert torch.equal(r.grad_stage, r.param.grad)
     opt.step()
     assert len(copies) == 4, "unchanged grads are not copied again"
+
+
+def test_deferred_grad_copies_copy_only_the_final_accumulated_grad_with_the_same_result():
+    """3 micro-batches: hooks copy each param's grad 3 times; deferring the first two leaves 1 copy."""
+    results = {}
+    for defer in (False, True):
+        model = _tiny_model()
+        opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
+        copies = []
+        engine = opt._buckets[0].engine
+        original = engine.stage_grad
+        engine.stage_grad = lambda bucket, dst, src: (copies.append(dst.data_ptr()), original(bucket, dst, src))
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            batches = [torch.randn(4, 6, generator=gen) for _ in range(3)]
+            for i, x in enumerate(batches):
+                with opt.defer_grad_copies() if defer and i < 2 else contextlib.nullcontext():
+                    model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert not opt._defer_grad_copies  # restored on exit
+        results[defer] = ([p.detach().clone() for p in model.parameters()], len(copies))
+    (eager, eager_copies), (deferred, deferred_copies) = results[False], results[True]
+    assert (eager_copies, deferred_copies) == (2 * 3 * 4, 2 * 4)
+    for a, b in zip(eager, deferred):
+        assert torch.equal(a, b)
 
 
 def test_maximize_and_adam_decoupled_weight_decay_follow_torch():
