@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--world-size", type=int, default=1 if name == "import" else None,
                        required=name == "reshard", help="ranks to lay the checkpoint out for")
         p.add_argument("--max-chunk-size", type=parse_size, default=parse_size("64MiB"),
-                       help="largest stored chunk (default 64MiB, as checkpoint.save; at least one dim-0 row), "
+                       help="largest stored chunk (default 64MiB, as checkpoint.save; at least one element), "
                             "so later reshards read small pieces")
         p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
         if name == "import":

@@ -3,10 +3,11 @@
 A converter holds one global tensor at a time, so it writes *tensor-major*: each
 tensor is cut into the M ranks' row blocks (FSDP2's ``torch.chunk`` layout on
 dim 0; a rank past the last row gets nothing), each block into chunks of at
-most ``max_chunk_bytes`` rows, and each chunk is appended to its rank's data
-file ``__<rank>_0.distcp``. Writing rank by rank through ``dcp.save`` instead
-would need either a whole rank's share in memory (the whole model when M = 1)
-or re-reading every source tensor once per rank.
+most ``max_chunk_bytes`` bytes (:func:`checkpoint.layout.split_box`, as a save
+cuts them: whole rows where they fit, else parts of a row), and each chunk is
+appended to its rank's data file ``__<rank>_0.distcp``. Writing rank by rank
+through ``dcp.save`` instead would need either a whole rank's share in memory
+(the whole model when M = 1) or re-reading every source tensor once per rank.
 
 The files are laid out as DCP's ``FileSystemWriter`` lays them out (one
 ``torch.save``-compatible archive per chunk, written from the tensor's raw
@@ -26,7 +27,7 @@ import io
 import logging
 import math
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from checkpoint.atomic import is_committed, staging_path
 from checkpoint.cli_parallel import SOLO, Group
 from checkpoint.commit import commit_staged, write_metadata
 from checkpoint.data_file import CrcStream, write_tensor
+from checkpoint.layout import Box, row_block, split_box
 from checkpoint.manifest import FileRecord
 from checkpoint.transforms import Target
 
@@ -64,21 +66,16 @@ def row_blocks(rows: int, world_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _chunks_of(shape: tuple[int, ...], itemsize: int, world_size: int, max_chunk_bytes: int):
-    """``(rank, offsets, sizes)`` of every stored chunk of a tensor of ``shape``."""
-    if not shape:
-        yield 0, (), ()
+def _chunks_of(shape: tuple[int, ...], itemsize: int, world_size: int, max_chunk_bytes: int) -> Iterator[tuple[int, Box]]:
+    """``(rank, box)`` of every stored chunk of a tensor of ``shape``: each rank's row block, cut by :func:`split_box`."""
+    if not shape or math.prod(shape) == 0:
+        # a 0-d tensor cannot be cut; an empty one is still one (empty) chunk, so its key and shape are recorded
+        yield 0, Box((0,) * len(shape), shape)
         return
-    if math.prod(shape) == 0:
-        # still one (empty) chunk, so the key and its shape are recorded
-        yield 0, (0,) * len(shape), shape
-        return
-    row_bytes = math.prod(shape[1:]) * itemsize
-    rows_per_chunk = max(1, max_chunk_bytes // max(row_bytes, 1))
     for rank, (start, count) in enumerate(row_blocks(shape[0], world_size)):
-        for s in range(start, start + count, rows_per_chunk):
-            n = min(rows_per_chunk, start + count - s)
-            yield rank, (s,) + (0,) * (len(shape) - 1), (n,) + shape[1:]
+        if count:
+            for box in split_box(row_block(shape, start, count), itemsize, max_chunk_bytes):
+                yield rank, box
 
 
 def write_checkpoint(
@@ -98,10 +95,13 @@ def write_checkpoint(
     ``dst`` must be absent or empty, or (with ``replace``) a committed
     checkpoint, which stays loadable until the new one is complete. Raises
     ``FileExistsError`` otherwise, ``ValueError`` when a value does not match
-    its target. Under ``torchrun`` (``group`` of P processes) every process
+    its target or ``max_chunk_bytes`` is smaller than one element. Under ``torchrun`` (``group`` of P processes) every process
     streams every value and writes the data files of the destination ranks
     ``r`` with ``r % P`` equal to its own rank; process 0 commits.
     """
+    itemsize = max((t.dtype.itemsize for t in targets if t.kind == "tensor"), default=1)
+    if max_chunk_bytes < itemsize:
+        raise ValueError(f"max chunk size {max_chunk_bytes} B is smaller than one element ({itemsize} B); pass a larger one")
     dst = Path(dst)
     staging = staging_path(dst)
     error = None
@@ -188,7 +188,7 @@ def _check(target: Target, value: torch.Tensor) -> None:
 def _write_tensor(name, value, files, storage, world_size, max_chunk_bytes) -> TensorStorageMetadata:
     shape = tuple(value.shape)
     chunks = []
-    for rank, offsets, sizes in _chunks_of(shape, value.element_size(), world_size, max_chunk_bytes):
+    for rank, (offsets, sizes) in _chunks_of(shape, value.element_size(), world_size, max_chunk_bytes):
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
         out = files.get(rank)
         if out is None:

@@ -4,6 +4,7 @@ The reference is the dict of full tensors handed to the writer; plain
 ``torch.distributed.checkpoint`` reads the result back.
 """
 
+import math
 import pickle
 import zlib
 
@@ -15,6 +16,7 @@ from checkpoint.atomic import staging_path
 from checkpoint.chunk_archive import archive_layout
 from checkpoint.manifest import METADATA_NAME, read_manifest, verify_files
 from checkpoint.rewrite import write_checkpoint
+from checkpoint.state_dict_io import load_state_dict
 from checkpoint.transforms import Target
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -104,3 +106,30 @@ def test_rewrite_stores_every_chunk_as_the_raw_bytes_archive_the_save_path_write
             assert back[key] == value, key
     manifest = read_manifest(tmp_path / "out")
     assert verify_files(tmp_path / "out", manifest) == []  # sizes and CRC-32s kept while writing match the files
+
+
+@pytest.mark.parametrize("world_size,cap", [(1, 20), (4, 8)], ids=["1-rank-20B", "4-ranks-8B"])
+def test_a_chunk_cap_below_one_row_cuts_rows_and_still_reads_back_exactly(tmp_path, world_size, cap):
+    ref = _reference()  # rows of 48 B and 20 B; at 4 ranks the 3-row tensor leaves rank 3 empty
+    _write(tmp_path / "out", ref, world_size=world_size, max_chunk_bytes=cap)
+    covered = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in ref.items() if isinstance(v, torch.Tensor)}
+    for key, offsets, sizes, _ in _stored_chunks(tmp_path / "out"):
+        assert math.prod(sizes) * ref[key].element_size() <= cap, (key, sizes)
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        covered[key][index] += 1
+    for key, counts in covered.items():
+        assert torch.equal(counts, torch.ones_like(counts)), key  # every element in exactly one chunk
+    back = _read_back(tmp_path / "out", ref)
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(back[key], value), key
+    direct = {k: torch.zeros_like(v) for k, v in ref.items() if isinstance(v, torch.Tensor)}
+    load_state_dict(direct, tmp_path / "out", strict=False)  # the format's own reader, not only plain DCP
+    for key, value in direct.items():
+        assert torch.equal(value, ref[key]), key
+
+
+def test_a_chunk_cap_below_one_element_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ValueError, match=r"max chunk size 2 B is smaller than one element \(4 B\)"):
+        _write(tmp_path / "out", _reference(), world_size=2, max_chunk_bytes=2)
+    assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
