@@ -5,6 +5,8 @@ Skipped without a GPU (see conftest); run with ``pytest -m cuda`` on a GPU machi
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,14 +37,15 @@ def _low_intensity_model(n=1 << 21, depth=6, seed=0):
     return model
 
 
-def _train(model, opt, steps, n, micro_batches=1, clip=None):
+def _train(model, opt, steps, n, micro_batches=1, clip=None, defer=False):
     gen = torch.Generator(device="cuda").manual_seed(1)
     losses = []
     for _ in range(steps):
-        for _ in range(micro_batches):
+        for i in range(micro_batches):
             x = torch.randn(n, device="cuda", generator=gen)
             loss = model(x).square().mean()
-            loss.backward()
+            with opt.defer_grad_copies() if defer and i < micro_batches - 1 else contextlib.nullcontext():
+                loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -80,12 +83,13 @@ def test_offloaded_training_matches_plain_adamw_on_gpu_with_no_missing_sync(frac
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_gradient_accumulation_with_hooks_and_clipping_matches_plain_adamw_on_gpu():
+@pytest.mark.parametrize("defer", [False, True])
+def test_gradient_accumulation_with_hooks_and_clipping_matches_plain_adamw_on_gpu(defer):
     n = 1 << 20
     model, ref = _low_intensity_model(n, depth=3), _low_intensity_model(n, depth=3)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ours = _train(model, opt, 4, n, micro_batches=3, clip=0.5)
+    ours = _train(model, opt, 4, n, micro_batches=3, clip=0.5, defer=defer)
     theirs = _train(ref, ref_opt, 4, n, micro_batches=3, clip=0.5)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     for a, b in zip(model.parameters(), ref.parameters()):
