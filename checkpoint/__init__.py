@@ -18,9 +18,12 @@ collective::
 
 See :mod:`checkpoint.atomic` for the crash-safe replace of an existing
 checkpoint and :mod:`checkpoint.layout` for how regions become chunks.
+:func:`async_save` keeps its host staging buffers for the next async save;
+:func:`release_staging_buffers` frees them.
 """
 
 from checkpoint.api import LoadResult, async_save, load, save
+from checkpoint.async_save import release_staging_buffers
 from checkpoint.atomic import resolve_for_load
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
@@ -51,6 +54,7 @@ __all__ = [
     "merge_metadata",
     "open_checkpoint",
     "read_manifest",
+    "release_staging_buffers",
     "resolve_for_load",
     "save",
     "save_state_dict",

@@ -24,6 +24,8 @@ __all__ = ["LoadResult", "async_save", "load", "save"]
 
 logger = logging.getLogger(__name__)
 
+_ASYNC_ONLY = ("max_staging_bytes", "reuse_staging_buffers")
+
 
 class LoadResult(dict):
     """The ``extra`` dict saved with the checkpoint, plus what the load skipped (non-strict).
@@ -68,10 +70,14 @@ def save(
     ``max_chunk_bytes``, ``process_group`` (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
     :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
-    staging copies (see :mod:`checkpoint.async_save` for the trade-off).
+    staging copies (see :mod:`checkpoint.async_save` for the trade-off), and
+    ``reuse_staging_buffers=False`` stages into fresh host memory that is freed
+    after the save instead of kept for the next one (see
+    :func:`checkpoint.release_staging_buffers`).
     """
-    if not async_ and "max_staging_bytes" in options:
-        raise ValueError("max_staging_bytes only applies to an async save: pass async_=True or call checkpoint.async_save")
+    for name in _ASYNC_ONLY:
+        if not async_ and name in options:
+            raise ValueError(f"{name} only applies to an async save: pass async_=True or call checkpoint.async_save")
     state = _training_state(model, optimizer, extra)
     if async_:
         return async_save_state_dict(state, path, **options)

@@ -23,6 +23,14 @@ One background thread writes through :func:`checkpoint.save_state_dict` on a
 dedicated gloo process group, so its collectives never interleave with
 training's. At most one async save is in flight: a new one first waits for
 the previous one to finish, so at most one set of staging buffers is alive.
+
+Staging buffers are kept for the next save (:mod:`checkpoint.staging_pool`):
+the next save of the same state copies into the same host memory instead of
+allocating (pinning, page-faulting) it again. Because a save starts staging
+only once the previous one is finished, a buffer is never handed to a save
+while another one still reads it. What the last save did not use is freed
+after its staging; :func:`release_staging_buffers` frees the rest, and
+``reuse_staging_buffers=False`` gives one save fresh buffers and keeps none.
 """
 
 from __future__ import annotations
@@ -39,9 +47,10 @@ import torch.distributed as dist
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree
 from checkpoint.shard import CheckpointShard
-from checkpoint.staging import gate_state_dict
+from checkpoint.staging import copy_to_staging, gate_state_dict, replace_shards
+from checkpoint.staging_pool import StagingPool
 
-__all__ = ["async_save_state_dict", "stage"]
+__all__ = ["async_save_state_dict", "release_staging_buffers", "stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,7 @@ _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 _in_flight: Future | None = None
 _group = None
+_pool = StagingPool()  # guarded by _lock
 
 
 def _background_group():
@@ -59,28 +69,30 @@ def _background_group():
     return _group
 
 
-def stage(state_dict: dict[str, Any], *, rank: int, scale: bool, max_chunk_bytes: int | None) -> dict[str, Any]:
-    """A host snapshot of ``state_dict`` with every tensor as a :class:`CheckpointShard` over a private copy."""
+def release_staging_buffers() -> None:
+    """Free the host memory kept for the next async save's staging.
+
+    Safe at any time: a save in flight keeps the buffers it is writing until
+    it finishes, and frees them then. The next async save allocates afresh.
+    """
+    with _lock:
+        _pool.clear()
+
+
+def stage(
+    state_dict: dict[str, Any], *, rank: int, scale: bool, max_chunk_bytes: int | None, pool: StagingPool
+) -> dict[str, Any]:
+    """A host snapshot of ``state_dict`` with every tensor as a :class:`CheckpointShard` over a copy in ``pool``."""
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
-    pin = torch.cuda.is_available()
     copied_from_device = False
 
-    def snapshot(tree):
+    def snapshot(key: str, shard: CheckpointShard) -> CheckpointShard:
         nonlocal copied_from_device
-        if isinstance(tree, dict):
-            return {k: snapshot(v) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [snapshot(v) for v in tree]
-        if isinstance(tree, CheckpointShard):
-            local = tree.local
-            on_device = local.device.type != "cpu"
-            copy = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin and on_device)
-            copy.copy_(local, non_blocking=on_device)
-            copied_from_device |= on_device
-            return CheckpointShard(copy, tree.spec, writes=tree.writes, max_chunk_bytes=tree.max_chunk_bytes)
-        return tree
+        copy = copy_to_staging(pool, key, shard.local)
+        copied_from_device |= shard.local.device.type != "cpu"
+        return CheckpointShard(copy, shard.spec, writes=shard.writes, max_chunk_bytes=shard.max_chunk_bytes)
 
-    staged = snapshot(converted)
+    staged = replace_shards(converted, snapshot)
     if copied_from_device:
         # The non-blocking D2H copies must land before the writer thread reads the snapshot.
         torch.cuda.synchronize()
@@ -95,6 +107,7 @@ def async_save_state_dict(
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
     max_staging_bytes: int | None = None,
+    reuse_staging_buffers: bool = True,
 ) -> Future:
     """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
 
@@ -102,7 +115,9 @@ def async_save_state_dict(
     ``max_staging_bytes`` changes), with a ``concurrent.futures.Future`` whose
     ``result()`` is ``None`` once the checkpoint is committed (and re-raises
     the save's error otherwise). The caller may change its tensors as soon as
-    this returns.
+    this returns. Side effect: the staging buffers stay allocated for the next
+    async save unless ``reuse_staging_buffers=False`` (see
+    :func:`release_staging_buffers`).
     """
     global _executor, _in_flight
     from checkpoint.state_dict_io import save_state_dict
@@ -112,17 +127,20 @@ def async_save_state_dict(
     with _lock:
         if _in_flight is not None:
             wait([_in_flight])  # bound staging memory: one save in flight at a time (its error stays in its future)
+        # Reusing staging buffers relies on this: nothing reads the previous save's buffers any more.
+        assert _in_flight is None or _in_flight.done()
+        _pool.begin_save(reuse=reuse_staging_buffers)
         group = process_group if process_group is not None else _background_group()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         gate = None
         if max_staging_bytes is None:
-            staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+            staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool)
         else:
             converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes)
             if torch.cuda.is_available():
                 # The writer thread reads live device tensors on its own stream: the caller's queued work must land first.
                 torch.cuda.synchronize()
-            staged, gate = gate_state_dict(converted, max_staging_bytes)
+            staged, gate = gate_state_dict(converted, max_staging_bytes, _pool)
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-async-save")
         _in_flight = _executor.submit(
@@ -131,4 +149,5 @@ def async_save_state_dict(
         if gate is not None:
             gate.wait_staged(_in_flight)
             logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
+        _pool.end_staging()
         return _in_flight

@@ -9,7 +9,8 @@ it within a byte budget: the caller blocks until every tensor is either
   tensor, to the OS (page cache; the fsync comes later, after the caller has
   returned), or
 * **copied**: the caller copied it into a private buffer (device tensors into
-  pinned host memory), and the writer will write the copy,
+  pinned host memory; the buffer comes from a :class:`~checkpoint.staging_pool.StagingPool`,
+  so a later save reuses it), and the writer will write the copy,
 
 and whatever the writer has not reached yet is copied by the caller, from the
 end of the write order backwards, while the copies fit in the budget. So the
@@ -28,6 +29,7 @@ The writer side is :class:`checkpoint.storage.FsdpWriter`: it calls
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,8 +39,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
 from checkpoint.shard import CheckpointShard
+from checkpoint.staging_pool import StagingPool
 
-__all__ = ["StagedShard", "StagingGate", "gate_state_dict"]
+__all__ = ["StagedShard", "StagingGate", "copy_to_staging", "gate_state_dict", "replace_shards"]
 
 
 class StagedShard(CheckpointShard):
@@ -56,10 +59,11 @@ class StagedShard(CheckpointShard):
 class StagingGate:
     """Who holds each tensor of one async save: not yet staged, claimed by the writer, copied, written."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, pool: StagingPool) -> None:
         if budget < 0:
             raise ValueError(f"max_staging_bytes must be >= 0, got {budget}")
         self.budget = budget
+        self.pool = pool
         self.copied_bytes = 0
         """bytes of private copies made (never more than ``budget``)"""
         self._cond = threading.Condition()
@@ -110,6 +114,14 @@ class StagingGate:
         when ``future`` finishes (a failed save has nothing more to read).
         """
         future.add_done_callback(self._on_done)
+        try:
+            self._stage()
+        finally:
+            # The future keeps this gate alive (its done callback): let go of the copies, so they
+            # are freed with the staged state (or by StagingPool.clear), not with the future.
+            self._leaves = {}
+
+    def _stage(self) -> None:
         with self._cond:
             while self._pending is None and not self._failed:
                 self._cond.wait()
@@ -124,7 +136,7 @@ class StagingGate:
                 self._copying.add(key)
                 self._cond.release()
                 try:
-                    copy = _private_copy(self._leaves[key].local)
+                    copy = _private_copy(self.pool, key, self._leaves[key].local)
                 finally:
                     self._cond.acquire()
                 self._leaves[key].local = copy
@@ -150,29 +162,34 @@ class StagingGate:
             self._cond.notify_all()
 
 
-def _private_copy(local: torch.Tensor) -> torch.Tensor:
+def copy_to_staging(pool: StagingPool, key: str, local: torch.Tensor) -> torch.Tensor:
+    """``local`` copied into ``pool``'s host buffer for ``key``.
+
+    A copy from a device is asynchronous (into pinned memory): the caller
+    synchronises before anything reads the result.
+    """
     on_device = local.device.type != "cpu"
-    copy = torch.empty(local.shape, dtype=local.dtype, pin_memory=on_device and torch.cuda.is_available())
-    copy.copy_(local, non_blocking=on_device)
-    if on_device:
+    return pool.buffer(key, local).copy_(local, non_blocking=on_device)
+
+
+def _private_copy(pool: StagingPool, key: str, local: torch.Tensor) -> torch.Tensor:
+    copy = copy_to_staging(pool, key, local)
+    if local.device.type != "cpu":
         # The D2H copy must land before the writer thread reads the copy.
         torch.cuda.current_stream(local.device).synchronize()
     return copy
 
 
-def gate_state_dict(converted: dict[str, Any], budget: int) -> tuple[dict[str, Any], StagingGate]:
-    """``converted`` (leaves already :class:`CheckpointShard`) with every shard wrapped for ``gate``.
+def replace_shards(
+    converted: dict[str, Any], replace: Callable[[str, CheckpointShard], CheckpointShard]
+) -> dict[str, Any]:
+    """``converted`` with every :class:`CheckpointShard` leaf replaced by ``replace(key, shard)``.
 
-    Keys are DCP's flattened keys, the ones the writer's items carry.
+    ``key`` is DCP's flattened key, the one the writer's items carry (and the
+    staging buffers are keyed by). The tree is rebuilt; ``converted`` is not changed.
     """
-    gate = StagingGate(budget)
     flat, _ = flatten_state_dict(converted)
-    by_id = {}
-    for key, value in flat.items():
-        if isinstance(value, CheckpointShard):
-            staged = StagedShard(value.local, value.spec, writes=value.writes, max_chunk_bytes=value.max_chunk_bytes)
-            gate.add(key, staged)
-            by_id[id(value)] = staged
+    by_id = {id(value): replace(key, value) for key, value in flat.items() if isinstance(value, CheckpointShard)}
 
     def swap(tree):
         if isinstance(tree, dict):
@@ -181,4 +198,19 @@ def gate_state_dict(converted: dict[str, Any], budget: int) -> tuple[dict[str, A
             return [swap(v) for v in tree]
         return by_id.get(id(tree), tree)
 
-    return swap(converted), gate
+    return swap(converted)
+
+
+def gate_state_dict(converted: dict[str, Any], budget: int, pool: StagingPool) -> tuple[dict[str, Any], StagingGate]:
+    """``converted`` (leaves already :class:`CheckpointShard`) with every shard wrapped for ``gate``.
+
+    Copies the caller makes within ``budget`` go into ``pool``'s buffers.
+    """
+    gate = StagingGate(budget, pool)
+
+    def wrap(key: str, shard: CheckpointShard) -> StagedShard:
+        staged = StagedShard(shard.local, shard.spec, writes=shard.writes, max_chunk_bytes=shard.max_chunk_bytes)
+        gate.add(key, staged)
+        return staged
+
+    return replace_shards(converted, wrap), gate

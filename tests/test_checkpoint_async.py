@@ -27,8 +27,8 @@ def gates(monkeypatch):
     made = []
     original = checkpoint.staging.StagingGate.__init__
 
-    def record(self, budget):
-        original(self, budget)
+    def record(self, *args, **kwargs):
+        original(self, *args, **kwargs)
         made.append(self)
 
     monkeypatch.setattr(checkpoint.staging.StagingGate, "__init__", record)
@@ -88,3 +88,5 @@ def test_async_save_through_the_training_api_accepts_a_staging_budget(tmp_path):
     assert torch.equal(other.weight, expected)
     with pytest.raises(ValueError, match="max_staging_bytes"):
         checkpoint.save(tmp_path / "n", model=model, max_staging_bytes=0)
+    with pytest.raises(ValueError, match="reuse_staging_buffers"):
+        checkpoint.save(tmp_path / "n", model=model, reuse_staging_buffers=False)
