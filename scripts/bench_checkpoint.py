@@ -12,6 +12,11 @@ Parts (``--parts`` picks a subset):
   ``posix_fadvise(DONTNEED)`` after it is written (no root needed).
 * ``async``: how long an async save blocks the caller, with a whole
   snapshot and with ``max_staging_bytes`` of 64 MiB and 0, vs a blocking save.
+* ``staging``: how long the 2nd..Nth of ``--saves`` consecutive async saves
+  block the caller when they reuse the staging buffers of the save before
+  (the default) vs with fresh buffers each time (``reuse_staging_buffers=False``),
+  for a whole snapshot and for ``max_staging_bytes`` of 64 MiB. Device tensors
+  (pinned staging) when CUDA is available, else host tensors.
 * ``collectives``: calls to torch.distributed collectives per save on 2 gloo
   ranks for 8 / 64 / 512 tensors: ours (collective and scale mode) and a
   per-tensor metadata ``all_gather_object`` (what Megatron-LM's flat-buffer
@@ -148,6 +153,45 @@ def bench_async(root: Path, mib: int) -> None:
         print(
             f"async, {label:30s} blocked {min(blocked):6.3f} s ({min(blocked) / blocking:4.2f}x the blocking save), "
             f"committed after {min(total):6.3f} s; staging memory <= {nbytes if budget is None else budget} B"
+        )
+
+
+def bench_staging(root: Path, mib: int, saves: int) -> None:
+    """Caller-blocking time of consecutive async saves, staging buffers reused vs allocated afresh."""
+    from checkpoint.async_save import async_save_state_dict
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    state = {k: v.to(device) for k, v in _state(mib << 20).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    print(
+        f"\n== staging buffer reuse: {saves} consecutive async saves of {nbytes / 2**20:.0f} MiB ({device} tensors), "
+        f"time the caller is blocked in saves 2..{saves} (mean)"
+    )
+
+    def blocked_times(budget: int | None, reuse: bool) -> list[float]:
+        checkpoint.release_staging_buffers()
+        times = []
+        for _ in range(saves):
+            shutil.rmtree(root / "staging", ignore_errors=True)
+            start = time.perf_counter()
+            future = async_save_state_dict(
+                {"model": state}, root / "staging", max_staging_bytes=budget, reuse_staging_buffers=reuse
+            )
+            times.append(time.perf_counter() - start)
+            future.result()
+            for t in state.values():
+                t.add_(1.0)  # training changes the state between saves
+        checkpoint.release_staging_buffers()
+        return times[1:]  # the 1st save allocates either way
+
+    for budget in (None, 64 << 20):
+        fresh = blocked_times(budget, reuse=False)
+        reused = blocked_times(budget, reuse=True)
+        mean_fresh, mean_reused = sum(fresh) / len(fresh), sum(reused) / len(reused)
+        label = "whole snapshot" if budget is None else f"max_staging_bytes={budget >> 20} MiB"
+        print(
+            f"async, {label:30s} fresh buffers {mean_fresh:6.3f} s, reused {mean_reused:6.3f} s: "
+            f"fresh / reused {mean_fresh / mean_reused:5.2f}x"
         )
 
 
@@ -328,8 +372,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge-ranks", type=int, nargs="+", default=[1024])
     parser.add_argument("--merge-tensors", type=int, default=1000)
     parser.add_argument("--merge-ours-only", action="store_true", help="skip DCP's central plan (memory / time)")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "async", "collectives", "ranks", "merge"])
+    parser.add_argument("--saves", type=int, default=5, help="consecutive async saves for the staging part (>= 2)")
+    parser.add_argument("--parts", nargs="+", default=["throughput", "async", "staging", "collectives", "ranks", "merge"])
     args = parser.parse_args(argv)
+    if args.saves < 2:
+        parser.error(f"--saves must be at least 2 (the 1st save allocates either way), got {args.saves}")
     torch.set_num_threads(1)
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -340,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_throughput(root, args.mib)
         if "async" in args.parts:
             bench_async(root, args.mib)
+        if "staging" in args.parts:
+            bench_staging(root, args.mib, args.saves)
         if "collectives" in args.parts:
             bench_collectives(root)
         if "ranks" in args.parts:
