@@ -74,6 +74,7 @@ def release_staging_buffers() -> None:
 
     Safe at any time: a save in flight keeps the buffers it is writing until
     it finishes, and frees them then. The next async save allocates afresh.
+    Waits while another thread is inside :func:`async_save_state_dict` (staging).
     """
     with _lock:
         _pool.clear()
