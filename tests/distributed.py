@@ -91,6 +91,7 @@ def run_ranks(
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    reported: set[int] = set()
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size and not failures:
@@ -111,6 +112,12 @@ def run_ranks(
                 results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")  # the others may be stuck in a collective now
+                reported.add(rank)
+        # A rank that died silently is often the cause of another's reported failure
+        # (a peer's connection reset): name it too, before the survivors are killed below.
+        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in reported]
+        if failures and dead:
+            failures.append(f"--- ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting ---")
     finally:
         for p in procs:
             p.join(timeout=5 if not failures else 0.5)
