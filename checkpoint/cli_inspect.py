@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
 from checkpoint.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.cli_source import open_source
-from checkpoint.manifest import verify_files
-from checkpoint.manifest import dtype_name
+from checkpoint.manifest import dtype_name, verify_files
+from checkpoint.planner import metadata_problems
 from checkpoint.stream import CheckpointReader, Entry
 
 __all__ = ["cmd_inspect", "cmd_verify"]
@@ -81,9 +80,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reported = {p.split(":", 1)[0] for p in problems}
     # .metadata's own view of the data files: catches a file the manifest does not list
     problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
-    for entry in reader.entries.values():
-        if entry.kind == "tensor":
-            problems += _coverage_problems(entry)
+    problems += metadata_problems(reader.metadata)  # every element in exactly one chunk
     broken_files = {p.split(":", 1)[0] for p in problems}
     problems += _readability_problems(reader, skip_files=broken_files, progress=not args.quiet)
     if problems:
@@ -133,28 +130,6 @@ def _data_file_problems(reader: CheckpointReader) -> list[str]:
             problems.append(f"{path}: missing (.metadata points into it)")
         elif path.stat().st_size < end:
             problems.append(f"{path}: {path.stat().st_size} bytes but .metadata needs {end} (truncated)")
-    return problems
-
-
-def _coverage_problems(entry: Entry) -> list[str]:
-    """Chunks inside the tensor, pairwise disjoint, and their volumes adding up to the tensor's."""
-    problems = []
-    volume = 0
-    boxes = sorted(entry.chunks)
-    for offsets, sizes in boxes:
-        if len(offsets) != len(entry.shape) or any(
-            o < 0 or o + s > full for o, s, full in zip(offsets, sizes, entry.shape)
-        ):
-            problems.append(f"{entry.key}: chunk at {list(offsets)} of size {list(sizes)} leaves shape {list(entry.shape)}")
-        volume += math.prod(sizes)
-    for i, (oa, sa) in enumerate(boxes):
-        for ob, sb in boxes[i + 1 :]:
-            if entry.shape and ob[0] >= oa[0] + sa[0]:
-                break  # sorted by dim-0 offset: no later box can reach back into this one
-            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, sa, ob, sb)) and math.prod(sa) and math.prod(sb):
-                problems.append(f"{entry.key}: chunks at {list(oa)} and {list(ob)} overlap (elements stored twice)")
-    if volume != entry.numel and not problems:
-        problems.append(f"{entry.key}: chunks hold {volume} elements but the tensor has {entry.numel} (some never stored)")
     return problems
 
 
