@@ -62,7 +62,7 @@ class Entry:
     def nbytes(self) -> int:
         if self.kind != "tensor":
             return 0
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 class Source(Protocol):

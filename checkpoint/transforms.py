@@ -76,6 +76,7 @@ class Rename:
     """a Python regular expression, searched in the fqn"""
     replacement: str
     """``re.sub`` replacement (``\\1`` refers to groups)"""
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -83,10 +84,11 @@ class Rename:
             compiled.sub(self.replacement, "")  # a bad group reference only shows up when substituting
         except re.error as exc:
             raise ValueError(f"bad rename rule {self.pattern!r} -> {self.replacement!r}: {exc}; fix the regex") from exc
+        object.__setattr__(self, "_regex", compiled)
 
     def apply(self, fqn: str) -> str:
         try:
-            return re.sub(self.pattern, self.replacement, fqn)
+            return self._regex.sub(self.replacement, fqn)
         except (re.error, IndexError) as exc:
             raise ValueError(f"rename rule {self.pattern!r} -> {self.replacement!r} fails on {fqn!r}: {exc}") from exc
 
@@ -101,6 +103,7 @@ class Split:
     sizes: tuple[int, ...] | None = None
     """part sizes along ``dim``; None splits evenly"""
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+    _first_part_regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parts", tuple(self.parts))
@@ -117,14 +120,18 @@ class Split:
             object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
             if len(self.sizes) != len(self.parts) or any(s < 0 for s in self.sizes):
                 raise ValueError(f"rule for {self.fused!r}: sizes {list(self.sizes)} must be one non-negative size per part")
+        # compiled once here: planning matches every key against every rule
         object.__setattr__(self, "_regex", _template_regex(self.fused))
+        object.__setattr__(self, "_first_part_regex", _template_regex(self.parts[0]))
 
     def match_fused(self, fqn: str) -> tuple[str, ...] | None:
         m = self._regex.match(fqn)
         return None if m is None else m.groups()
 
-    def part_regexes(self) -> list[re.Pattern[str]]:
-        return [_template_regex(p) for p in self.parts]
+    def match_first_part(self, fqn: str) -> tuple[str, ...] | None:
+        """The ``*`` values when ``fqn`` names the first part (where a merge starts), else ``None``."""
+        m = self._first_part_regex.match(fqn)
+        return None if m is None else m.groups()
 
     def part_sizes(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """Sizes along ``dim`` for a fused tensor of ``shape`` (``key`` names it in errors)."""
@@ -304,11 +311,9 @@ def _merge_target(key: str, entries: dict[str, Entry], rules: Rules, consumed: s
         return None
     prefix, fqn, suffix = parts
     for rule in rules.merges:
-        regexes = rule.part_regexes()
-        m = regexes[0].match(fqn)
-        if m is None:
+        values = rule.match_first_part(fqn)
+        if values is None:
             continue
-        values = m.groups()
         sources = [prefix + _fill(p, values) + suffix for p in rule.parts]
         missing = [s for s in sources if s not in entries]
         if missing:

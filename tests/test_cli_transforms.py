@@ -1,5 +1,7 @@
 """Key transforms (split / merge / rename) in process: planning from shapes, and the values they build."""
 
+import re
+
 import pytest
 import torch
 
@@ -145,3 +147,29 @@ def test_splitting_an_optimizer_state_shaped_unlike_its_weight_is_refused():
     state["optimizer.state.layers.0.mlp.linear_fc1.weight.exp_avg_sq_col"] = torch.ones(3)
     with pytest.raises(ValueError, match="differs from the weight"):
         plan(_DictSource(state).entries, Rules(splits=(Split(FC1, 0, PARTS),)))
+
+
+def test_planning_compiles_every_rule_pattern_once_not_once_per_key(monkeypatch):
+    state = {f"model.layers.{i}.mlp.w.weight": torch.zeros(2, 3) for i in range(50)}
+    state |= {f"model.layers.{i}.mlp.v.weight": torch.zeros(2, 3) for i in range(50)}
+    rules = Rules(renames=(Rename(r"^layers\.", "blocks."),), merges=(Split(FC1, 0, PARTS),))
+    compiled = []
+    real_compile = re.compile
+    monkeypatch.setattr(re, "compile", lambda *a, **k: compiled.append(a[0]) or real_compile(*a, **k))
+    targets = plan(_DictSource(state).entries, rules)
+    assert compiled == []  # the rules compiled their patterns when they were made
+    assert sorted(t.name for t in targets) == sorted(f"model.blocks.{i}.mlp.linear_fc1.weight" for i in range(50))
+    assert {t.shape for t in targets} == {(4, 3)}
+
+
+def test_entry_nbytes_is_numel_times_the_dtype_size_without_making_a_tensor(monkeypatch):
+    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.complex64, torch.float8_e4m3fn]
+    expected = {d: 6 * torch.empty((), dtype=d).element_size() for d in dtypes}  # before torch.empty is blocked
+
+    def no_tensors(*args, **kwargs):
+        raise AssertionError("Entry.nbytes made a tensor")
+
+    monkeypatch.setattr(torch, "empty", no_tensors)
+    for dtype in dtypes:
+        assert Entry("model.w", "tensor", dtype, (2, 3)).nbytes == expected[dtype], dtype
+    assert Entry("extra.step", "object").nbytes == 0
