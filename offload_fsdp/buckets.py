@@ -65,9 +65,12 @@ class HostBuffers:
     """The arenas behind all buckets (kept so their memory lives as long as the optimizer)."""
 
     pinned: HostArena
-    pageable: dict[torch.dtype, HostArena]
-    """one arena per dtype: views of one storage in several dtypes make ``torch.save``
-    of the state dict fail ("view the same data as different types")"""
+    pageable: dict[tuple[torch.dtype, str], HostArena]
+    """one arena per (dtype, role: "staging", "master" or "state"): views of one storage in
+    several dtypes make ``torch.save`` of the state dict fail ("view the same data as
+    different types"), and ``torch.save`` writes a view's whole storage, so what the state
+    dict holds (moments, a separate master) shares no storage with what it does not (grad
+    staging), which would otherwise be written too (twice the file for fp32 params)"""
 
     @property
     def pageable_reserved_bytes(self) -> int:
@@ -116,24 +119,24 @@ def build_buckets(
 
     pin_grads, pin_params = pin
     pinned = HostLayout()
-    pageable: dict[torch.dtype, HostLayout] = {}
+    pageable: dict[tuple[torch.dtype, str], HostLayout] = {}
 
-    def add(pin_it: bool, numel: int, dtype: torch.dtype) -> tuple[HostLayout, int]:
+    def add(pin_it: bool, numel: int, dtype: torch.dtype, role: str) -> tuple[HostLayout, int]:
         # Nothing in the pinned arena is optimizer state (only staging, and masters that
-        # are the params' own dtype), so only the pageable side needs one arena per dtype.
-        layout = pinned if pin_it else pageable.setdefault(dtype, HostLayout())
+        # are the params' own dtype), so only the pageable side needs one arena per role.
+        layout = pinned if pin_it else pageable.setdefault((dtype, role), HostLayout())
         return layout, layout.add(numel, dtype)
 
     handles = []
     for b in buckets:
         separate = b.master_dtype != b.param_dtype
-        h = {"grad": add(pin_grads, b.numel, b.grad_dtype)}
+        h = {"grad": add(pin_grads, b.numel, b.grad_dtype, "staging")}
         # The H2D source is pinned; a separate fp32 master never crosses the bus.
-        h["param_stage"] = add(pin_params, b.numel, b.param_dtype) if separate else None
-        h["master"] = add(pin_params and not separate, b.numel, b.master_dtype)
+        h["param_stage"] = add(pin_params, b.numel, b.param_dtype, "staging") if separate else None
+        h["master"] = add(pin_params and not separate, b.numel, b.master_dtype, "master")
         if state_dtypes is not None and is_fused(b):
             for name in _FUSED_STATE:
-                h[name] = add(False, b.numel, state_dtypes[name])
+                h[name] = add(False, b.numel, state_dtypes[name], "state")
         handles.append(h)
 
     arenas = {id(pinned): pinned.allocate(pin=True)}
@@ -155,5 +158,5 @@ def build_buckets(
             r.grad_stage = b.grad_stage[sl].view(shape)
             r.param_stage = b.param_stage[sl].view(shape) if b.param_stage is not None else None
     return buckets, HostBuffers(
-        pinned=arenas[id(pinned)], pageable={dtype: arenas[id(layout)] for dtype, layout in pageable.items()}
+        pinned=arenas[id(pinned)], pageable={key: arenas[id(layout)] for key, layout in pageable.items()}
     )

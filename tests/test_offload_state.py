@@ -229,3 +229,25 @@ def test_load_state_dict_forgets_state_of_params_absent_from_the_saved_state():
     del sd["state"][1]
     opt.load_state_dict(sd)
     assert a[1] not in opt.state and a[0] in opt.state
+
+
+@pytest.mark.parametrize(
+    "dtype, policy",
+    [(torch.float32, PrecisionPolicy()), (torch.bfloat16, PrecisionPolicy()),
+     (torch.bfloat16, PrecisionPolicy(main_grads_dtype=torch.float32, exp_avg_dtype=torch.bfloat16))],
+)  # fmt: skip
+def test_torch_save_of_the_state_dict_writes_the_state_and_not_the_grad_staging_beside_it(dtype, policy):
+    """State tensors are views of host arenas and torch.save writes a view's whole storage."""
+    params = [torch.randn(n).to(dtype).requires_grad_() for n in (1 << 16, 3000)]
+    opt = HybridDeviceOptimizer(torch.optim.AdamW(params, lr=0.01), 1.0, precision=policy)
+    for p in params:
+        if policy.main_grads_dtype is not None:
+            p.decoupled_grad = torch.randn(p.shape)
+        else:
+            p.grad = torch.randn_like(p)
+    opt.step()
+    state = opt.state_dict()
+    tensor_bytes = sum(t.numel() * t.element_size() for s in state["state"].values() for t in s.values() if torch.is_tensor(t))
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    assert tensor_bytes <= buffer.tell() < tensor_bytes + (64 << 10)  # pickle and archive overhead only
