@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from checkpoint.data_file import tensor_bytes
 from checkpoint.stream import Entry
 
 __all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_index", "write_shards"]
@@ -79,13 +80,6 @@ def _header(specs: list[tuple[str, torch.dtype, tuple[int, ...], int]], full_key
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return memoryview(t.view(torch.uint8).numpy())
-
-
 def write_shards(
     directory: Path,
     shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]],
@@ -115,7 +109,7 @@ def write_shards(
                         f"{got_name!r} arrived as {tensor.dtype} {list(tensor.shape)} where {name!r} "
                         f"{dtype} {list(shape)} was planned (internal error; report it)"
                     )
-                f.write(_tensor_bytes(tensor))
+                f.write(tensor_bytes(tensor.detach().contiguous()))
                 del tensor  # before next(values) reads the next one
                 if on_bytes is not None:
                     on_bytes(nbytes)

@@ -47,10 +47,15 @@ def _write(dst, ref: dict, world_size: int, max_chunk_bytes: int) -> None:
     write_checkpoint(dst, world_size, targets, [(t, ref[t.name]) for t in targets], max_chunk_bytes=max_chunk_bytes)
 
 
-def _read_back(path, ref: dict) -> dict:
-    state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in ref.items()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    return state
+def _assert_reads_back(path, ref: dict) -> None:
+    """Plain DCP, single process, reads back every key of ``ref`` exactly."""
+    back = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in ref.items()}
+    dcp.load(back, checkpoint_id=str(path), no_dist=True)
+    for key, value in ref.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(back[key], value), key
+        else:
+            assert back[key] == value, key
 
 
 def test_a_failure_while_writing_metadata_leaves_no_torn_metadata_in_staging(tmp_path, monkeypatch):
@@ -98,12 +103,7 @@ def test_rewrite_stores_every_chunk_as_the_raw_bytes_archive_the_save_path_write
         layout = archive_layout(piece.dtype, tuple(piece.shape))
         data = piece.reshape(-1).view(torch.uint8).numpy().tobytes()
         assert stored == layout.head + data + layout.tail(zlib.crc32(data)), key
-    back = _read_back(tmp_path / "out", ref)
-    for key, value in ref.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(back[key], value), key
-        else:
-            assert back[key] == value, key
+    _assert_reads_back(tmp_path / "out", ref)
     manifest = read_manifest(tmp_path / "out")
     assert verify_files(tmp_path / "out", manifest) == []  # sizes and CRC-32s kept while writing match the files
 
@@ -119,10 +119,7 @@ def test_a_chunk_cap_below_one_row_cuts_rows_and_still_reads_back_exactly(tmp_pa
         covered[key][index] += 1
     for key, counts in covered.items():
         assert torch.equal(counts, torch.ones_like(counts)), key  # every element in exactly one chunk
-    back = _read_back(tmp_path / "out", ref)
-    for key, value in ref.items():
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(back[key], value), key
+    _assert_reads_back(tmp_path / "out", ref)
     direct = {k: torch.zeros_like(v) for k, v in ref.items() if isinstance(v, torch.Tensor)}
     load_state_dict(direct, tmp_path / "out", strict=False)  # the format's own reader, not only plain DCP
     for key, value in direct.items():
