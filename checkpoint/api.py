@@ -102,9 +102,9 @@ def load(
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
     Any world size and layout; no communication. The optimizer's lazy state
-    is created first (so parameters that never had a gradient load fine), and
-    a ``HybridDeviceOptimizer``'s host masters are refreshed from the loaded
-    weights (``reload_model_params``) before saved masters are applied.
+    is created first (so parameters that never had a gradient load fine); a
+    ``HybridDeviceOptimizer`` keeps the masters saved in the checkpoint and
+    refreshes the others from the loaded weights.
     ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
     ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
@@ -188,9 +188,8 @@ class _OptimizerLoad:
         for g_index, hyper, key in self.group_keys:
             if key in values:
                 self.osd["param_groups"][g_index][hyper] = values[key]
-        if hasattr(self.optimizer, "reload_model_params"):
-            # Masters from the just-loaded weights first; masters saved in the checkpoint then win.
-            self.optimizer.reload_model_params()
+        # HybridDeviceOptimizer.load_state_dict refreshes masters from the just-loaded weights
+        # itself, except those saved in the checkpoint (already loaded in place: they win).
         self.optimizer.load_state_dict(self.osd)
 
 

@@ -628,28 +628,37 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         Call after writing new values into the model's parameters (e.g. loading
         weights): otherwise the next step would start from the stale master and
-        silently revert them. A master whose cast still equals its param is kept
-        (it holds more precision than the param); one whose param differs is
-        replaced by the param's value. The first step after construction or after
+        silently revert them. A master whose cast equals its param is kept (it
+        holds more precision than the param, e.g. one just loaded in place with the
+        weights it was saved with); one whose param differs is replaced by the
+        param's value. The first step after construction or after
         ``load_state_dict`` calls this by itself (one comparison pass); weights
         written between later steps need an explicit call.
         """
+        self._refresh_masters(self._records)
+        self._refresh_masters_before_step = False
+
+    @torch.no_grad()
+    def _refresh_masters(self, records: list[ParamShard]) -> None:
+        """:meth:`reload_model_params` for ``records`` only."""
+        chosen = {id(r) for r in records}
         for bucket in self._buckets:
-            bucket.engine.wait_params_free(bucket)
-            for r in bucket.records:
+            mine = [r for r in bucket.records if id(r) in chosen]
+            if mine:
+                bucket.engine.wait_params_free(bucket)
+            for r in mine:
                 if r.param_stage is None:
                     bucket.engine.fetch(r.master, r.local)
                     continue
-                fresh = torch.empty_like(r.param_stage)
-                bucket.engine.fetch(fresh, r.local)
-                if not torch.equal(fresh, r.param_stage):
-                    r.param_stage.copy_(fresh)
-                    r.master.copy_(fresh)
-        for r in self._records:
+                bucket.engine.fetch(r.param_stage, r.local)
+                # Against the master's cast, not the staging: a master written in place (DCP
+                # loading into state_dict()'s views) leaves the staging holding the old cast.
+                if not torch.equal(r.param_stage, r.master.to(r.param_stage.dtype)):
+                    r.master.copy_(r.param_stage)
+        for r in records:
             if not r.offloaded and r.working is not None and r.working is not r.local:
                 if not torch.equal(r.working.to(r.param.dtype), r.local):
                     r.working.copy_(r.local)
-        self._refresh_masters_before_step = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
@@ -675,7 +684,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_groups_match(self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
-        self.reload_model_params()
+        # Masters from the params, except where a master is saved: that one wins, and it may
+        # be this optimizer's own master already overwritten in place (DCP's load into the
+        # views state_dict() returned), which a refresh from the not-yet-loaded params would clobber.
+        self._refresh_masters([
+            r for r, sid in zip(self._records, saved_ids)
+            if not (r.has_separate_master and "master_param" in saved_state.get(sid, {}))
+        ])  # fmt: skip
         self.materialize_state()
         for r, sid in zip(self._records, saved_ids):
             saved = saved_state.get(sid)
