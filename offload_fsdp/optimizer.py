@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -58,8 +59,19 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_fraction(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"offload_fraction must be a number in [0, 1], got {value!r}")
+    """``value`` as a float in [0, 1]; anything else (NaN, non-numbers, bools) is a ValueError.
+
+    Accepted: real numbers (int, float, numpy scalars, ``fractions.Fraction``) and
+    one-element real tensors. A bool is refused although Python counts it as an int:
+    ``True`` where a fraction belongs is far more likely a misplaced flag than "1.0".
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"offload_fraction must be a real number in [0, 1] (a float, int or one-element tensor; not a bool), "
+            f"got {value!r} of type {type(value).__name__}"
+        )
     value = float(value)
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {value!r}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 
@@ -19,10 +22,19 @@ def test_offload_fraction_outside_zero_one_is_a_value_error(fraction):
         HybridDeviceOptimizer(_named(), fraction, lr=0.1)
 
 
-@pytest.mark.parametrize("fraction", ["0.5", True, None])
-def test_offload_fraction_that_is_not_a_number_is_a_type_error(fraction):
-    with pytest.raises(TypeError, match="offload_fraction"):
+@pytest.mark.parametrize(
+    "fraction", ["0.5", None, 0.5j, True, False, torch.tensor([0.5, 0.5]), torch.tensor(True), [0.5]],
+    ids=["str", "None", "complex", "True", "False", "tensor-2", "bool-tensor", "list"],
+)
+def test_offload_fraction_that_is_not_a_real_number_is_a_value_error_naming_it(fraction):
+    with pytest.raises(ValueError, match="offload_fraction must be a real number in"):
         HybridDeviceOptimizer(_named(), fraction, lr=0.1)
+
+
+@pytest.mark.parametrize("fraction", [torch.tensor(0.5), torch.tensor([0.5]), 1, np.float32(0.5), Fraction(1, 2)])
+def test_offload_fraction_accepts_real_scalars_and_one_element_tensors(fraction):
+    opt = HybridDeviceOptimizer(_named(), fraction, lr=0.1)
+    assert opt.offload_fraction == float(fraction) and isinstance(opt.offload_fraction, float)
 
 
 def test_sparse_gradient_is_rejected_naming_the_param():

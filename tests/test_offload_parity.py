@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -300,9 +301,45 @@ def test_partition_is_logged_once_at_construction(caplog):
         HybridDeviceOptimizer(params, 0.5, lr=0.01)
     messages = [r.getMessage() for r in caplog.records if "partition" in r.getMessage()]
     host = sum(p.numel() for p in params[:2])  # 21 + 5 elements: the whole-param prefix nearest to half of 48
+    device = sum(p.numel() for p in params[2:])  # the rest: 16 + 0 + 6 elements, the empty param included
     assert len(messages) == 1
     assert f"host 2 params / {host} elements / {2 * host} bytes" in messages[0]
-    assert "pinned host bytes reserved" in messages[0]
+    assert f"device 3 params / {device} elements / {2 * device} bytes, 1 buckets" in messages[0]
+    # No accelerator: nothing crosses a bus, so nothing is pinned; every host buffer is pageable.
+    assert "pinned host bytes reserved 0, used 0 (page-locked: False)" in messages[0]
+    pageable = int(re.search(r"pageable host bytes (\d+)", messages[0]).group(1))
+    used = host * (2 + 2 + 4 + 4 + 4)  # bf16 grad + bf16 param staging + fp32 master + 2 fp32 moments
+    assert used <= pageable < used + 64 * 5, "exact size up to 64-byte alignment of each of the 5 buffers"
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that counts its instances (a class without a bucketed fused kernel: delegated per bucket)."""
+
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        type(self).built += 1
+        super().__init__(*args, **kwargs)
+
+
+def test_a_class_without_fused_kernel_runs_as_one_instance_per_bucket_and_matches_torch():
+    _CountingSGD.built = 0
+    ours, ref = _params(), _params()
+    kw = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+    opt = HybridDeviceOptimizer(_groups(ours), 1.0, cpu_optimizer_cls=_CountingSGD, bucket_numel=24, **kw)
+    buckets = opt._buckets
+    assert len(buckets) >= 2 and max(len(b.records) for b in buckets) >= 2, "the test needs multi-param buckets"
+    _CountingSGD.built -= 1  # the explicit form's throw-away instance that validates the hyper-parameters
+    assert _CountingSGD.built == len(buckets)
+    assert len({id(b.delegate) for b in buckets}) == len(buckets)
+    for b in buckets:  # each instance updates exactly its bucket's master views
+        inner = [p for g in b.delegate.inner.param_groups for p in g["params"]]
+        assert [p.data_ptr() for p in inner] == [r.master.data_ptr() for r in b.records]
+    _run(opt, ours, 3, torch.float32)
+    _run(torch.optim.SGD(_groups(ref), **kw), ref, 3, torch.float32)
+    assert _CountingSGD.built == len(buckets), "stepping builds no further instances"
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_grads_are_staged_during_backward_and_not_copied_again_by_step():

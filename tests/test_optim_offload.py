@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload_fsdp import HybridDeviceOptimizer
 from optim import PrecisionPolicy, build_optimizer
 from tests.fakes import fake_transformer_engine
-
-HybridDeviceOptimizer = pytest.importorskip("offload_fsdp").HybridDeviceOptimizer
 
 BF16, FP32 = torch.bfloat16, torch.float32
 BF16_STATE = PrecisionPolicy(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
@@ -60,7 +59,7 @@ def test_offload_fraction_builds_a_hybrid_optimizer_with_torch_fused_host_class_
 
 
 @pytest.mark.filterwarnings("ignore:PrecisionPolicy exp_avg")  # HybridDeviceOptimizer's note on delegated classes
-def test_offload_with_te_steps_the_device_share_with_te_fused_adam_over_fp32_masters(monkeypatch):
+def test_offload_with_te_builds_its_device_class_as_te_fused_adam_configured_for_fp32_masters(monkeypatch):
     fake = fake_transformer_engine.install(monkeypatch)
     params = [torch.nn.Parameter(torch.zeros(4, 4, dtype=BF16)) for _ in range(2)]
     opt = build_optimizer(params, offload_fraction=0.5, backend="te", precision=BF16_STATE, lr=0.1)
