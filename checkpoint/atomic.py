@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from checkpoint.durable import fsync_dir
@@ -54,26 +55,34 @@ def is_committed(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
 
 
-def recover_interrupted_swap(path: str | os.PathLike) -> None:
-    """Undo a swap killed between its two renames: ``P.old`` goes back to ``P``. Rank 0 / one process only."""
+def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed) -> None:
+    """Undo a swap killed between its two renames: ``P.old`` goes back to ``P``. Rank 0 / one process only.
+
+    ``complete`` tells a finished output (default: a committed checkpoint), as in :func:`swap_into_place`.
+    """
     path, old = Path(path), old_path(path)
-    if not path.exists() and is_committed(old):
+    if not path.exists() and complete(old):
         logger.warning("recovering %s from %s left by an interrupted save", path, old)
         os.replace(old, path)
         fsync_dir(path.parent)
 
 
-def swap_into_place(staged: str | os.PathLike, path: str | os.PathLike) -> None:
+def swap_into_place(
+    staged: str | os.PathLike, path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed
+) -> None:
     """Replace ``path`` by the committed directory ``staged`` (see the module docstring). One process only.
 
-    Raises ``FileExistsError`` when ``path`` exists but is not a checkpoint
-    (and not empty): that is user data this function will not delete.
+    ``complete(directory)`` says whether a directory holds a finished output:
+    by default a committed checkpoint; other writers (``fsdp-ckpt export``)
+    pass their own commit record. ``staged`` must be complete. Raises
+    ``FileExistsError`` when ``path`` exists but is not complete (and not
+    empty): that is user data this function will not delete.
     """
     staged, path, old = Path(staged), Path(path), old_path(path)
-    assert is_committed(staged), f"{staged} must be committed before it is swapped in"
-    recover_interrupted_swap(path)
+    assert complete(staged), f"{staged} must be committed before it is swapped in"
+    recover_interrupted_swap(path, complete=complete)
     if path.exists():
-        if is_committed(path):
+        if complete(path):
             if old.exists():
                 shutil.rmtree(old)  # a leftover of a finished swap; P itself is committed
             os.replace(path, old)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -88,9 +90,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     dst = Path(args.dst)
     start = time.perf_counter()
     if args.format == "safetensors":
-        from checkpoint.safetensors_io import plan_shards, write_index, write_shards
+        from checkpoint.atomic import staging_path
+        from checkpoint.safetensors_io import plan_shards, write_shards
 
-        group.together(lambda: _prepare_safetensors_dir(dst, args.force), only_rank0=True)
+        # written whole under DST.tmp, then swapped in: a crash leaves DST absent or as it was
+        staging = staging_path(dst)
+        group.together(lambda: _prepare_safetensors_dir(dst, staging, args.force), only_rank0=True)
         by_name = {n: (n, d, s) for n, d, s in specs}
         names = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
         shards = [[by_name[n] for n in g] for g in names]
@@ -101,10 +106,15 @@ def cmd_export(args: argparse.Namespace) -> int:
                     human_bytes(args.max_shard_size))
         bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
         values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
-        group.together(lambda: write_shards(dst, shards, values, full_keys=not args.model_only,
-                                            on_bytes=bar.add, which=mine.__getitem__))
-        objects_json = _json_objects(object_values)
-        group.together(lambda: write_index(dst, shards, objects=objects_json), only_rank0=True)
+        try:
+            group.together(lambda: write_shards(staging, shards, values, full_keys=not args.model_only,
+                                                on_bytes=bar.add, which=mine.__getitem__))
+            objects_json = _json_objects(object_values)
+            group.together(lambda: _commit_safetensors(staging, dst, shards, objects_json, args.force), only_rank0=True)
+        except BaseException:
+            if group.rank == 0:  # every process has stopped writing (together() agreed on the failure)
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
         where = f"{len(shards)} file(s) + model.safetensors.index.json in {dst}"
     else:
         from checkpoint.durable import durable_replace, temp_path
@@ -129,13 +139,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_safetensors_dir(dst: Path, force: bool) -> None:
+def _prepare_safetensors_dir(dst: Path, staging: Path, force: bool) -> None:
+    """Make an empty ``staging`` for an export to ``dst``; with ``force``, other files of ``dst`` go in first.
+
+    Shards and index of an earlier export in ``dst`` are left out (they would sit
+    beside the new ones, unindexed); anything else there (``config.json``, a
+    tokenizer) is hard-linked (else copied) so the swap keeps it.
+    """
+    from checkpoint.atomic import recover_interrupted_swap
+    from checkpoint.safetensors_io import is_export, is_export_file
+
+    recover_interrupted_swap(dst, complete=is_export)  # an export killed mid-swap left it at DST.old
     _check_fresh_output(dst, force)
+    if dst.exists() and not dst.is_dir():
+        raise CliError(f"output {str(dst)!r} is a file; --format safetensors writes a directory: give a directory")
+    if staging.exists():
+        shutil.rmtree(staging)  # an unfinished export to this path: nothing to keep
+    staging.mkdir(parents=True)
     if force and dst.is_dir():
-        # shards of an earlier export would otherwise sit beside the new ones, unindexed
-        for stale in [*dst.glob("model-*-of-*.safetensors"), dst / "model.safetensors.index.json"]:
-            stale.unlink(missing_ok=True)
-    dst.mkdir(parents=True, exist_ok=True)
+        for entry in dst.iterdir():
+            if not is_export_file(entry.name):
+                _link_or_copy(entry, staging / entry.name)
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    src, dst = Path(src), Path(dst)
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        return
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:  # another file system, or links not supported
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _commit_safetensors(staging: Path, dst: Path, shards, objects: dict[str, Any], force: bool) -> None:
+    """Index last (the export's commit record), then the crash-safe swap of ``staging`` into ``dst``."""
+    from checkpoint.atomic import swap_into_place
+    from checkpoint.safetensors_io import is_export, write_index
+
+    write_index(staging, shards, objects=objects)
+    # with --force the user asked to replace DST whatever it holds (its other files were carried over)
+    swap_into_place(staging, dst, complete=(lambda p: p.is_dir()) if force else is_export)
 
 
 def _prepare_torch_file(dst: Path, tmp: Path, specs, objects: dict[str, Any], force: bool) -> None:

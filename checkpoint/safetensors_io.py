@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,9 +28,10 @@ from typing import Any
 import torch
 
 from checkpoint.data_file import tensor_bytes
+from checkpoint.durable import durable_write
 from checkpoint.stream import Entry
 
-__all__ = ["INDEX_NAME", "SafetensorsSource", "plan_shards", "write_index", "write_shards"]
+__all__ = ["INDEX_NAME", "SafetensorsSource", "is_export", "is_export_file", "plan_shards", "write_index", "write_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,16 @@ _ALIGN = 8
 
 def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def is_export_file(name: str) -> bool:
+    """Whether ``name`` is one an export writes (a shard or the index), so a new export replaces it."""
+    return name == INDEX_NAME or re.fullmatch(r"model-\d{5,}-of-\d{5,}\.safetensors", name) is not None
+
+
+def is_export(directory: Path) -> bool:
+    """Whether ``directory`` holds a finished export: the index is its commit record."""
+    return (directory / INDEX_NAME).is_file()
 
 
 def plan_shards(items: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -124,14 +136,18 @@ def write_index(
     *,
     objects: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Write ``model.safetensors.index.json`` (last: a directory with an index is complete); returns the shard names."""
+    """Write ``model.safetensors.index.json`` durably (fsynced, then the directory); returns the shard names.
+
+    Written last: a directory with an index is a complete export (:func:`is_export`).
+    """
     names = [shard_file_name(i, len(shards)) for i in range(len(shards))]
     weight_map = {n: file_name for file_name, shard in zip(names, shards) for n, _, _ in shard}
     total = sum(Entry(n, "tensor", d, s).nbytes for shard in shards for n, d, s in shard)
     index: dict[str, Any] = {"metadata": {"total_size": total}, "weight_map": weight_map}
     if objects:
         index["metadata"][OBJECTS_KEY] = objects
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    # sync_dir: the shards' directory entries, created before, become durable with the index's
+    durable_write(directory / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n", sync_dir=True)
     return names
 
 

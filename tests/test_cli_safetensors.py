@@ -25,3 +25,63 @@ def test_shards_read_back_with_the_safetensors_library_for_bool_empty_and_stride
     assert back.keys() == values.keys()
     for key, value in values.items():
         assert back[key].dtype == value.dtype and torch.equal(back[key], value), key
+
+
+def _export(src, dst, *extra) -> int:
+    from checkpoint.cli import main
+
+    return main(["export", str(src), str(dst), "--format", "safetensors", "--model-only", "-q",
+                 "--max-shard-size", "16B", *extra])  # one tensor per shard
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _fail_after_first_shard(monkeypatch) -> None:
+    """The writer raises as it starts the second shard's tensor (the first shard is complete on disk)."""
+    import checkpoint.safetensors_io as io
+
+    real, calls = io.tensor_bytes, []
+
+    def tensor_bytes(tensor):
+        calls.append(tensor.shape)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(tensor)
+
+    monkeypatch.setattr(io, "tensor_bytes", tensor_bytes)
+
+
+def test_an_export_failing_mid_way_leaves_no_output_or_the_previous_export_whole(tmp_path, monkeypatch, capsys):
+    import checkpoint
+    from checkpoint.atomic import old_path, staging_path
+
+    first = {"model.a": torch.arange(4.0), "model.b": torch.ones(3), "model.c": torch.zeros(2)}
+    second = {k: v + 10 for k, v in first.items()}
+    checkpoint.save_state_dict(first, tmp_path / "first")
+    checkpoint.save_state_dict(second, tmp_path / "second")
+    dst = tmp_path / "hf"
+
+    with monkeypatch.context() as m:
+        _fail_after_first_shard(m)
+        assert _export(tmp_path / "first", dst) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert not dst.exists() and not staging_path(dst).exists()  # no output at all, no leftovers
+
+    assert _export(tmp_path / "first", dst) == 0
+    (dst / "config.json").write_text("{}")  # a file of the user's beside the export
+    before = _files(dst)
+    assert len([n for n in before if n.endswith(".safetensors")]) == 3
+    with monkeypatch.context() as m:
+        _fail_after_first_shard(m)
+        assert _export(tmp_path / "second", dst, "--force") == 2
+    assert _files(dst) == before  # the previous export, byte for byte
+
+    assert _export(tmp_path / "second", dst, "--force") == 0
+    got = {}
+    for path in dst.glob("*.safetensors"):
+        got |= safetensors_torch.load_file(path)
+    assert got.keys() == {"a", "b", "c"} and all(torch.equal(got[k], second[f"model.{k}"]) for k in got)
+    assert (dst / "config.json").read_text() == "{}"  # carried over by the swap
+    assert not staging_path(dst).exists() and not old_path(dst).exists()
