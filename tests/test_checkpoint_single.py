@@ -263,6 +263,53 @@ def test_a_save_interrupted_at_every_rename_leaves_old_or_new_never_a_mix(tmp_pa
     assert kill_at >= 3  # the manifest rename and both swap renames were each interrupted once
 
 
+def _record_fsync_and_replace(monkeypatch) -> list[tuple[str, str]]:
+    """Log ("fsync", path of the fd) and ("replace", destination path) in call order, every module and thread."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.abspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def _reshard_two_ranks(state: dict, path: Path) -> None:
+    from checkpoint.rewrite import write_checkpoint
+    from checkpoint.transforms import Target
+
+    targets = [Target(k, "tensor", v.dtype, tuple(v.shape), (k,)) for k, v in state.items()]
+    write_checkpoint(path, 2, targets, [(t, state[t.name]) for t in targets], max_chunk_bytes=64)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names an fd's file through /proc")
+@pytest.mark.parametrize("writer", ["save_state_dict", "reshard"])
+def test_every_data_file_is_fsynced_before_the_manifest_commit_and_the_swap(tmp_path, monkeypatch, writer):
+    state = {"a": torch.randn(8, 4), "b": torch.arange(10.0)}
+    path = (tmp_path / "ckpt").resolve()
+    events = _record_fsync_and_replace(monkeypatch)
+    if writer == "reshard":
+        _reshard_two_ranks(state, path)
+    else:
+        checkpoint.save_state_dict(state, path)
+    monkeypatch.undo()
+    commit = events.index(("replace", str(staging_path(path) / "manifest.json")))
+    swap = events.index(("replace", str(path)))
+    data_files = sorted(p.name for p in path.glob("*.distcp"))
+    assert data_files and (writer == "save_state_dict" or len(data_files) == 2)
+    for name in data_files:
+        synced = ("fsync", str(staging_path(path) / name))
+        assert synced in events[:commit], f"{name} was not fsynced before the manifest was committed: {events}"
+    assert commit < swap
+
+
 def test_async_save_blocks_only_for_staging_and_saves_the_state_at_call_time(tmp_path):
     model = _model()
     expected = model[0].weight.detach().clone()

@@ -7,6 +7,8 @@ plain dict of full tensors it was cut from.
 """
 
 import json
+import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -205,10 +207,36 @@ def _load_rows_at_3_ranks(rank: int, world_size: int, path: str) -> tuple[list[s
     return mismatches, checked
 
 
+def _assert_row_block_layout(path, world_size: int) -> None:
+    """Each tensor's chunks in rank r's data file (per the written .metadata) tile exactly FSDP2's row block r.
+
+    FSDP2's block of a rank is ``torch.chunk`` of the rows (a rank past the last chunk has none);
+    every element is stored once, in the file of the rank that owns its row.
+    """
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    owners = {}
+    for index, info in metadata.storage_data.items():
+        if index.offset is None or not metadata.state_dict_metadata[index.fqn].size:
+            continue  # objects, and 0-d tensors (stored whole by rank 0)
+        shape = metadata.state_dict_metadata[index.fqn].size
+        owner = owners.setdefault(index.fqn, torch.full(tuple(shape), -1))
+        chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+        box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+        assert (owner[box] == -1).all(), f"{index.fqn}: chunk at {list(chunk.offsets)} overlaps another"
+        owner[box] = int(re.fullmatch(r"__(\d+)_0\.distcp", info.relative_path).group(1))
+    assert owners, "no chunked tensor in the metadata"
+    for key, owner in owners.items():
+        want = torch.empty_like(owner)
+        for rank, rows in enumerate(torch.arange(owner.shape[0]).chunk(world_size)):
+            want[rows] = rank
+        assert torch.equal(owner, want), f"{key}: ranks per element {owner.tolist()}, FSDP2 row blocks {want.tolist()}"
+
+
 def test_reshard_2_to_3_loads_equal_at_3_ranks(src, tmp_path):
     dst = tmp_path / "w3"
     _cli("reshard", src, dst, "--world-size", "3", "--max-chunk-size", "32B")
     assert sorted(p.name for p in dst.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
+    _assert_row_block_layout(dst, 3)  # FC1 2+2+2 rows in 2-row chunks, emb 2+2+1, tiny and norm leave rank 2 empty
     results = run_ranks(_load_rows_at_3_ranks, 3, args=(str(dst),))
     assert [m for mismatches, _ in results for m in mismatches] == []
     total = sum(v.numel() for v in _reference().values() if isinstance(v, torch.Tensor) and v.dim())
@@ -291,6 +319,7 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
     ref = _reference()
     _assert_equal(_load_full(tmp_path / "w3", ref), ref)
     assert sorted(p.name for p in (tmp_path / "w3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
+    _assert_row_block_layout(tmp_path / "w3", 3)  # process 1 wrote rank 1's file: same layout
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "checkpoint.cli", "export", str(src), str(tmp_path / "hf"), "--format", "safetensors",
