@@ -262,6 +262,13 @@ def test_split_then_merge_round_trips_weights_and_optimizer_state(src, tmp_path)
     _assert_equal(_load_full(tmp_path / "merged", ref), ref)
 
 
+def test_rename_renames_a_weight_and_its_optimizer_state_and_groups_in_an_export(src, tmp_path):
+    _cli("export", src, tmp_path / "renamed.pt", "--format", "torch", "--rename", r"\.linear_fc1\.", ".fc_in.")
+    want = {k.replace(".linear_fc1.", ".fc_in."): v for k, v in _reference().items()}
+    assert sum(".fc_in." in k for k in want) == 4  # weight, exp_avg, step, lr
+    _assert_equal(torch.load(tmp_path / "renamed.pt", weights_only=True), want)
+
+
 def test_diff_exits_nonzero_on_a_one_element_change_and_honours_tolerances(src, tmp_path):
     ref = _reference()
     ref["model.emb.weight"] = ref["model.emb.weight"].clone()
