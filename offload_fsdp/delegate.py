@@ -9,6 +9,7 @@ wrapper group so hyper-parameters keep their grouping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,30 +20,51 @@ __all__ = ["DelegatedOptimizer", "hyperparameters"]
 
 _NOT_HYPER = ("params", "param_names")
 
+GroupView = Callable[[int, dict[str, Any]], dict[str, Any]]
+"""(wrapper group index, wrapper group) -> the hyper-parameters the inner class gets"""
+
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
-def _inner_groups(records: list[ParamShard], groups: list[dict[str, Any]]) -> tuple[list[int], list[dict[str, Any]]]:
+def _same_hyperparameters(index: int, group: dict[str, Any]) -> dict[str, Any]:
+    return hyperparameters(group)
+
+
+def _inner_groups(
+    records: list[ParamShard], groups: list[dict[str, Any]], view: GroupView
+) -> tuple[list[int], list[dict[str, Any]]]:
     """(wrapper group indices, one inner group each over the records' ``working`` tensors), in group order."""
     by_group: dict[int, list[ParamShard]] = {}
     for r in records:
         by_group.setdefault(r.group_index, []).append(r)
     indices = sorted(by_group)
-    return indices, [{**hyperparameters(groups[g]), "params": [r.working for r in by_group[g]]} for g in indices]
+    return indices, [{**view(g, groups[g]), "params": [r.working for r in by_group[g]]} for g in indices]
 
 
 class DelegatedOptimizer:
     """``cls`` over the ``working`` tensors of ``records``; groups mirror the wrapper's groups.
 
     Preconditions: every record has ``working`` set (a plain tensor). The caller
-    sets ``working.grad`` before :meth:`step` and clears it after.
+    sets ``working.grad`` before :meth:`step` and clears it after. ``view`` maps a
+    wrapper group to the inner group's hyper-parameters (default: all of them as
+    they are; a device class other than the host class gets
+    :meth:`offload_fsdp.defaults.DeviceDefaults.for_device`).
     """
 
-    def __init__(self, cls: type[torch.optim.Optimizer], records: list[ParamShard], groups: list[dict[str, Any]], *, where: str) -> None:
+    def __init__(
+        self,
+        cls: type[torch.optim.Optimizer],
+        records: list[ParamShard],
+        groups: list[dict[str, Any]],
+        *,
+        where: str,
+        view: GroupView | None = None,
+    ) -> None:
         self.cls, self.where = cls, where
-        self.group_indices, inner_groups = _inner_groups(records, groups)
+        self.view = view if view is not None else _same_hyperparameters
+        self.group_indices, inner_groups = _inner_groups(records, groups, self.view)
         try:
             self.inner = cls(inner_groups)
         except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
@@ -51,7 +73,7 @@ class DelegatedOptimizer:
 
     def add_records(self, records: list[ParamShard], groups: list[dict[str, Any]]) -> None:
         """Take over ``records`` of wrapper groups not served yet (a group added later): new inner groups."""
-        indices, inner_groups = _inner_groups(records, groups)
+        indices, inner_groups = _inner_groups(records, groups, self.view)
         assert not set(indices) & set(self.group_indices), "each wrapper group maps to one inner group"
         try:
             for inner_group in inner_groups:
@@ -70,7 +92,7 @@ class DelegatedOptimizer:
     def sync_hyperparameters(self, groups: list[dict[str, Any]]) -> None:
         """Copy the wrapper's current hyper-parameters (lr, betas, ...) into the inner groups."""
         for inner_group, g in zip(self.inner.param_groups, self.group_indices):
-            inner_group.update(hyperparameters(groups[g]))
+            inner_group.update(self.view(g, groups[g]))
 
     def step(self, groups: list[dict[str, Any]]) -> None:
         """Run the inner step with the wrapper's hyper-parameters, then expose any new state."""

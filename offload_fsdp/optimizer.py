@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
+from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
@@ -100,7 +101,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         cpu_optimizer_cls: class of the host update; default the wrapped optimizer's
             class, else ``torch.optim.AdamW``. ``Adam``/``AdamW`` (without amsgrad) use a
             bucketed fused kernel; any other class runs as one instance per bucket.
-        gpu_optimizer_cls: class of the device update; default ``cpu_optimizer_cls``.
+        gpu_optimizer_cls: class of the device update; default ``cpu_optimizer_cls``. When it
+            differs, hyper-parameters the user set (constructor keywords, keys of their group
+            dicts, for a wrapped optimizer values other than its class's defaults) and values
+            changed later in ``param_groups`` apply to both shares; one left at the cpu class's
+            default gets the gpu class's own default on the device share
+            (:mod:`offload_fsdp.defaults`, ``docs/offload.md``).
         param_update_in_fp32: low-precision params get an fp32 master that is the truth
             (the param is its cast); saved as ``master_param`` in the state.
         pin_cpu_grads / pin_cpu_params: page-lock the host buffers that cross the bus
@@ -144,10 +150,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         fraction = _check_fraction(offload_fraction)
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
-        groups, opt_defaults, cpu_cls, wrapped = self._resolve_groups(params_or_optimizer, cpu_optimizer_cls, defaults)
+        groups, opt_defaults, cpu_cls, wrapped, explicit = self._resolve_groups(
+            params_or_optimizer, cpu_optimizer_cls, defaults
+        )
         gpu_cls = gpu_optimizer_cls if gpu_optimizer_cls is not None else cpu_cls
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
         super().__init__(groups, opt_defaults)
+        # Constructor-level keys the user set (they also fill groups added later).
+        self._explicit_defaults = explicit.pop()
+        self._device_defaults: DeviceDefaults | None = None
+        if gpu_cls is not cpu_cls:  # the device class keeps its own defaults for what the user left unset
+            self._device_defaults = DeviceDefaults(gpu_cls)
+            for index, (group, keys) in enumerate(zip(self.param_groups, explicit)):
+                self._device_defaults.add_group(index, group, keys)
         self.offload_fraction = fraction
         self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_cls, gpu_cls
         self.param_update_in_fp32 = param_update_in_fp32
@@ -184,8 +199,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _resolve_groups(
         params_or_optimizer: Any, cpu_cls: type | None, defaults: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], dict[str, Any], type, torch.optim.Optimizer | None]:
-        """Complete param groups + defaults, from the wrapped optimizer or a probe of ``cpu_cls``."""
+    ) -> tuple[list[dict[str, Any]], dict[str, Any], type, torch.optim.Optimizer | None, list[set[str]]]:
+        """Complete param groups + defaults, from the wrapped optimizer or a probe of ``cpu_cls``.
+
+        Also returns the hyper-parameter keys the user set: one set per group, then
+        one for the constructor-level defaults (see :mod:`offload_fsdp.defaults`).
+        """
         if isinstance(params_or_optimizer, HybridDeviceOptimizer):
             raise TypeError("cannot wrap a HybridDeviceOptimizer in another; wrap the underlying optimizer")
         if isinstance(params_or_optimizer, torch.optim.Optimizer):
@@ -197,13 +216,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 )
             cls = cpu_cls if cpu_cls is not None else type(wrapped)
             _check_optimizer_cls(cls, "cpu_optimizer_cls")
-            return [dict(g) for g in wrapped.param_groups], dict(wrapped.defaults), cls, wrapped
+            # Its groups are complete: what differs from its class's default is what the user set.
+            own = class_defaults(type(wrapped))
+            explicit = [
+                {k for k, v in hyperparameters(d).items() if k not in own or not same_value(v, own[k])}
+                for d in (*wrapped.param_groups, wrapped.defaults)
+            ]
+            return [dict(g) for g in wrapped.param_groups], dict(wrapped.defaults), cls, wrapped, explicit
         cls = cpu_cls if cpu_cls is not None else torch.optim.AdamW
         _check_optimizer_cls(cls, "cpu_optimizer_cls")
+        params = list(params_or_optimizer)
+        user_groups = params if params and isinstance(params[0], dict) else [{}]
+        explicit = [set(hyperparameters(g)) | set(defaults) for g in user_groups] + [set(defaults)]
         # A throw-away instance validates the hyper-parameters and fills every group
         # with the class's defaults; it allocates no state (torch state is lazy).
-        probe = cls(params_or_optimizer, **defaults)
-        return [dict(g) for g in probe.param_groups], dict(probe.defaults), cls, None
+        probe = cls(params, **defaults)
+        return [dict(g) for g in probe.param_groups], dict(probe.defaults), cls, None, explicit
 
     def _master_dtype(self, dtype: torch.dtype) -> torch.dtype:
         if not self.param_update_in_fp32:
@@ -293,7 +321,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not records:
             return
         if self._device_delegate is None:
-            self._device_delegate = DelegatedOptimizer(self.gpu_optimizer_cls, records, self.param_groups, where="device")
+            view = self._device_defaults.for_device if self._device_defaults is not None else None
+            self._device_delegate = DelegatedOptimizer(
+                self.gpu_optimizer_cls, records, self.param_groups, where="device", view=view
+            )
         else:
             self._device_delegate.add_records(records, self.param_groups)
 
@@ -362,6 +393,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_built", False):  # Optimizer.__init__ adding the user's groups
             super().add_param_group(param_group)
             return
+        # Before torch fills the group (in place) with the defaults: these keys are the user's.
+        user_keys = set(hyperparameters(param_group)) if isinstance(param_group, dict) else set()
         try:
             super().add_param_group(param_group)
         except ValueError:
@@ -370,6 +403,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         index = len(self.param_groups) - 1
         try:
             self._check_new_params(param_group, existing=index)
+            if self._device_defaults is not None:
+                explicit = user_keys | self._explicit_defaults
+                self._device_defaults.add_group(index, self.param_groups[index], explicit)
             records = build_records([self.param_groups[index]], first_group_index=index)
             self._later_host_buffers.append(self._place(records, f"param group {index} added"))
         except BaseException:

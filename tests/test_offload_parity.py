@@ -404,3 +404,58 @@ def test_without_fp32_update_bf16_params_are_their_own_master(fraction):
     assert "master_param" not in opt.state[ours[0]]
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.float(), b, rtol=0, atol=0.05)  # bf16 rounding each step
+
+
+@pytest.mark.parametrize("decay_passed", [False, True])
+def test_a_different_device_class_steps_its_share_like_its_plain_class_with_its_own_defaults(decay_passed):
+    """cpu AdamW + gpu SGD at fraction 0.5: each share matches its plain class over its params.
+
+    AdamW's default weight_decay=0.01 fills the wrapper's groups; it reaches the
+    SGD share only when passed explicitly or changed later (then both shares use it).
+    A key only SGD reads (momentum) can be given in a group dict.
+    """
+    ours, ref = _params(), _params()
+    kw = dict(lr=0.01, **({"weight_decay": 0.01} if decay_passed else {}))
+    groups = _groups(ours)
+    groups[0]["momentum"] = 0.9
+    opt = HybridDeviceOptimizer(
+        groups, 0.5, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.SGD, bucket_numel=24, **kw
+    )
+    assert [r.offloaded for r in opt._records] == [True, True, False, False, False]
+    host_ref = torch.optim.AdamW(ref[:2], **kw)  # the host share: params 0, 1 of group 0
+    device_ref = torch.optim.SGD(
+        [{"params": ref[2:3], "momentum": 0.9}, {"params": ref[3:], "lr": 0.002, "weight_decay": 0.0}], **kw
+    )
+    optimizers = (opt, host_ref, device_ref)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s) for o in optimizers]
+    for step in range(4):
+        if step == 2:  # a later change of a value left at the host class's default applies to both shares
+            for o in optimizers:
+                o.param_groups[0]["weight_decay"] = 0.05
+        for p, q, g in zip(ours, ref, _grads(step, torch.float32)):
+            p.grad, q.grad = g.clone(), g.clone()
+        for o, s in zip(optimizers, schedulers):
+            o.step()
+            s.step()
+    assert opt.param_groups[0]["weight_decay"] == 0.05 and "momentum" in opt.param_groups[0]
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_wrapped_optimizer_and_later_groups_share_with_another_device_class_only_what_the_user_set():
+    def device_decay(opt):
+        return [g["weight_decay"] for g in opt._device_delegate.inner.param_groups]
+
+    for decay, expected in ((0.01, 0.0), (0.1, 0.1)):  # AdamW's default stays AdamW's; a chosen value is shared
+        params = [torch.zeros(4, requires_grad=True) for _ in range(2)]
+        inner = torch.optim.AdamW(params, lr=0.01, weight_decay=decay)
+        opt = HybridDeviceOptimizer(inner, 0.5, gpu_optimizer_cls=torch.optim.SGD)
+        assert device_decay(opt) == [expected]
+    opt = HybridDeviceOptimizer(
+        [torch.zeros(4, requires_grad=True)], 0.0, cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.SGD, lr=0.01,
+    )  # fmt: skip
+    opt.add_param_group({"params": [torch.zeros(4, requires_grad=True)]})
+    opt.add_param_group({"params": [torch.zeros(4, requires_grad=True)], "weight_decay": 0.01})
+    assert device_decay(opt) == [0.0, 0.0, 0.01]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.01, 0.01]  # the wrapper shows AdamW's
