@@ -1,4 +1,5 @@
-"""bytes_per_param against hand-counted cases, and the tables in docs/optim.md and README.md generated from it."""
+"""bytes_per_param against hand-counted cases and against what HybridDeviceOptimizer really allocates on the
+host, and the tables in docs/optim.md and README.md generated from it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from optim import PrecisionPolicy, bytes_per_param
-from optim.memory import memory_table
+from optim.memory import STANDARD_CONFIGS, memory_table
 
 BF16, FP32 = torch.bfloat16, torch.float32
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -52,3 +53,33 @@ def test_offload_outside_zero_to_one_is_rejected():
 @pytest.mark.parametrize("doc", ["docs/optim.md", "README.md"])
 def test_docs_table_is_the_generated_one(doc):
     assert memory_table() in (REPO / doc).read_text(), f"{doc} is stale: regenerate with `python -m optim.memory`"
+
+
+_GRAD_STAGING_MISMATCH = pytest.mark.xfail(
+    strict=True,
+    reason="PrecisionPolicy() with bf16 params: HybridDeviceOptimizer stages grads in `main_grads_dtype or "
+    "param dtype` (bf16, 2 B) while optim.memory counts resolved_main_grads_dtype (fp32, 4 B): 16 vs 18 and "
+    "12 vs 14 B/param; one of them must change",
+)
+
+
+@pytest.mark.parametrize(
+    "label, param_dtype, policy",
+    [
+        pytest.param(*row, id=row[0], marks=[_GRAD_STAGING_MISMATCH] if row[2].main_grads_dtype is None and row[1] == BF16 else [])
+        for row in STANDARD_CONFIGS
+    ],
+)
+def test_host_bytes_per_param_of_each_table_row_are_what_the_offloading_optimizer_allocates(label, param_dtype, policy):
+    from offload_fsdp import HybridDeviceOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype)) for shape in [(7, 5), (13,), (3, 4, 2)]]
+    opt = HybridDeviceOptimizer(torch.optim.AdamW(params, lr=0.1), offload_fraction=1, precision=policy)
+    arenas = [opt._host_buffers.pinned, *opt._host_buffers.pageable.values()]
+    numel = sum(p.numel() for p in params)
+    used = sum(a.layout.used_bytes for a in arenas)
+    by_role = {f"{dtype} {role}": a.layout.used_bytes / numel for (dtype, role), a in opt._host_buffers.pageable.items()}
+    assert used / numel == bytes_per_param(policy, param_dtype, 1.0).host, f"{label}: host arenas {by_role}"
+    # reserved = used + at most one alignment gap (< 64 B) per buffer
+    padding = sum(a.reserved_bytes for a in arenas) - used
+    assert 0 <= padding < 64 * sum(len(a.layout.requests) for a in arenas)
