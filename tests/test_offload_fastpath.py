@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import logging
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -151,16 +152,38 @@ def test_an_unknown_host_step_name_is_a_value_error_naming_the_variable(monkeypa
         HybridDeviceOptimizer([torch.zeros(3, requires_grad=True)], 1.0, lr=0.1)
 
 
-def test_a_failed_build_warns_once_and_falls_back_to_the_fused_path(monkeypatch, tmp_path):
+def _probe_disagrees(library):
+    raise RuntimeError("its arithmetic does not reproduce this torch build's fused Adam kernel bit for bit")
+
+
+@pytest.fixture(params=["no compiler", "failed self-check"])
+def failing_build(request, monkeypatch, tmp_path):
+    """Fresh module state and a build that fails: no C compiler, or a loaded loop whose self-check disagrees.
+
+    Yields the text the fallback message must quote. The self-check case loads a
+    stand-in library (the probe is what fails, so no real build is needed).
+    """
     monkeypatch.setattr(compiled_step, "_library", None)
     monkeypatch.setattr(compiled_step, "_load_failed", False)
     monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    if request.param == "no compiler":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        yield "no-such-compiler"
+    else:
+        monkeypatch.setattr(compiled_step, "_compile_and_load", lambda: object())
+        monkeypatch.setattr(compiled_step, "_probe_vec_width", _probe_disagrees)
+        yield "does not reproduce"
+    assert compiled_step._library is None, "a library that failed its build or self-check must never be used"
+
+
+def test_a_failed_build_warns_once_and_falls_back_to_the_fused_path(monkeypatch, c_calls, failing_build):
     dtype, policy, opt_cls, hyper = CASES["bf16 params, fp32 state, AdamW"]
     with pytest.warns(RuntimeWarning, match="falling back") as caught:
         compiled = _train(monkeypatch, "compiled", dtype, policy, opt_cls, 2, **hyper)
         _train(monkeypatch, "compiled", dtype, policy, opt_cls, 1, **hyper)
-    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == 1 and failing_build in warned[0]
+    assert not c_calls
     _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 2, **hyper), compiled)
 
 
@@ -184,19 +207,17 @@ def test_staging_written_in_streamed_blocks_matches_the_fused_path_across_block_
     assert sum(c_calls) == 2 * (2 * sum(sizes) - sizes[1])  # two piece sizes; param 1 has no grad at step 1
 
 
-def test_a_failed_build_under_the_default_logs_once_without_a_warning_and_uses_the_fused_path(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(compiled_step, "_library", None)
-    monkeypatch.setattr(compiled_step, "_load_failed", False)
-    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+def test_a_failed_build_under_the_default_logs_once_without_a_warning_and_uses_the_fused_path(
+    monkeypatch, caplog, c_calls, failing_build
+):
     dtype, policy, opt_cls, hyper = CASES["bf16 params, fp32 state, AdamW"]
-    import warnings
-
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger=compiled_step.__name__):
         warnings.simplefilter("error", RuntimeWarning)  # auto must not raise a RuntimeWarning
         default = _train(monkeypatch, None, dtype, policy, opt_cls, 2, **hyper)
         _train(monkeypatch, None, dtype, policy, opt_cls, 1, **hyper)
-    assert len([r for r in caplog.records if "falling back" in r.getMessage()]) == 1
+    logged = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(logged) == 1 and failing_build in logged[0]
+    assert not c_calls
     _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 2, **hyper), default)
 
 

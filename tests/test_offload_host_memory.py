@@ -1,0 +1,41 @@
+"""Host arenas are sized exactly: reserved bytes are the bytes used plus alignment padding, nothing more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_fsdp import HybridDeviceOptimizer
+from optim import PrecisionPolicy
+
+SIZES = (37, 1000, 3, 129, 0, 515)  # odd sizes, an empty param; their sum is no power of two
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_host_arenas_reserve_exactly_the_bytes_their_buffers_use_up_to_alignment(param_dtype, moment_dtype):
+    params = [torch.zeros(n, dtype=param_dtype, requires_grad=True) for n in SIZES]
+    policy = PrecisionPolicy(exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype)
+    opt = HybridDeviceOptimizer(params, 1.0, lr=0.01, precision=policy, bucket_numel=1100)
+    assert len(opt._buckets) >= 2 and all(b.fused for b in opt._buckets)
+
+    separate_master = param_dtype != torch.float32
+    per_element = (
+        param_dtype.itemsize  # grad staging, the grad's own dtype
+        + (param_dtype.itemsize if separate_master else 0)  # param staging H2D copies from
+        + 4  # fp32 master
+        + 2 * moment_dtype.itemsize  # exp_avg, exp_avg_sq
+    )
+    buffers = opt._host_buffers
+    arenas = [buffers.pinned, *buffers.pageable.values()]
+    assert sum(a.layout.used_bytes for a in arenas) == sum(SIZES) * per_element
+    for arena in arenas:
+        used, reserved = arena.layout.used_bytes, arena.reserved_bytes
+        # the allocation itself is this size: no allocator rounding up (to a power of two or otherwise)
+        assert arena.storage.untyped_storage().nbytes() == reserved
+        # padding only before each buffer after the first, < 64 bytes each
+        assert used <= reserved < used + 64 * max(len(arena.layout.requests) - 1, 0) + 1, arena.layout.requests
+    # each bucket gets one buffer of its own size per role, and nothing else is allocated
+    requested = sorted(n for a in arenas for n, _, _ in a.layout.requests)
+    roles = 5 if separate_master else 4  # grad, [param staging], master, exp_avg, exp_avg_sq
+    assert requested == sorted(b.numel for b in opt._buckets for _ in range(roles))
