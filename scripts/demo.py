@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -192,6 +193,9 @@ def run_phase(args: argparse.Namespace, cfg: Config) -> None:
         start = int(extra["step"])
     data = corpus()
     log = open(out / f"{args.run}.jsonl", "a") if rank == 0 else None
+    if log:  # what the summary reports about this run's setup
+        setup = {"optimizer": type(opt).__name__, "offload_fraction": opt.offload_fraction, "scheduler": type(sched).__name__}
+        (out / f"{args.run}.setup.json").write_text(json.dumps(setup))
     pending = None
     for step in range(start, cfg.steps):
         batch = local_batch(global_batch(data, cfg, step), rank, world_size).to(device)
@@ -215,6 +219,9 @@ def run_phase(args: argparse.Namespace, cfg: Config) -> None:
                 extra={"step": done, "scheduler": sched.state_dict()},
                 async_=True,
             )
+            if log:  # an async save returns a Future once staged; a blocking one returns None
+                with open(out / f"{args.run}.saves.jsonl", "a") as saves:
+                    saves.write(json.dumps({"step": done, "async": isinstance(pending, Future)}) + "\n")
     if pending is not None:
         pending.result()
     eval_loss = _eval_loss(model, data, cfg, device)  # every rank: FSDP's forward all-gathers
@@ -307,8 +314,9 @@ def _config_args(args: argparse.Namespace) -> list[str]:
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in asdict(Config()) if getattr(args, k, None) is not None]
 
 
-def read_losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+def read_losses(path: Path, field: str = "loss") -> dict[int, float]:
+    """``step -> field`` (loss, or lr) of a run's log."""
+    return {r["step"]: r[field] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
 
 
 def orchestrate(args: argparse.Namespace, cfg: Config) -> dict:
@@ -343,10 +351,20 @@ def summarise(out: Path, cfg: Config, export_dir: Path) -> dict:
     max_rel = max(abs(b[s] - c[s]) / abs(b[s]) for s in single)
     final = json.loads((out / "B.final.json").read_text())
     export_loss = export_eval_loss(export_dir, cfg)
+    lrs = {r: read_losses(out / f"{r}.jsonl", "lr") for r in "ABC"}
+    setups = {r: json.loads((out / f"{r}.setup.json").read_text()) for r in "ABC"}
     return {
         "steps_run_A_before_kill": len(a),
         "resume_step": cfg.save_at,
         "bit_exact_steps_compared": len(overlap),
+        "first_step_after_resume": {r: min(lrs[r]) for r in "BC"},
+        # the resumed runs' learning rates on the steps run A also ran (before its kill)
+        "lr_steps_compared": {r: len(set(lrs[r]) & set(lrs["A"])) for r in "BC"},
+        "lr_schedule_restored": all(lrs[r][s] == lrs["A"][s] for r in "BC" for s in set(lrs[r]) & set(lrs["A"]))
+        and len(overlap) > 0,
+        "optimizer": {r: setups[r]["optimizer"] for r in "ABC"},
+        "offload_fraction": {r: setups[r]["offload_fraction"] for r in "ABC"},
+        "saves": {r: [json.loads(line) for line in (out / f"{r}.saves.jsonl").read_text().splitlines()] for r in "AB"},
         "resume_bit_exact": all(a[s] == b[s] for s in overlap) and len(overlap) > 0,
         "single_process_steps_compared": len(single),
         "single_process_max_rel_diff": max_rel,
