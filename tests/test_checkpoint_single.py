@@ -310,12 +310,26 @@ def test_every_data_file_is_fsynced_before_the_manifest_commit_and_the_swap(tmp_
     assert commit < swap
 
 
-def test_async_save_blocks_only_for_staging_and_saves_the_state_at_call_time(tmp_path):
+def test_async_save_returns_before_its_write_starts_and_saves_the_state_at_call_time(tmp_path, monkeypatch):
+    import threading
+
+    from checkpoint import state_dict_io
+
+    release, real_save = threading.Event(), state_dict_io.save_state_dict
+
+    def held_back(*args, **kwargs):  # the background write waits until the caller has returned and moved on
+        if not release.wait(timeout=10):
+            raise AssertionError("async_save waited for its own write (the caller never got control back)")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(state_dict_io, "save_state_dict", held_back)
     model = _model()
     expected = model[0].weight.detach().clone()
     future = checkpoint.async_save(tmp_path / "c", model=model, extra={"step": 7})
+    assert not future.done() and not (tmp_path / "c").exists()  # staged only: nothing written yet
     with torch.no_grad():
         model[0].weight.add_(1.0)  # training goes on while the save is written
+    release.set()
     assert future.result(timeout=60) is None
     model2 = _model(seed=9)
     extra = checkpoint.load(tmp_path / "c", model=model2)
