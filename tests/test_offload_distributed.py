@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint.shard_spec import ShardSpec, attach_shard_spec
+from checkpoint.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 from offload_fsdp import HybridDeviceOptimizer
 from tests.distributed import run_ranks
 
@@ -159,8 +159,13 @@ def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through
         assert "Partial placement" in error and "partial.w" in error
 
 
-def _flat_shards(full: list[torch.Tensor], world_size: int, rank: int) -> list[torch.Tensor]:
-    """Rank ``rank``'s contiguous range of each flattened tensor (flat-buffer FSDP layout), as params."""
+def _flat_shards(full: list[torch.Tensor], world_size: int, rank: int, described_by: str = "shard_spec") -> list[torch.Tensor]:
+    """Rank ``rank``'s contiguous range of each flattened tensor (flat-buffer FSDP layout), as params.
+
+    ``described_by``: ``"shard_spec"`` (this project's ``fsdp_shard_spec``) or
+    ``"megatron_fsdp_slice"`` (Megatron-FSDP's slice of the flattened parameter, with
+    ``orig_param`` giving the global shape).
+    """
     shards = []
     for t in full:
         flat = t.detach().reshape(-1)
@@ -168,16 +173,28 @@ def _flat_shards(full: list[torch.Tensor], world_size: int, rank: int) -> list[t
         start = min(rank * per, flat.numel())
         stop = min(start + per, flat.numel())
         p = flat[start:stop].clone().requires_grad_()
-        shards.append(attach_shard_spec(p, ShardSpec(tuple(t.shape), flat_start=start)))
+        if described_by == "shard_spec":
+            attach_shard_spec(p, ShardSpec(tuple(t.shape), flat_start=start))
+        else:
+            p.megatron_fsdp_slice = slice(start, stop)
+            p.orig_param = torch.empty(t.shape, device="meta")
+        shards.append(p)
     return shards
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_flat_shard_params_match_a_single_process_reference(world_size):
+@pytest.mark.parametrize(
+    "described_by, world_size",
+    [("shard_spec", 3), ("shard_spec", 4), ("megatron_fsdp_slice", 2), ("megatron_fsdp_slice", 4)],
+)
+def test_flat_shard_params_match_a_single_process_reference(described_by, world_size):
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=gen).requires_grad_() for s in [(5, 3), (2,), (3, 3)]]
     ref_opt = torch.optim.AdamW(full, lr=LR, weight_decay=0.1)
-    ranks = [_flat_shards(full, world_size, r) for r in range(world_size)]
+    ranks = [_flat_shards(full, world_size, r, described_by) for r in range(world_size)]
+    for shards in ranks:  # what the optimizer and the checkpoint layer read: the global place of each shard
+        for t, shard in zip(full, shards):
+            spec = shard_spec_of(shard)
+            assert spec.global_shape == tuple(t.shape) and spec.is_flat
     opts = [HybridDeviceOptimizer(shards, 0.5, lr=LR, weight_decay=0.1) for shards in ranks]
     for step in range(4):
         grads = [torch.randn(t.shape, generator=gen) for t in full]
@@ -191,9 +208,13 @@ def test_flat_shard_params_match_a_single_process_reference(world_size):
     for i, t in enumerate(full):
         joined = torch.cat([ranks[r][i].detach() for r in range(world_size)])
         torch.testing.assert_close(joined, t.detach().reshape(-1), rtol=1e-5, atol=1e-6)
-    assert any(s.numel() == 0 for shards in ranks for s in shards), "a rank must hold an empty flat shard"
+    if world_size > 2:
+        assert any(s.numel() == 0 for shards in ranks for s in shards), "a rank must hold an empty flat shard"
     for r in range(world_size):
         sd = opts[r].state_dict()
         for pid, shard in enumerate(ranks[r]):
             state = sd["state"][pid]
             assert type(state["exp_avg"]) is torch.Tensor and state["exp_avg"].shape == shard.shape
+            exp_avg = ref_opt.state[full[pid]]["exp_avg"].reshape(-1)
+            start = shard_spec_of(shard).flat_start
+            torch.testing.assert_close(state["exp_avg"], exp_avg[start : start + shard.numel()], rtol=1e-5, atol=1e-7)

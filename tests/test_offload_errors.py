@@ -63,6 +63,27 @@ def test_flat_shard_that_does_not_fit_its_global_shape_is_rejected_naming_it():
         HybridDeviceOptimizer([("flat.shard", p)], 1.0, lr=0.1)
 
 
+def _megatron_shard(local_numel: int, flat_slice, global_shape=(2, 4)) -> torch.Tensor:
+    p = torch.zeros(local_numel, requires_grad=True)
+    p.megatron_fsdp_slice, p.orig_param = flat_slice, torch.empty(global_shape, device="meta")
+    return p
+
+
+@pytest.mark.parametrize(
+    "local_numel, flat_slice, error, match",
+    [
+        (6, slice(4, 10), ValueError, r"flat\.shard.*runs past the global tensor of 8"),
+        (3, slice(2, 6), ValueError, r"'flat\.shard': megatron_fsdp_slice .* covers 4 elements but the local shard has 3"),
+        (2, slice(0, 4, 2), TypeError, r"'flat\.shard'.*contiguous slice"),
+    ],
+    ids=["past-the-end", "wrong-length", "strided"],
+)
+def test_megatron_fsdp_slice_that_does_not_describe_the_local_shard_is_rejected_naming_it(local_numel, flat_slice, error, match):
+    with pytest.raises(error, match=match):
+        HybridDeviceOptimizer([("flat.shard", _megatron_shard(local_numel, flat_slice))], 1.0, lr=0.1)
+    HybridDeviceOptimizer([("flat.shard", _megatron_shard(3, slice(5, 8)))], 1.0, lr=0.1)  # a fitting one is fine
+
+
 def test_grad_of_another_dtype_than_its_host_staging_is_a_type_error_with_the_fix():
     p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
     opt = HybridDeviceOptimizer([("w", p)], 1.0, lr=0.1)
