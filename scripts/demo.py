@@ -20,8 +20,8 @@ What it does, each step checked and summarised at the end:
 
 A rank is any process started with ``RANK`` / ``WORLD_SIZE`` in its
 environment, so ``torchrun --nproc-per-node 2 scripts/demo.py --phase train
---run A --out demo_out`` runs one phase under torchrun. On a GPU machine the
-ranks use CUDA and the summary reports the device memory the offload saves.
+--run A --out demo_out`` runs one phase under torchrun. On a machine with a GPU
+per rank the ranks use CUDA and the summary reports the device memory the offload saves.
 """
 
 from __future__ import annotations
@@ -176,7 +176,9 @@ def build(cfg: Config, device: torch.device, world_size: int):
 def run_phase(args: argparse.Namespace, cfg: Config) -> None:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    # One GPU per rank (NCCL refuses two ranks on one GPU): with fewer GPUs than ranks, run on the CPU over gloo.
+    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if world_size > 1:
         import torch.distributed as dist
