@@ -88,7 +88,7 @@ def bytes_per_param(
         if offload:
             host_parts[name] = offload * size
     if offload:
-        host_parts["grad_staging"] = offload * grad_dtype.itemsize
+        host_parts["grad_staging"] = offload * policy.grad_staging_dtype(param_dtype).itemsize
         if separate_main:
             host_parts["param_staging"] = offload * param_dtype.itemsize
     return MemoryFootprint(
@@ -108,11 +108,12 @@ STANDARD_CONFIGS: list[tuple[str, torch.dtype, PrecisionPolicy]] = [
         _FP32,
         PrecisionPolicy(exp_avg_dtype=_BF16, exp_avg_sq_dtype=_BF16),
     ),
-    ("bf16 params + fp32 master, fp32 decoupled grads, fp32 state", _BF16, PrecisionPolicy()),
+    # main_grads_dtype set explicitly: the host stages grads in it (else in the param's dtype)
+    ("bf16 params + fp32 master, fp32 decoupled grads, fp32 state", _BF16, PrecisionPolicy(main_grads_dtype=_FP32)),
     (
         "bf16 params + fp32 master, fp32 decoupled grads, bf16 state",
         _BF16,
-        PrecisionPolicy(exp_avg_dtype=_BF16, exp_avg_sq_dtype=_BF16),
+        PrecisionPolicy(main_grads_dtype=_FP32, exp_avg_dtype=_BF16, exp_avg_sq_dtype=_BF16),
     ),
     ("bf16 params + fp32 master, bf16 grads, fp32 state", _BF16, PrecisionPolicy(main_grads_dtype=_BF16)),
     (

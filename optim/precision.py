@@ -63,6 +63,16 @@ class PrecisionPolicy:
     def resolved_main_grads_dtype(self) -> torch.dtype:
         return self.main_grads_dtype if self.main_grads_dtype is not None else self.main_params_dtype
 
+    def grad_staging_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """dtype an offloaded param's gradient is staged in on the host (``HybridDeviceOptimizer``).
+
+        ``main_grads_dtype`` when set, else the param's own dtype: gradients cross the
+        bus in the dtype backward produced them in (a bf16 ``.grad`` travels as 2 bytes),
+        not in the resolved main-grads dtype, which only a training loop that keeps
+        fp32 ``decoupled_grad`` produces (set ``main_grads_dtype`` explicitly then).
+        """
+        return self.main_grads_dtype if self.main_grads_dtype is not None else param_dtype
+
     @property
     def resolved_grad_comm_dtype(self) -> torch.dtype:
         return self.grad_comm_dtype if self.grad_comm_dtype is not None else self.resolved_main_grads_dtype
