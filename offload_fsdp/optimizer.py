@@ -156,12 +156,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         gpu_cls = gpu_optimizer_cls if gpu_optimizer_cls is not None else cpu_cls
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
         super().__init__(groups, opt_defaults)
-        # Constructor-level keys the user set (they also fill groups added later).
-        self._explicit_defaults = explicit.pop()
+        # Keys the user set, per group and at constructor level (those also fill groups added later).
+        group_keys, self._explicit_defaults = explicit
         self._device_defaults: DeviceDefaults | None = None
         if gpu_cls is not cpu_cls:  # the device class keeps its own defaults for what the user left unset
             self._device_defaults = DeviceDefaults(gpu_cls)
-            for index, (group, keys) in enumerate(zip(self.param_groups, explicit)):
+            for index, (group, keys) in enumerate(zip(self.param_groups, group_keys)):
                 self._device_defaults.add_group(index, group, keys)
         self.offload_fraction = fraction
         self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_cls, gpu_cls
@@ -199,11 +199,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _resolve_groups(
         params_or_optimizer: Any, cpu_cls: type | None, defaults: dict[str, Any]
-    ) -> tuple[list[dict[str, Any]], dict[str, Any], type, torch.optim.Optimizer | None, list[set[str]]]:
+    ) -> tuple[
+        list[dict[str, Any]], dict[str, Any], type, torch.optim.Optimizer | None, tuple[list[set[str]], set[str]]
+    ]:
         """Complete param groups + defaults, from the wrapped optimizer or a probe of ``cpu_cls``.
 
-        Also returns the hyper-parameter keys the user set: one set per group, then
-        one for the constructor-level defaults (see :mod:`offload_fsdp.defaults`).
+        Also returns the hyper-parameter keys the user set: (one set per group, the
+        constructor-level ones) (see :mod:`offload_fsdp.defaults`).
         """
         if isinstance(params_or_optimizer, HybridDeviceOptimizer):
             raise TypeError("cannot wrap a HybridDeviceOptimizer in another; wrap the underlying optimizer")
@@ -218,16 +220,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             _check_optimizer_cls(cls, "cpu_optimizer_cls")
             # Its groups are complete: what differs from its class's default is what the user set.
             own = class_defaults(type(wrapped))
-            explicit = [
+            *group_keys, default_keys = [
                 {k for k, v in hyperparameters(d).items() if k not in own or not same_value(v, own[k])}
                 for d in (*wrapped.param_groups, wrapped.defaults)
             ]
+            explicit = (group_keys, default_keys)
             return [dict(g) for g in wrapped.param_groups], dict(wrapped.defaults), cls, wrapped, explicit
         cls = cpu_cls if cpu_cls is not None else torch.optim.AdamW
         _check_optimizer_cls(cls, "cpu_optimizer_cls")
-        params = list(params_or_optimizer)
-        user_groups = params if params and isinstance(params[0], dict) else [{}]
-        explicit = [set(hyperparameters(g)) | set(defaults) for g in user_groups] + [set(defaults)]
+        # Read the user's group dicts before the probe fills them; a lone tensor is left for torch to refuse.
+        params = params_or_optimizer if isinstance(params_or_optimizer, torch.Tensor) else list(params_or_optimizer)
+        user_groups = params if len(params) and isinstance(params[0], dict) else [{}]
+        explicit = ([set(hyperparameters(g)) | set(defaults) for g in user_groups], set(defaults))
         # A throw-away instance validates the hyper-parameters and fills every group
         # with the class's defaults; it allocates no state (torch state is lazy).
         probe = cls(params, **defaults)

@@ -342,13 +342,19 @@ def test_a_class_without_fused_kernel_runs_as_one_instance_per_bucket_and_matche
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_grads_are_staged_during_backward_and_not_copied_again_by_step():
-    model = _tiny_model()
-    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
-    copies = []
+def _record_grad_copies(opt: HybridDeviceOptimizer) -> list[int]:
+    """The list that each D2H grad copy of ``opt`` (one copy engine on CPU) appends its destination to."""
+    copies: list[int] = []
     engine = opt._buckets[0].engine
     original = engine.stage_grad
     engine.stage_grad = lambda bucket, dst, src: (copies.append(dst.data_ptr()), original(bucket, dst, src))
+    return copies
+
+
+def test_grads_are_staged_during_backward_and_not_copied_again_by_step():
+    model = _tiny_model()
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
+    copies = _record_grad_copies(opt)
     model(torch.randn(4, 6)).sum().backward()
     assert len(copies) == 4, "each param's D2H starts from its post-accumulate-grad hook"
     for r in opt._records:
@@ -363,10 +369,7 @@ def test_deferred_grad_copies_copy_only_the_final_accumulated_grad_with_the_same
     for defer in (False, True):
         model = _tiny_model()
         opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
-        copies = []
-        engine = opt._buckets[0].engine
-        original = engine.stage_grad
-        engine.stage_grad = lambda bucket, dst, src: (copies.append(dst.data_ptr()), original(bucket, dst, src))
+        copies = _record_grad_copies(opt)
         gen = torch.Generator().manual_seed(3)
         for _ in range(2):
             batches = [torch.randn(4, 6, generator=gen) for _ in range(3)]
