@@ -277,7 +277,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         partition(records, self.offload_fraction, host_resident_is_offloaded=accelerated)
         for r in records:
             if r.offloaded:
-                r.grad_dtype = self.precision.main_grads_dtype or r.param.dtype
+                r.grad_dtype = self.precision.grad_staging_dtype(r.param.dtype)
         buckets, buffers = build_buckets(
             records,
             first_index=len(self._buckets),

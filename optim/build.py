@@ -8,6 +8,7 @@ another optimizer when the requested one is unavailable.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Iterable
@@ -107,6 +108,9 @@ def _build_torch(
     return optimizer
 
 
+_SHARED_ADAM_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
 def _build_offloaded(
     params: list[Any],
     tensors: list[torch.Tensor],
@@ -135,6 +139,12 @@ def _build_offloaded(
     if backend in ("te", "apex"):
         plan = plan_for_main_params(policy or PrecisionPolicy())
         gpu_cls = fused_adam_class(backend, plan, adam_w_mode=(name == "adamw"))
+        # Both shares must run the same Adam: HybridDeviceOptimizer gives a device class its own
+        # default for a hyper-parameter left at the host class's (TE/apex weight_decay=0 vs AdamW's
+        # 0.01), so the torch defaults of what the user left out are passed explicitly.
+        signature = inspect.signature(cpu_cls).parameters
+        for key in _SHARED_ADAM_HYPERPARAMETERS:
+            kwargs.setdefault(key, signature[key].default)
     elif "fused" not in kwargs and "foreach" not in kwargs and _fused_fits(tensors):
         kwargs["fused"] = True  # the device share's torch optimizer; the host share is fused regardless
     return HybridDeviceOptimizer(
@@ -194,7 +204,7 @@ def build_optimizer(
     if not tensors:
         raise ValueError("build_optimizer got no parameters; pass model.parameters() or param groups")
     if offload_fraction is not None:
-        # HybridDeviceOptimizer validates offload_fraction itself (ValueError / TypeError naming it).
+        # HybridDeviceOptimizer validates offload_fraction itself (a ValueError naming it).
         return _build_offloaded(
             params, tensors, name_key, backend_key, precision, offload_fraction, cuda_graphs, hyperparameters
         )

@@ -70,6 +70,19 @@ def test_offload_with_te_builds_its_device_class_as_te_fused_adam_configured_for
     assert inner.exp_avg_dtype == BF16 and inner.exp_avg_sq_dtype == BF16 and inner.adam_w_mode == 1
 
 
+@pytest.mark.filterwarnings("ignore:PrecisionPolicy exp_avg")
+@pytest.mark.parametrize("name, weight_decay", [("adamw", 0.01), ("adam", 0.0)])
+def test_offload_with_te_gives_both_shares_torchs_defaults_for_what_the_user_left_out(monkeypatch, name, weight_decay):
+    fake_transformer_engine.install(monkeypatch)
+    params = [torch.nn.Parameter(torch.zeros(4, 4, dtype=BF16)) for _ in range(2)]
+    opt = build_optimizer(params, name, offload_fraction=0.5, backend="te", precision=BF16_STATE)
+    device_group = opt._device_delegate.inner.param_groups[0]  # without a GPU, fraction 0.5 splits the CPU params
+    host_defaults = opt.cpu_optimizer_cls([torch.zeros(1)]).defaults
+    for key in ("lr", "betas", "eps", "weight_decay"):
+        assert device_group[key] == opt.param_groups[0][key] == host_defaults[key], key
+    assert device_group["weight_decay"] == weight_decay
+
+
 def test_offload_refuses_sgd_and_cuda_graphs():
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="adamw"):
