@@ -27,9 +27,9 @@ with ``compiled``): about
 else ``~/.cache/offload_fsdp``, keyed by source, flags, compiler and CPU) so later
 processes load it in ~0.1 s. Before first use it checks itself against torch's
 kernel on a small problem (the vector width of torch's scalar tail is found
-there). It is loaded with :mod:`ctypes`, which
-releases the GIL during the call, so with more than one torch thread the pieces of
-a bucket are spread over a small thread pool. Buckets it does not cover (fp16
+there). It is loaded with :mod:`ctypes` and called once per bucket; with more than
+one torch thread (``torch.get_num_threads()``) the call spreads the bucket's pieces
+over that many threads of its own. Buckets it does not cover (fp16
 anything, a bf16 master with ``param_update_in_fp32=False``, all-fp32 buckets that
 the fused kernel already steps at the roofline) and any failure to compile or load
 fall back to :func:`~offload_fsdp.fused_step.adam_bucket_step`. A failure is reported once
@@ -51,7 +51,6 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -75,6 +74,7 @@ _MOMENT_FP32, _MOMENT_BF16_RNE, _MOMENT_BF16_SR = 0, 1, 2
 # flags), so the compiler vectorises each without per-element branches.
 _SOURCE = r"""
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -203,11 +203,71 @@ int offload_fsdp_adam(const adam_args* a) {
     }
     return -1;
 }
+
+#if defined(_OPENMP)
+/* All items of one bucket on `threads` threads. Built with -fopenmp, this library links
+   libgomp.so.1, and the dynamic loader hands it the copy torch already loaded (same
+   soname): torch's own worker threads run the items. A second set of threads would fight
+   torch's, which keep spinning on the cores for milliseconds after each parallel op.
+   Each item runs whole on one thread: its elements and scalar tail are exactly those of
+   one fused-kernel tensor, so any schedule gives the same bits. */
+int offload_fsdp_adam_batch(const adam_args* items, int64_t count, int threads) {
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) reduction(|:failed)
+    for (int64_t i = 0; i < count; i++) failed |= offload_fsdp_adam(&items[i]) != 0;
+    return failed ? -1 : 0;
+}
+#else
+typedef struct { const adam_args* items; int64_t begin, end; int rc; } adam_share;
+
+static void* adam_run_share(void* arg) {
+    adam_share* s = (adam_share*)arg;
+    for (int64_t i = s->begin; i < s->end; i++)
+        if (offload_fsdp_adam(&s->items[i]) != 0) s->rc = -1;
+    return 0;
+}
+
+/* Without OpenMP: runs of consecutive items of about equal element count on `threads`
+   pthreads (this one included), started and joined per call. */
+int offload_fsdp_adam_batch(const adam_args* items, int64_t count, int threads) {
+    enum { MAX_THREADS = 256 };
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > count) threads = (int)count;
+    if (threads < 1) threads = 1;
+    adam_share shares[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int64_t total = 0, acc = 0, next = 0;
+    for (int64_t i = 0; i < count; i++) total += items[i].n;
+    for (int t = 0; t < threads; t++) {
+        shares[t].items = items; shares[t].begin = next; shares[t].rc = 0;
+        const int64_t target = total * (t + 1) / threads;
+        while (next < count && (acc < target || t == threads - 1)) acc += items[next++].n;
+        shares[t].end = next;
+    }
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[t], 0, adam_run_share, &shares[t]) != 0) break;  /* run the rest here */
+        started = t;
+    }
+    adam_run_share(&shares[0]);
+    for (int t = started + 1; t < threads; t++) adam_run_share(&shares[t]);
+    int rc = shares[0].rc;
+    for (int t = 1; t < threads; t++) {
+        if (t <= started) pthread_join(tids[t], 0);
+        if (shares[t].rc != 0) rc = shares[t].rc;
+    }
+    return rc;
+}
+#endif
 """
 
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 """``-ffp-contract=off``: only the explicit ``fmaf`` of lerp fuses, as in torch's kernel;
 ``-fno-math-errno`` lets ``sqrtf`` vectorise (no errno to set, results unchanged)."""
+
+_OPENMP_FLAGS = ["-fopenmp"]
+"""Tried first (the batch entry point then runs on torch's OpenMP threads); a compiler
+without OpenMP support builds the pthread variant instead."""
 
 
 class _AdamArgs(ctypes.Structure):
@@ -223,8 +283,6 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _load_failed = False
 _vec_width = 8
-_pool: ThreadPoolExecutor | None = None
-_pool_workers = 0
 
 
 def _cache_dir() -> Path:
@@ -249,8 +307,12 @@ def _compile(compiler: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="offload_fsdp_step_") as tmp:
         src, lib = Path(tmp, "host_adam.c"), Path(tmp, "host_adam.so")
         src.write_text(_SOURCE)
-        proc = subprocess.run([compiler, *_CFLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
+        for extra in (_OPENMP_FLAGS, []):
+            command = [compiler, *_CFLAGS, *extra, str(src), "-o", str(lib), "-lm"]
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if proc.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
         out.parent.mkdir(parents=True, exist_ok=True)
         staged = out.with_name(f"{out.name}.{os.getpid()}.tmp")
@@ -279,6 +341,8 @@ def _compile_and_load() -> ctypes.CDLL:
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.offload_fsdp_adam.argtypes = [ctypes.POINTER(_AdamArgs)]
     library.offload_fsdp_adam.restype = ctypes.c_int
+    library.offload_fsdp_adam_batch.argtypes = [ctypes.POINTER(_AdamArgs), ctypes.c_int64, ctypes.c_int]
+    library.offload_fsdp_adam_batch.restype = ctypes.c_int
     return library
 
 
@@ -376,38 +440,17 @@ def _scalars(hyper: AdamHyper, step: float) -> dict[str, float | int]:
     }  # fmt: skip
 
 
-def _run(items: list[_AdamArgs]) -> None:
-    fn = _library.offload_fsdp_adam
-    for item in items:
-        if fn(ctypes.byref(item)) != 0:
-            raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
+def _run(items: list[_AdamArgs], threads: int = 1) -> None:
+    """Step ``items`` in one C call, spread over ``threads`` threads of its own.
 
-
-def _run_parallel(items: list[_AdamArgs], threads: int) -> None:
-    """Split ``items`` (in order) into ``threads`` runs of about equal element count, one per thread.
-
-    The C loop is single-threaded (torch's kernel gets its threads from torch's OpenMP
-    pool, which plain C cannot share), so this thread runs one share and a small pool
-    the rest; ctypes drops the GIL for the duration of each call.
+    The C loop cannot share torch's OpenMP pool, so the call starts its own threads
+    (pthreads, joined before it returns); ctypes drops the GIL for the whole call.
     """
-    global _pool, _pool_workers
-    if threads <= 1 or len(items) < 2:
-        _run(items)
+    if not items:
         return
-    if _pool is None or _pool_workers < threads - 1:
-        _pool, _pool_workers = ThreadPoolExecutor(threads - 1, thread_name_prefix="offload_fsdp_step"), threads - 1
-    total, chunks, current, acc = sum(a.n for a in items), [], [], 0
-    for item in items:
-        current.append(item)
-        acc += item.n
-        if acc >= total * (len(chunks) + 1) / threads and len(chunks) < threads - 1:
-            chunks.append(current)
-            current = []
-    chunks.append(current)
-    futures = [_pool.submit(_run, chunk) for chunk in chunks[1:]]
-    _run(chunks[0])
-    for f in futures:
-        f.result()
+    batch = (_AdamArgs * len(items))(*items)
+    if _library.offload_fsdp_adam_batch(batch, len(items), threads) != 0:
+        raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
 
 
 @torch.no_grad()
@@ -460,7 +503,7 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
             if sr_v:
                 item.noise_v = noise_v + b * 4
             items.append(item)
-    _run_parallel(items, torch.get_num_threads())
+    _run(items, torch.get_num_threads())
 
 
 def select_host_step() -> HostStep:

@@ -72,14 +72,17 @@ def _time_round_robin(
     return best
 
 
-def _stream_bandwidth(nbytes: int, repeats: int) -> float:
-    """Host memory bandwidth in bytes/s from an in-place ``a += b`` over ``nbytes`` per operand.
+def _bandwidth_probe(nbytes: int) -> tuple[Callable[[], None], int]:
+    """An in-place ``a += b`` over ``nbytes`` per operand, and the bytes it moves.
 
     In place, like the optimizer step (read a, read b, write a = 12 B/element): a copy
     into a separate buffer would also pay write-allocate reads and under-report it.
+    It is timed in the same interleaved rounds as the steps: on a shared VM the
+    bandwidth on offer drifts by 2x within minutes, so a probe timed apart from them
+    gives a roofline for other conditions.
     """
     a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
-    return 3 * nbytes / _time(lambda: a.add_(b), repeats)
+    return (lambda: a.add_(b)), 3 * nbytes
 
 
 def _shapes(numel: int, tensors: int) -> list[int]:
@@ -109,14 +112,14 @@ def _host_step_only(opt: HybridDeviceOptimizer) -> Callable[[], None]:
     return run
 
 
+_PROBE = "bandwidth probe"
+
+
 def bench_cpu(args: argparse.Namespace) -> None:
     sizes = _shapes(int(args.numel), args.tensors)
     n = sum(sizes)
-    bw = _stream_bandwidth(int(args.copy_mb * 2**20), args.repeats)
-    print(f"params: {n / 1e6:.1f}M in {len(sizes)} tensors; threads {torch.get_num_threads()}; "
-          f"measured bandwidth {bw / 1e9:.1f} GB/s (in-place a += b, reads + writes)")  # fmt: skip
-
-    fns: dict[str, Callable[[], None]] = {}
+    probe, probe_bytes = _bandwidth_probe(int(args.copy_mb * 2**20))
+    fns: dict[str, Callable[[], None]] = {_PROBE: probe}
     meta: dict[str, tuple[int | None, float]] = {}  # name -> (bytes moved per param, host bytes per param)
     keep = []  # keeps every optimizer (and its params) alive while timing
     built: dict[str, float] = {}
@@ -156,6 +159,10 @@ def bench_cpu(args: argparse.Namespace) -> None:
     else:
         os.environ[HOST_STEP_ENV] = env_before
     times = _time_round_robin(fns, args.repeats)
+    bw = probe_bytes / times.pop(_PROBE)
+    del fns[_PROBE]
+    print(f"params: {n / 1e6:.1f}M in {len(sizes)} tensors; threads {torch.get_num_threads()}; "
+          f"measured bandwidth {bw / 1e9:.1f} GB/s (in-place a += b, reads + writes, timed in the same rounds)")  # fmt: skip
     t_ref = times["torch AdamW(fused=True), fp32"]
     rows = [(name, times[name], *meta[name]) for name in fns]
 

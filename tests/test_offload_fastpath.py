@@ -69,15 +69,24 @@ def _train(monkeypatch, host_step, dtype, policy, opt_cls, steps, *, piece=64, t
     return [p.detach().clone() for p in params], opt.state_dict()
 
 
+class _Calls(list):
+    """Elements per C call; ``threads`` holds the thread count each call was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[int] = []
+
+
 @pytest.fixture
 def c_calls(monkeypatch):
     """Elements stepped by the C loop, so a silent fallback to the fused path cannot pass for parity."""
-    seen = []
+    seen = _Calls()
     run = compiled_step._run
 
-    def counting(items):
+    def counting(items, threads=1):
         seen.append(sum(item.n for item in items))
-        run(items)
+        seen.threads.append(threads)
+        run(items, threads)
 
     monkeypatch.setattr(compiled_step, "_run", counting)
     return seen
@@ -124,7 +133,7 @@ def test_compiled_step_spread_over_threads_and_whole_pieces_is_still_bit_identic
         fused = _train(monkeypatch, "fused", dtype, policy, opt_cls, 3, piece=piece, **hyper)
         compiled = _train(monkeypatch, "compiled", dtype, policy, opt_cls, 3, piece=piece, threads=2, **hyper)
         _assert_identical(fused, compiled)
-    assert len(c_calls) > 2 * 3  # two threads' shares per step, each run by the C loop
+    assert c_calls and set(c_calls.threads) == {2}  # every C call spread over the 2 torch threads
 
 
 @needs_cc
