@@ -240,3 +240,26 @@ def test_the_built_step_is_cached_so_a_later_process_loads_it_without_compiling(
     monkeypatch.setattr(compiled_step, "_library", None)  # a "later process": fresh module state
     monkeypatch.setattr(compiled_step, "_compile", lambda *a: pytest.fail("compiled again despite the cache"))
     assert compiled_step.compiled_step_available()
+
+
+@needs_cc
+def test_without_openmp_the_pthread_build_is_bit_identical_over_two_threads(monkeypatch, tmp_path, c_calls):
+    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_step, "_library", None)
+    monkeypatch.setattr(compiled_step, "_load_failed", False)
+    monkeypatch.setattr(compiled_step, "_OPENMP_FLAGS", ["-fno-such-openmp-flag"])  # the OpenMP build fails
+    assert compiled_step.compiled_step_available()
+    library = compiled_step._library
+    assert not any("GOMP" in line for line in _dynamic_symbols(library._name))  # the pthread variant
+    dtype, policy, opt_cls, hyper = CASES["bf16 params, bf16 state (SR on exp_avg_sq), Adam L2 maximize"]
+    fused = _train(monkeypatch, "fused", dtype, policy, opt_cls, 3, **hyper)
+    compiled = _train(monkeypatch, "compiled", dtype, policy, opt_cls, 3, threads=2, **hyper)
+    assert compiled_step._library is library and set(c_calls.threads) == {2}
+    _assert_identical(fused, compiled)
+
+
+def _dynamic_symbols(path: str) -> list[str]:
+    """Undefined dynamic symbols of a shared library (``nm -D -u``)."""
+    import subprocess
+
+    return subprocess.run(["nm", "-D", "-u", path], capture_output=True, text=True, check=True).stdout.splitlines()
