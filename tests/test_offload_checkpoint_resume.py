@@ -18,7 +18,11 @@ from offload_fsdp import HybridDeviceOptimizer
 from optim import PrecisionPolicy
 
 # one process, no process group: DCP says it assumes so, which is the point here
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    # fraction 0.5: the device share is a plain AdamW with fp32 moments, as the warning says
+    pytest.mark.filterwarnings("ignore:PrecisionPolicy exp_avg/exp_avg_sq dtypes apply:UserWarning"),
+]
 
 BF16_STATE = PrecisionPolicy(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
 
