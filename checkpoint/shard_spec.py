@@ -100,6 +100,8 @@ def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:
 
     Reads ``fsdp_shard_spec`` first, then Megatron-FSDP's ``megatron_fsdp_slice``
     (global shape from ``orig_param`` if present, else the DTensor's global shape).
+    Raises ``TypeError`` for a strided slice and ``ValueError`` for one whose length
+    is not the tensor's element count.
     """
     spec = getattr(tensor, SHARD_SPEC_ATTR, None)
     if spec is not None:
@@ -111,6 +113,12 @@ def shard_spec_of(tensor: torch.Tensor) -> ShardSpec | None:
         raise TypeError(
             f"{MEGATRON_SLICE_ATTR} must be a contiguous slice of the flattened parameter, got {megatron_slice!r}"
         )
+    start = int(megatron_slice.start or 0)
+    if megatron_slice.stop is not None and megatron_slice.stop - start != tensor.numel():
+        raise ValueError(
+            f"{MEGATRON_SLICE_ATTR} {megatron_slice} covers {megatron_slice.stop - start} elements but the "
+            f"local shard has {tensor.numel()}; the slice must describe exactly the local data"
+        )
     orig = getattr(tensor, "orig_param", None)
     global_shape = tuple(orig.shape) if orig is not None else tuple(tensor.shape)
-    return ShardSpec(global_shape=global_shape, flat_start=int(megatron_slice.start or 0))
+    return ShardSpec(global_shape=global_shape, flat_start=start)

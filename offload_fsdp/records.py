@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from checkpoint.shard_spec import MEGATRON_SLICE_ATTR, SHARD_SPEC_ATTR, shard_spec_of
+from checkpoint.shard_spec import shard_spec_of
 from optim.grad import local_tensor
 
 if TYPE_CHECKING:
@@ -138,20 +138,10 @@ def _validate(param: torch.Tensor, name: str) -> None:
         raise ValueError(f"parameter {name!r} is not contiguous; make it contiguous before building the optimizer")
     try:
         spec = shard_spec_of(param)
-    except TypeError as exc:  # a malformed megatron_fsdp_slice: say which parameter carries it
-        raise TypeError(f"parameter {name!r}: {exc}") from exc
-    if spec is None:
-        return
-    spec.check_local(param, name=name)
-    megatron_slice = getattr(param, MEGATRON_SLICE_ATTR, None)
-    if getattr(param, SHARD_SPEC_ATTR, None) is None and megatron_slice is not None and megatron_slice.stop is not None:
-        # shard_spec_of reads only the slice's start: a stop that disagrees with the local data is a layout bug
-        covered = megatron_slice.stop - spec.flat_start
-        if covered != param.numel():
-            raise ValueError(
-                f"parameter {name!r}: {MEGATRON_SLICE_ATTR} {megatron_slice} covers {covered} elements but the "
-                f"local shard has {param.numel()}; the slice must describe exactly the local data"
-            )
+    except (TypeError, ValueError) as exc:  # a malformed megatron_fsdp_slice: say which parameter carries it
+        raise type(exc)(f"parameter {name!r}: {exc}") from exc
+    if spec is not None:
+        spec.check_local(param, name=name)
 
 
 def build_records(groups: list[dict[str, Any]], *, first_group_index: int = 0) -> list[ParamShard]:

@@ -30,3 +30,10 @@ def test_shard_spec_of_reads_our_attribute_then_megatron_convention():
     m.orig_param = torch.empty(4, 4, device="meta")
     assert shard_spec_of(m) == ShardSpec(global_shape=(4, 4), flat_start=8)
     assert shard_spec_of(torch.zeros(3)) is None
+
+
+def test_a_megatron_slice_whose_length_is_not_the_local_numel_is_rejected():
+    m = torch.zeros(3)
+    m.megatron_fsdp_slice = slice(2, 6)
+    with pytest.raises(ValueError, match="covers 4 elements but the local shard has 3"):
+        shard_spec_of(m)
