@@ -14,6 +14,7 @@ from checkpoint.async_save import async_save_state_dict
 from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
 from checkpoint.training_state import (
     MASTER_PARAM,
+    key_path,
     materialize_optimizer_state,
     model_entries,
     optimizer_entries,
@@ -49,7 +50,7 @@ def _training_state(model, optimizer, extra) -> dict[str, Any]:
         state["model"] = model_entries(model)
     if optimizer is not None:
         entries = optimizer_entries(optimizer, optimizer.state_dict(), param_fqns(model), for_save=True)
-        state["optimizer"] = {"state": entries.state, "param_groups": entries.param_groups}
+        state["optimizer"] = {"state": entries.state, "param_groups": {**entries.param_groups, **entries.indexed_groups}}
     if extra:
         state["extra"] = dict(extra)
     return state
@@ -128,7 +129,12 @@ def load(
         scope.append("optimizer.state.")
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
-    report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope))
+    try:
+        report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope))
+    except BaseException:
+        if opt_plan is not None:
+            opt_plan.abort()
+        raise
     if opt_plan is not None:
         opt_plan.finish(values, report)
     return LoadResult(_unflatten_extra(opened.metadata, extra_targets, values), report)
@@ -144,14 +150,21 @@ class _OptimizerLoad:
         fresh = {fqns[i] for i in materialize_optimizer_state(optimizer) if i in fqns}
         self.osd = optimizer.state_dict()
         self.entries = optimizer_entries(optimizer, self.osd, fqns, for_save=False)
-        saved_fqns = {k[len("optimizer.state.") :].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")}
+        saved_fqns = _fqns_under("optimizer.state.", saved)
         # State created here for a parameter the checkpoint has none for is dropped again after the load.
         self.unsaved = {f for f in fresh if f not in saved_fqns}
+        self.fresh = fresh
         self.targets: dict[str, Any] = {}
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
+        known = _params_known_to_saved_optimizer(saved, fqns)
+        trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
+                if fqn not in known and fqn in trainable:
+                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint): resuming
+                    # would restart its moments from zero. Asked for, so strict load names it as missing.
+                    self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
                 key = f"optimizer.state.{fqn}.{name}"
@@ -172,6 +185,13 @@ class _OptimizerLoad:
                         self.group_keys.append((g_index, hyper, key))
                         break
 
+    def abort(self) -> None:
+        """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""
+        if self.fresh:
+            index_of = self.entries.index_of
+            state = {i: v for i, v in self.osd["state"].items() if i not in {index_of[f] for f in self.fresh}}
+            self.optimizer.load_state_dict({**self.osd, "state": state})
+
     def finish(self, values: dict[str, Any], report: LoadReport) -> None:
         """Hand the filled state dict to the optimizer. Precondition: the model's weights are loaded."""
         state = self.osd["state"]
@@ -191,6 +211,26 @@ class _OptimizerLoad:
         # HybridDeviceOptimizer.load_state_dict refreshes masters from the just-loaded weights
         # itself, except those saved in the checkpoint (already loaded in place: they win).
         self.optimizer.load_state_dict(self.osd)
+
+
+def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:
+    """The parameter names of the keys ``<prefix><fqn>.<name>`` in ``saved``."""
+    return {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
+
+
+def _params_known_to_saved_optimizer(saved: dict[str, Any], fqns: dict[int, str]) -> set[str]:
+    """The FQNs the saved optimizer held: with state, or in a saved param group.
+
+    A parameter in a saved group but without state never had a gradient (lazy
+    state): it loads as "no state". Torch's unflattened layout
+    (``optimizer.param_groups.<index>.<option>``) names no parameter, so there
+    every parameter counts as known once any group was saved.
+    """
+    grouped = _fqns_under("optimizer.param_groups.", saved)
+    named = {name for name in grouped if not name.isdigit()}
+    if grouped and not named:
+        return set(fqns.values())
+    return _fqns_under("optimizer.state.", saved) | named
 
 
 def _skipped(key: str, report: LoadReport) -> bool:
@@ -217,6 +257,9 @@ def _unflatten_extra(metadata, targets: dict[str, Any], values: dict[str, Any]) 
     nested: dict[str, Any] = {}
     for key, target in targets.items():
         value = values.get(key, target)
-        path = paths.get(key, ("extra", key[len("extra.") :]))
+        path = key_path(key, paths)
+        if path[0] != "extra":
+            # written by a tool that recorded no nesting (fsdp-ckpt reshard before 2026-11: (key,))
+            path = key_path(key)
         set_element(nested, path, value)
     return nested.get("extra", {})

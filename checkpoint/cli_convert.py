@@ -260,6 +260,7 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
     write_checkpoint(
         dst, args.world_size, targets, _overlapped(source, targets),
         max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force, group=args.group,
+        paths=getattr(getattr(source, "metadata", None), "planner_data", None),
     )
     bar.close()
     seconds = time.perf_counter() - start
