@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
@@ -99,6 +100,7 @@ def load(
     strict: bool = True,
     verify: str = "sizes",
     require_manifest: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
@@ -110,6 +112,9 @@ def load(
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
     ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
     (``False`` reads a plain ``dcp.save`` directory too): see :func:`checkpoint.open_checkpoint`.
+    ``extra``: objects saved as ``extra`` values that load in place, as
+    ``dcp.load`` does: each Stateful one (``load_state_dict()``: a dataloader,
+    a module) is given its saved state; the returned dict holds the object.
     """
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     saved = opened.metadata.state_dict_metadata
@@ -137,7 +142,22 @@ def load(
         raise
     if opt_plan is not None:
         opt_plan.finish(values, report)
-    return LoadResult(_unflatten_extra(opened.metadata, extra_targets, values), report)
+    saved_extra = _unflatten_extra(opened.metadata, extra_targets, values)
+    _load_stateful_extra(saved_extra, extra or {}, strict, report)
+    return LoadResult(saved_extra, report)
+
+
+def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    for name, obj in objects.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place")
+        if name not in saved:
+            if strict:
+                raise ValueError(f"the checkpoint has no extra.{name} to load into {type(obj).__name__}; pass strict=False to skip it")
+            report.missing_keys.append(f"extra.{name}")
+            continue
+        obj.load_state_dict(saved[name])
+        saved[name] = obj
 
 
 class _OptimizerLoad:

@@ -93,3 +93,72 @@ def test_a_frozen_param_without_saved_state_is_not_an_error(tmp_path):
     for p in model2.parameters():
         p.requires_grad_(False)
     checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
+
+
+class _Loader:
+    """A dataloader-like Stateful: its position is state, and so is a tensor (an RNG state)."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+        self.rng = torch.full((3,), position, dtype=torch.uint8)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "rng": self.rng.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+        self.rng = state["rng"].clone()
+
+
+def test_stateful_values_save_their_state_and_load_through_load_state_dict(tmp_path):
+    module = torch.nn.Linear(3, 2)
+    checkpoint.save_state_dict({"extra": {"loader": _Loader(9), "head": module}}, tmp_path / "c")
+    keys = set(checkpoint.open_checkpoint(tmp_path / "c").metadata.state_dict_metadata)
+    assert keys == {"extra.loader.position", "extra.loader.rng", "extra.head.weight", "extra.head.bias"}
+
+    loader, head = _Loader(), torch.nn.Linear(3, 2)
+    checkpoint.load_state_dict({"extra": {"loader": loader, "head": head}}, tmp_path / "c")
+    assert loader.position == 9 and torch.equal(loader.rng, torch.full((3,), 9, dtype=torch.uint8))
+    assert torch.equal(head.weight, module.weight) and torch.equal(head.bias, module.bias)
+
+
+def test_checkpoint_load_hands_stateful_extra_values_their_saved_state(tmp_path):
+    model = _model()
+    checkpoint.save(tmp_path / "c", model=model, extra={"step": 3, "loader": _Loader(4)})
+    loader = _Loader()
+    got = checkpoint.load(tmp_path / "c", model=_model(1), extra={"loader": loader})
+    assert got["loader"] is loader and loader.position == 4 and got["step"] == 3
+    with pytest.raises(ValueError, match="extra.other"):
+        checkpoint.load(tmp_path / "c", model=_model(1), extra={"other": _Loader()})
+
+
+def test_conjugate_and_negative_views_save_their_values(tmp_path):
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    n = torch.tensor([1.0, 2.0])._neg_view()  # what z.conj().imag and friends hand out
+    checkpoint.save_state_dict({"z": z.conj(), "n": n}, tmp_path / "c")
+    out = {"z": torch.zeros(2, dtype=torch.complex64), "n": torch.zeros(2)}
+    checkpoint.load_state_dict(out, tmp_path / "c")
+    assert torch.equal(out["z"], z.conj().resolve_conj()) and torch.equal(out["n"], torch.tensor([-1.0, -2.0]))
+
+
+def _sharded_tensor_body(rank: int, world_size: int, root: str) -> None:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    full = torch.arange(16.0).reshape(4, 4)
+    place = f"rank:{rank}/cpu"
+    one = init_from_local_shards([Shard(full[2 * rank : 2 * rank + 2].clone(), ShardMetadata([2 * rank, 0], [2, 4], place))], [4, 4])
+    checkpoint.save_state_dict({"w": one}, f"{root}/one")
+    blocks = [Shard(full[r : r + 1].clone(), ShardMetadata([r, 0], [1, 4], place)) for r in (2 * rank, 2 * rank + 1)]
+    two = init_from_local_shards(blocks, [4, 4])
+    with pytest.raises(TypeError, match="2 local shards on this rank is not supported.*checkpoint.shard"):
+        checkpoint.save_state_dict({"w": two}, f"{root}/two")
+
+
+def test_a_one_block_sharded_tensor_saves_and_a_multi_block_one_is_refused_with_what_to_pass(tmp_path):
+    from tests.distributed import run_ranks
+
+    run_ranks(_sharded_tensor_body, 2, (str(tmp_path),))
+    out = {"w": torch.zeros(4, 4)}
+    checkpoint.load_state_dict(out, tmp_path / "one")
+    assert torch.equal(out["w"], torch.arange(16.0).reshape(4, 4))
