@@ -112,6 +112,9 @@ def load(
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
     ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
     (``False`` reads a plain ``dcp.save`` directory too): see :func:`checkpoint.open_checkpoint`.
+    A ``master_param`` saved by ``HybridDeviceOptimizer`` (an fp32 master of a
+    bf16 weight) loading into an optimizer that keeps no masters goes into the
+    model weight when that is fp32 (the master is the better copy), else is skipped.
     ``extra``: objects saved as ``extra`` values that load in place, as
     ``dcp.load`` does: each Stateful one (``load_state_dict()``: a dataloader,
     a module) is given its saved state; the returned dict holds the object.
@@ -121,6 +124,7 @@ def load(
     targets: dict[str, Any] = {}
     optional: set[str] = set()
     scope: list[str] = []
+    ignored: set[str] = set()
     if optimizer is not None and model is None:
         raise ValueError("loading an optimizer needs its model too (state is keyed by parameter names)")
     if model is not None:
@@ -131,11 +135,14 @@ def load(
         opt_plan = _OptimizerLoad(optimizer, model, saved)
         targets.update(opt_plan.targets)
         optional |= opt_plan.optional
+        ignored = set(opt_plan.unheld_masters)
         scope.append("optimizer.state.")
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
     try:
-        report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope))
+        report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored)
+        if opt_plan is not None:
+            _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report)
     except BaseException:
         if opt_plan is not None:
             opt_plan.abort()
@@ -192,6 +199,12 @@ class _OptimizerLoad:
                 self.state_keys[key] = (fqn, name)
                 if name == MASTER_PARAM:
                     self.optional.add(key)  # not stored when equal to the weight; rebuilt from it
+        # Saved masters of parameters whose optimizer here keeps none (a plain torch optimizer).
+        self.unheld_masters = {
+            f"optimizer.state.{fqn}.{MASTER_PARAM}": fqn
+            for fqn, entry in self.entries.state.items()
+            if MASTER_PARAM not in entry and f"optimizer.state.{fqn}.{MASTER_PARAM}" in saved
+        }
         self.group_keys: list[tuple[int, str, str]] = []
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
             for hyper in osd_group:
@@ -231,6 +244,23 @@ class _OptimizerLoad:
         # HybridDeviceOptimizer.load_state_dict refreshes masters from the just-loaded weights
         # itself, except those saved in the checkpoint (already loaded in place: they win).
         self.optimizer.load_state_dict(self.osd)
+
+
+def _masters_into_weights(opened, masters: dict[str, str], targets: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    """Saved fp32 masters for an optimizer that keeps none: the better copy of an fp32 weight.
+
+    Loaded over an fp32 model weight after the weights (the saved weight may be
+    its bf16 cast); skipped for a low-precision weight, which the saved weight
+    already is (the master rounded).
+    """
+    into = {}
+    for key, fqn in masters.items():
+        weight = targets.get(f"model.{fqn}")
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            into[key] = weight
+    if into:
+        sub_report, _ = load_flat(opened, into, strict=strict, scope=())
+        report.mismatched_keys += sub_report.mismatched_keys
 
 
 def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:

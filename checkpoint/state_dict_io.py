@@ -183,12 +183,13 @@ def load_flat(
     strict: bool,
     optional: set[str] = frozenset(),
     scope: tuple[str, ...] = ("",),
+    ignored: set[str] = frozenset(),
 ) -> tuple[LoadReport, dict[str, Any]]:
     """Fill flat ``targets`` (dotted key -> tensor / placeholder) from ``opened``; tensors in place.
 
     Returns the report and the loaded non-tensor values by key. ``optional``
     keys are never reported missing; only checkpoint keys starting with one of
-    ``scope`` count as unexpected. Strict: raises ``ValueError`` naming every
+    ``scope`` and not in ``ignored`` count as unexpected. Strict: raises ``ValueError`` naming every
     problem before reading anything.
     """
     saved = opened.metadata.state_dict_metadata
@@ -205,7 +206,7 @@ def load_flat(
             report.mismatched_keys.append(problem)
         else:
             loadable[key] = value
-    report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope)]
+    report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:

@@ -162,3 +162,38 @@ def test_a_one_block_sharded_tensor_saves_and_a_multi_block_one_is_refused_with_
     out = {"w": torch.zeros(4, 4)}
     checkpoint.load_state_dict(out, tmp_path / "one")
     assert torch.equal(out["w"], torch.arange(16.0).reshape(4, 4))
+
+
+def _hybrid_bf16_checkpoint(path):
+    from offload_fsdp import HybridDeviceOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).bfloat16()
+    opt = HybridDeviceOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 1.0)
+    for _ in range(2):
+        model(torch.randn(4, 6).bfloat16()).float().square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(path, model=model, optimizer=opt)
+    masters = {n: opt.state[p]["master_param"].clone() for n, p in model.named_parameters()}
+    return model, opt, masters
+
+
+def test_saved_masters_load_strictly_into_a_plain_optimizer_fp32_weights_take_the_master(tmp_path):
+    model, opt, masters = _hybrid_bf16_checkpoint(tmp_path / "c")
+    assert any(k.endswith(".master_param") for k in checkpoint.open_checkpoint(tmp_path / "c").metadata.state_dict_metadata)
+
+    fp32 = _model(1).float()
+    fp32[1] = torch.nn.Tanh()
+    plain = torch.optim.AdamW(fp32.parameters())
+    checkpoint.load(tmp_path / "c", model=fp32, optimizer=plain)
+    for name, p in fp32.named_parameters():
+        assert torch.equal(p, masters[name]), name  # the master, not the bf16 weight widened
+        assert "master_param" not in plain.state[p]
+        assert torch.equal(plain.state[p]["exp_avg"], opt.state[dict(model.named_parameters())[name]]["exp_avg"])
+
+    bf16 = _model(1).bfloat16()
+    plain = torch.optim.AdamW(bf16.parameters())
+    checkpoint.load(tmp_path / "c", model=bf16, optimizer=plain)  # strict: the masters are skipped
+    for (name, p), q in zip(bf16.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
