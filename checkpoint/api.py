@@ -15,11 +15,13 @@ from checkpoint.async_save import async_save_state_dict
 from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
 from checkpoint.training_state import (
     MASTER_PARAM,
+    TIED_SECTION,
     key_path,
     materialize_optimizer_state,
     model_entries,
     optimizer_entries,
     param_fqns,
+    tied_aliases,
 )
 
 __all__ = ["LoadResult", "async_save", "load", "save"]
@@ -49,6 +51,10 @@ def _training_state(model, optimizer, extra) -> dict[str, Any]:
     state: dict[str, Any] = {}
     if model is not None:
         state["model"] = model_entries(model)
+        aliases = tied_aliases(model)
+        if aliases:
+            # both names stay stored (plain dcp.load asks for both); export reads this to write one
+            state[TIED_SECTION] = aliases
     if optimizer is not None:
         entries = optimizer_entries(optimizer, optimizer.state_dict(), param_fqns(model), for_save=True)
         state["optimizer"] = {"state": entries.state, "param_groups": {**entries.param_groups, **entries.indexed_groups}}
@@ -130,6 +136,9 @@ def load(
     if model is not None:
         targets.update({f"model.{k}": v for k, v in model_entries(model).items()})
         scope.append("model.")
+        for alias, twin in tied_aliases(model).items():
+            if f"model.{twin}" in saved:
+                optional.add(f"model.{alias}")  # the same tensor: filled through its twin (HF leaves it out)
     opt_plan = None
     if optimizer is not None:
         opt_plan = _OptimizerLoad(optimizer, model, saved)

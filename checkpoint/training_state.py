@@ -39,6 +39,8 @@ __all__ = [
     "model_entries",
     "optimizer_entries",
     "param_fqns",
+    "TIED_SECTION",
+    "tied_aliases",
 ]
 
 MASTER_PARAM = "master_param"
@@ -86,6 +88,26 @@ def param_fqns(model: torch.nn.Module) -> dict[int, str]:
     for name, p in _module(model).named_parameters():
         names.setdefault(id(p), clean_fqn(name))
     return names
+
+
+TIED_SECTION = "model_tied"
+"""Top-level section ``model_tied.<alias fqn>`` -> twin fqn: the model's tied weights, as saved."""
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``alias fqn -> twin fqn`` for every parameter listed under a second name (tied weights).
+
+    The twin is the first name ``named_parameters()`` gives it (GPT-2:
+    ``lm_head.weight`` -> ``transformer.wte.weight``).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in _module(model).named_parameters(remove_duplicate=False):
+        fqn = clean_fqn(name)
+        twin = first.setdefault(id(p), fqn)
+        if twin != fqn:
+            aliases[fqn] = twin
+    return aliases
 
 
 def model_entries(model: torch.nn.Module) -> dict[str, Any]:
