@@ -322,7 +322,7 @@ class Target:
     op: str = "copy"
     """"copy" (one source), "slice" (``sources[0]`` narrowed), "cat" (sources concatenated), "first",
     "stack" (per index, ``length`` sources concatenated along ``dim``, the results stacked along a new
-    dim 0), "unstack" (``sources[0][index]`` narrowed)"""
+    dim 0), "unstack" (``sources[0][index]`` narrowed), "rename_names" (a list of parameter names, renamed)"""
     dim: int = 0
     start: int = 0
     length: int = 0
@@ -330,6 +330,8 @@ class Target:
     """the index along dim 0 an "unstack" takes"""
     reshape: tuple[int, ...] | None = None
     """the shape the built value is reshaped to (``shape`` holds it too)"""
+    renames: tuple[Rename, ...] = ()
+    """for "rename_names" (a param group's list of parameter names): the rename rules to apply to each"""
 
     @property
     def nbytes(self) -> int:
@@ -374,14 +376,22 @@ def plan(entries: dict[str, Entry], rules: Rules) -> list[Target]:
     return renamed
 
 
+_GROUP_NAME_LISTS = re.compile(r"optimizer\.param_groups\.[0-9]+\.(params|param_names)\Z")
+
+
 def _copy_target(key: str, entry: Entry) -> Target:
+    if entry.kind == "object" and _GROUP_NAME_LISTS.match(key):
+        # torch's per-group layout lists parameter names: renames must reach them too
+        return Target(key, entry.kind, entry.dtype, entry.shape, (key,), "rename_names")
     return Target(key, entry.kind, entry.dtype, entry.shape, (key,))
 
 
 def _renamed(target: Target, rules: Rules) -> Target:
+    if target.op == "rename_names":
+        return dataclasses.replace(target, renames=rules.renames)
     parts = split_key(target.name)
-    if parts is None or not rules.renames:
-        return target
+    if parts is None or not rules.renames or (parts[0] == "optimizer.param_groups." and parts[1].isdigit()):
+        return target  # torch's per-group layout: the number is a group's, not a parameter name
     prefix, fqn, suffix = parts
     return dataclasses.replace(target, name=prefix + rules.rename(fqn) + suffix)
 
@@ -545,6 +555,8 @@ def materialize(target: Target, fetch: Callable[[str], Any]) -> Any:
 
 
 def _built(target: Target, fetch: Callable[[str], Any]) -> Any:
+    if target.op == "rename_names":
+        return [Rules(renames=target.renames).rename(name) for name in fetch(target.sources[0])]
     if target.op == "stack":
         groups = [target.sources[i : i + target.length] for i in range(0, len(target.sources), target.length)]
         return torch.stack([torch.cat([fetch(s) for s in group], dim=target.dim) for group in groups])

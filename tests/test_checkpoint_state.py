@@ -197,3 +197,23 @@ def test_saved_masters_load_strictly_into_a_plain_optimizer_fp32_weights_take_th
     checkpoint.load(tmp_path / "c", model=bf16, optimizer=plain)  # strict: the masters are skipped
     for (name, p), q in zip(bf16.named_parameters(), model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_reshard_with_a_rename_renames_the_per_group_parameter_lists_plain_dcp_reads(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import torch.distributed.checkpoint as dcp
+
+    model, opt, _ = _trained()
+    checkpoint.save(tmp_path / "c", model=model, optimizer=opt)
+    args = ["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--world-size", "1", "-q", "--rename", r"^(\d)", r"net.\1"]
+    assert fsdp_ckpt(args) == 0
+    renamed = torch.nn.Module()
+    renamed.net = _model(1)
+    opt2 = torch.optim.AdamW(renamed.parameters())
+    renamed.net(torch.randn(1, 6)).sum().backward()
+    opt2.step()
+    msd, osd = get_state_dict(renamed, opt2)  # torch's default layout: asks for param_groups.0.params
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "r", no_dist=True)
+    assert osd["param_groups"][0]["params"] == [f"net.{n}" for n, _ in model.named_parameters()]
+    set_state_dict(renamed, opt2, model_state_dict=msd, optim_state_dict=osd)
+    assert torch.equal(opt2.state[renamed.net[2].bias]["exp_avg"], opt.state[model[2].bias]["exp_avg"])
