@@ -183,7 +183,7 @@ def load_flat(
     strict: bool,
     optional: set[str] = frozenset(),
     scope: tuple[str, ...] = ("",),
-    ignored: set[str] = frozenset(),
+    ignored: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[LoadReport, dict[str, Any]]:
     """Fill flat ``targets`` (dotted key -> tensor / placeholder) from ``opened``; tensors in place.
 

@@ -32,6 +32,8 @@ from checkpoint.shard_spec import shard_spec_of
 
 __all__ = [
     "MASTER_PARAM",
+    "PARAM_NAMES",
+    "TIED_SECTION",
     "OptimizerEntries",
     "clean_fqn",
     "key_path",
@@ -39,7 +41,6 @@ __all__ = [
     "model_entries",
     "optimizer_entries",
     "param_fqns",
-    "TIED_SECTION",
     "tied_aliases",
 ]
 

@@ -451,7 +451,9 @@ def _stack_targets(entries: dict[str, Entry], rules: Rules, consumed: set[str]) 
         groups: dict[tuple[str, tuple[str, ...], str], list[int]] = {}
         for key in entries:
             parts = split_key(key)
-            hit = rule.match_part(0, parts[1]) if parts else None
+            if parts is None:
+                continue
+            hit = rule.match_part(0, parts[1])
             if hit:
                 groups.setdefault((parts[0], hit[0], parts[2]), []).append(hit[1])
         for (prefix, values, suffix), indices in groups.items():

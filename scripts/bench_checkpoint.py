@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -386,10 +387,31 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
-    """Per-tensor save / load cost as the same bytes are cut into more parameters (model + AdamW state)."""
+def _ours_save(model, opt, path) -> None:
+    checkpoint.save(path, model=model, optimizer=opt)
+
+
+def _ours_load(model, opt, path) -> None:
+    checkpoint.load(path, model=model, optimizer=opt)
+
+
+def _dcp_save(model, opt, path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path, no_dist=True)
+
+
+def _dcp_load(model, opt, path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path, no_dist=True)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
+def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
+    """Per-parameter save / load cost as the same bytes are cut into more parameters (model + AdamW state)."""
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -397,31 +419,14 @@ def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
     print(f"{'params':>7s} {'who':5s} {'save s':>7s} {'load s':>7s} {'save us/param':>14s} {'load us/param':>14s} {'bytes/param':>12s}")
     for count in counts:
         model, opt = _params_model(count, mib << 20)
-
-        def ours_save(path):
-            checkpoint.save(path, model=model, optimizer=opt)
-
-        def ours_load(path):
-            checkpoint.load(path, model=model, optimizer=opt)
-
-        def dcp_save(path):
-            msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path, no_dist=True)
-
-        def dcp_load(path):
-            msd, osd = get_state_dict(model, opt)
-            dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path, no_dist=True)
-            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
-
-        for who, save, load in (("ours", ours_save, ours_load), ("dcp", dcp_save, dcp_load)):
-            saves, loads = [], []
+        for who, save, load in (("ours", _ours_save, _ours_load), ("dcp", _dcp_save, _dcp_load)):
+            saves, loads, size = [], [], 0
             for round_ in range(2):
                 path = root / f"scale_{who}_{count}_{round_}"
-                saves.append(_timed(lambda: save(path)))
-                loads.append(_timed(lambda: load(path)))
-            size = _dir_bytes(path)
-            for round_ in range(2):
-                shutil.rmtree(root / f"scale_{who}_{count}_{round_}", ignore_errors=True)
+                saves.append(_timed(partial(save, model, opt, path)))
+                loads.append(_timed(partial(load, model, opt, path)))
+                size = _dir_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
             s, l = min(saves), min(loads)
             print(f"{count:7d} {who:5s} {s:7.2f} {l:7.2f} {s / count * 1e6:14.0f} {l / count * 1e6:14.0f} {size / count:12.0f}")
 

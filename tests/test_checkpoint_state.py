@@ -60,8 +60,8 @@ def test_export_to_a_torch_file_then_import_keeps_extra(tmp_path):
 
 
 def test_a_checkpoint_resharded_by_the_old_writer_still_returns_its_extra(tmp_path):
-    from checkpoint.manifest import METADATA_NAME
     from checkpoint.commit import write_metadata
+    from checkpoint.manifest import METADATA_NAME
 
     checkpoint.save(tmp_path / "c", model=_model(), extra={"step": 4})
     opened = checkpoint.open_checkpoint(tmp_path / "c")
@@ -72,7 +72,7 @@ def test_a_checkpoint_resharded_by_the_old_writer_still_returns_its_extra(tmp_pa
 
 
 def test_strict_load_of_a_model_only_checkpoint_into_an_optimizer_names_the_first_param_without_state(tmp_path):
-    model, opt, _ = _trained()
+    model, _, _ = _trained()
     checkpoint.save(tmp_path / "c", model=model)
     model2 = _model(1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
@@ -86,7 +86,7 @@ def test_strict_load_of_a_model_only_checkpoint_into_an_optimizer_names_the_firs
 
 
 def test_a_frozen_param_without_saved_state_is_not_an_error(tmp_path):
-    model, opt, _ = _trained()
+    model, _, _ = _trained()
     checkpoint.save(tmp_path / "c", model=model)
     model2 = _model(1)
     opt2 = torch.optim.AdamW(model2.parameters())
@@ -200,8 +200,8 @@ def test_saved_masters_load_strictly_into_a_plain_optimizer_fp32_weights_take_th
 
 
 def test_reshard_with_a_rename_renames_the_per_group_parameter_lists_plain_dcp_reads(tmp_path):
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model, opt, _ = _trained()
     checkpoint.save(tmp_path / "c", model=model, optimizer=opt)

@@ -187,7 +187,7 @@ def test_stack_builds_fused_experts_with_their_optimizer_state_and_unstack_is_it
             values[f"optimizer.state.experts.{e}.{part}.weight.step"] = torch.tensor(7.0)
     source = _DictSource(values)
     rule = Stack("experts.gate_up", 0, ("experts.#.gate.weight", "experts.#.up.weight"))
-    out = dict((t.name, v) for t, v in stream_targets(source, plan(source.entries, Rules(stacks=(rule,)))))
+    out = {t.name: v for t, v in stream_targets(source, plan(source.entries, Rules(stacks=(rule,))))}
     assert set(out) == {"model.experts.gate_up", "optimizer.state.experts.gate_up.exp_avg", "optimizer.state.experts.gate_up.step"}
     for e in range(3):
         want = torch.cat([values[f"model.experts.{e}.gate.weight"], values[f"model.experts.{e}.up.weight"]])
@@ -195,7 +195,7 @@ def test_stack_builds_fused_experts_with_their_optimizer_state_and_unstack_is_it
     assert out["model.experts.gate_up"].shape == (3, 4, 4) and torch.equal(out["optimizer.state.experts.gate_up.step"], torch.tensor(7.0))
 
     back = _DictSource(out)
-    again = dict((t.name, v) for t, v in stream_targets(back, plan(back.entries, Rules(unstacks=(rule,)))))
+    again = {t.name: v for t, v in stream_targets(back, plan(back.entries, Rules(unstacks=(rule,))))}
     assert again.keys() == values.keys()
     for key, value in values.items():
         assert torch.equal(again[key], value), key
