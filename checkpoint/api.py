@@ -9,15 +9,19 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
 from checkpoint.training_state import (
     MASTER_PARAM,
+    TIED_SECTION,
+    key_path,
     materialize_optimizer_state,
     model_entries,
     optimizer_entries,
     param_fqns,
+    tied_aliases,
 )
 
 __all__ = ["LoadResult", "async_save", "load", "save"]
@@ -47,9 +51,13 @@ def _training_state(model, optimizer, extra) -> dict[str, Any]:
     state: dict[str, Any] = {}
     if model is not None:
         state["model"] = model_entries(model)
+        aliases = tied_aliases(model)
+        if aliases:
+            # both names stay stored (plain dcp.load asks for both); export reads this to write one
+            state[TIED_SECTION] = aliases
     if optimizer is not None:
         entries = optimizer_entries(optimizer, optimizer.state_dict(), param_fqns(model), for_save=True)
-        state["optimizer"] = {"state": entries.state, "param_groups": entries.param_groups}
+        state["optimizer"] = {"state": entries.state, "param_groups": {**entries.param_groups, **entries.indexed_groups}}
     if extra:
         state["extra"] = dict(extra)
     return state
@@ -98,6 +106,7 @@ def load(
     strict: bool = True,
     verify: str = "sizes",
     require_manifest: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
@@ -109,29 +118,62 @@ def load(
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
     ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
     (``False`` reads a plain ``dcp.save`` directory too): see :func:`checkpoint.open_checkpoint`.
+    A ``master_param`` saved by ``HybridDeviceOptimizer`` (an fp32 master of a
+    bf16 weight) loading into an optimizer that keeps no masters goes into the
+    model weight when that is fp32 (the master is the better copy), else is skipped.
+    ``extra``: objects saved as ``extra`` values that load in place, as
+    ``dcp.load`` does: each Stateful one (``load_state_dict()``: a dataloader,
+    a module) is given its saved state; the returned dict holds the object.
     """
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     saved = opened.metadata.state_dict_metadata
     targets: dict[str, Any] = {}
     optional: set[str] = set()
     scope: list[str] = []
+    ignored: set[str] = set()
     if optimizer is not None and model is None:
         raise ValueError("loading an optimizer needs its model too (state is keyed by parameter names)")
     if model is not None:
         targets.update({f"model.{k}": v for k, v in model_entries(model).items()})
         scope.append("model.")
+        for alias, twin in tied_aliases(model).items():
+            if f"model.{twin}" in saved:
+                optional.add(f"model.{alias}")  # the same tensor: filled through its twin (HF leaves it out)
     opt_plan = None
     if optimizer is not None:
         opt_plan = _OptimizerLoad(optimizer, model, saved)
         targets.update(opt_plan.targets)
         optional |= opt_plan.optional
+        ignored = set(opt_plan.unheld_masters)
         scope.append("optimizer.state.")
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
-    report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope))
+    try:
+        report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored)
+        if opt_plan is not None:
+            _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report)
+    except BaseException:
+        if opt_plan is not None:
+            opt_plan.abort()
+        raise
     if opt_plan is not None:
         opt_plan.finish(values, report)
-    return LoadResult(_unflatten_extra(opened.metadata, extra_targets, values), report)
+    saved_extra = _unflatten_extra(opened.metadata, extra_targets, values)
+    _load_stateful_extra(saved_extra, extra or {}, strict, report)
+    return LoadResult(saved_extra, report)
+
+
+def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    for name, obj in objects.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place")
+        if name not in saved:
+            if strict:
+                raise ValueError(f"the checkpoint has no extra.{name} to load into {type(obj).__name__}; pass strict=False to skip it")
+            report.missing_keys.append(f"extra.{name}")
+            continue
+        obj.load_state_dict(saved[name])
+        saved[name] = obj
 
 
 class _OptimizerLoad:
@@ -144,14 +186,21 @@ class _OptimizerLoad:
         fresh = {fqns[i] for i in materialize_optimizer_state(optimizer) if i in fqns}
         self.osd = optimizer.state_dict()
         self.entries = optimizer_entries(optimizer, self.osd, fqns, for_save=False)
-        saved_fqns = {k[len("optimizer.state.") :].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")}
+        saved_fqns = _fqns_under("optimizer.state.", saved)
         # State created here for a parameter the checkpoint has none for is dropped again after the load.
         self.unsaved = {f for f in fresh if f not in saved_fqns}
+        self.fresh = fresh
         self.targets: dict[str, Any] = {}
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
+        known = _params_known_to_saved_optimizer(saved, fqns)
+        trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
+                if fqn not in known and fqn in trainable:
+                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint): resuming
+                    # would restart its moments from zero. Asked for, so strict load names it as missing.
+                    self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
                 key = f"optimizer.state.{fqn}.{name}"
@@ -159,6 +208,12 @@ class _OptimizerLoad:
                 self.state_keys[key] = (fqn, name)
                 if name == MASTER_PARAM:
                     self.optional.add(key)  # not stored when equal to the weight; rebuilt from it
+        # Saved masters of parameters whose optimizer here keeps none (a plain torch optimizer).
+        self.unheld_masters = {
+            f"optimizer.state.{fqn}.{MASTER_PARAM}": fqn
+            for fqn, entry in self.entries.state.items()
+            if MASTER_PARAM not in entry and f"optimizer.state.{fqn}.{MASTER_PARAM}" in saved
+        }
         self.group_keys: list[tuple[int, str, str]] = []
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
             for hyper in osd_group:
@@ -171,6 +226,13 @@ class _OptimizerLoad:
                         self.optional.add(key)
                         self.group_keys.append((g_index, hyper, key))
                         break
+
+    def abort(self) -> None:
+        """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""
+        if self.fresh:
+            index_of = self.entries.index_of
+            state = {i: v for i, v in self.osd["state"].items() if i not in {index_of[f] for f in self.fresh}}
+            self.optimizer.load_state_dict({**self.osd, "state": state})
 
     def finish(self, values: dict[str, Any], report: LoadReport) -> None:
         """Hand the filled state dict to the optimizer. Precondition: the model's weights are loaded."""
@@ -191,6 +253,43 @@ class _OptimizerLoad:
         # HybridDeviceOptimizer.load_state_dict refreshes masters from the just-loaded weights
         # itself, except those saved in the checkpoint (already loaded in place: they win).
         self.optimizer.load_state_dict(self.osd)
+
+
+def _masters_into_weights(opened, masters: dict[str, str], targets: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    """Saved fp32 masters for an optimizer that keeps none: the better copy of an fp32 weight.
+
+    Loaded over an fp32 model weight after the weights (the saved weight may be
+    its bf16 cast); skipped for a low-precision weight, which the saved weight
+    already is (the master rounded).
+    """
+    into = {}
+    for key, fqn in masters.items():
+        weight = targets.get(f"model.{fqn}")
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            into[key] = weight
+    if into:
+        sub_report, _ = load_flat(opened, into, strict=strict, scope=())
+        report.mismatched_keys += sub_report.mismatched_keys
+
+
+def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:
+    """The parameter names of the keys ``<prefix><fqn>.<name>`` in ``saved``."""
+    return {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
+
+
+def _params_known_to_saved_optimizer(saved: dict[str, Any], fqns: dict[int, str]) -> set[str]:
+    """The FQNs the saved optimizer held: with state, or in a saved param group.
+
+    A parameter in a saved group but without state never had a gradient (lazy
+    state): it loads as "no state". Torch's unflattened layout
+    (``optimizer.param_groups.<index>.<option>``) names no parameter, so there
+    every parameter counts as known once any group was saved.
+    """
+    grouped = _fqns_under("optimizer.param_groups.", saved)
+    named = {name for name in grouped if not name.isdigit()}
+    if grouped and not named:
+        return set(fqns.values())
+    return _fqns_under("optimizer.state.", saved) | named
 
 
 def _skipped(key: str, report: LoadReport) -> bool:
@@ -217,6 +316,9 @@ def _unflatten_extra(metadata, targets: dict[str, Any], values: dict[str, Any]) 
     nested: dict[str, Any] = {}
     for key, target in targets.items():
         value = values.get(key, target)
-        path = paths.get(key, ("extra", key[len("extra.") :]))
+        path = key_path(key, paths)
+        if path[0] != "extra":
+            # written by a tool that recorded no nesting (fsdp-ckpt reshard before 2026-11: (key,))
+            path = key_path(key)
         set_element(nested, path, value)
     return nested.get("extra", {})

@@ -73,8 +73,17 @@ def _add_rule_args(p: argparse.ArgumentParser) -> None:
                         "each optionally NAME:SIZE (default: equal sizes)")
     g.add_argument("--merge", nargs=3, action="append", metavar=("FUSED", "DIM", "PARTS"),
                    help="the inverse of --split with the same arguments")
+    g.add_argument("--stack", nargs=3, action="append", metavar=("STACKED", "DIM", "PARTS"),
+                   help="stack per-index tensors along a new dim 0: PARTS are names with '#' for the index "
+                        "(0, 1, ...); several parts of one index are first concatenated along DIM "
+                        "(MoE experts.#.gate_proj.weight,experts.#.up_proj.weight -> experts.gate_up_proj)")
+    g.add_argument("--unstack", nargs=3, action="append", metavar=("STACKED", "DIM", "PARTS"),
+                   help="the inverse of --stack with the same arguments")
+    g.add_argument("--reshape", nargs=2, action="append", metavar=("NAME", "SHAPE"),
+                   help="reshape NAME ('*' = any text) to SHAPE, comma-separated (e.g. 8,64,32)")
     g.add_argument("--rules", metavar="JSON",
-                   help='rules file: {"rename": [[regex, repl]], "split": [{"fused", "dim", "parts", "sizes"}], "merge": [...]}')
+                   help='rules file: {"rename": [[regex, repl]], "split": [{"fused", "dim", "parts", "sizes"}], "merge": [...], '
+                        '"stack": [{"fused", "dim", "parts"}], "unstack": [...], "reshape": [[name, [sizes]]]}')
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -161,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="safetensors shard limit (default 5GB; a larger tensor gets its own shard)")
     p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
+    p.add_argument("--keep-tied", action="store_true",
+                   help="also write the second name of a tied weight (default: once, as save_pretrained does)")
     _add_rule_args(p)
     p.set_defaults(func=cmd_export, parallel=True)
 

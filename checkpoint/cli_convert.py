@@ -22,7 +22,7 @@ import torch
 from checkpoint.cli_report import CliError, Progress, human_bytes
 from checkpoint.cli_source import open_source
 from checkpoint.stream import Entry, parse_dtype, prefetch
-from checkpoint.transforms import Rename, Rules, Split, Target, parse_part_list, plan, stream_targets
+from checkpoint.transforms import Rename, Reshape, Rules, Split, Stack, Target, parse_part_list, plan, stream_targets
 
 __all__ = ["OVERLAP_BYTES", "cmd_export", "cmd_import", "cmd_reshard"]
 
@@ -37,6 +37,9 @@ def _rules(args: argparse.Namespace) -> Rules:
         renames=tuple(Rename(p, r) for p, r in args.rename or ()),
         splits=tuple(_split_rule(a, "--split") for a in args.split or ()),
         merges=tuple(_split_rule(a, "--merge") for a in args.merge or ()),
+        stacks=tuple(_stack_rule(a, "--stack") for a in args.stack or ()),
+        unstacks=tuple(_stack_rule(a, "--unstack") for a in args.unstack or ()),
+        reshapes=tuple(_reshape_rule(name, shape) for name, shape in args.reshape or ()),
     )
     if args.rules:
         rules = Rules.from_file(args.rules).merged_with(rules)
@@ -51,6 +54,20 @@ def _split_rule(values: Sequence[str], flag: str) -> Split:
     return Split(fused=fused, dim=int(dim), parts=names, sizes=sizes)
 
 
+def _stack_rule(values: Sequence[str], flag: str) -> Stack:
+    fused, dim, parts = values
+    if not dim.isdigit():
+        raise CliError(f"{flag} {fused!r}: dim {dim!r} is not a non-negative integer; write e.g. {flag} NAME 0 'a.#.w'")
+    names, sizes = parse_part_list(parts)
+    return Stack(fused=fused, dim=int(dim), parts=names, sizes=sizes)
+
+
+def _reshape_rule(name: str, shape: str) -> Reshape:
+    if not all(s.strip().isdigit() for s in shape.split(",")):
+        raise CliError(f"--reshape {name!r}: shape {shape!r} is not comma-separated sizes; write e.g. --reshape NAME 8,64,32")
+    return Reshape(name, tuple(int(s) for s in shape.split(",")))
+
+
 def _check_fresh_output(path: Path, force: bool) -> None:
     if path.exists() and (path.is_file() or any(path.iterdir())) and not force:
         raise CliError(f"output {str(path)!r} already exists and is not empty; choose a new path or pass --force")
@@ -63,6 +80,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     reader = open_source(args.src)
     targets = plan(reader.entries, _rules(args))
     logger.info("planned %d outputs from %d keys", len(targets), len(reader.entries))
+    if not args.keep_tied:
+        targets = _without_tied_aliases(reader, targets)
     if args.model_only:
         targets = [t for t in targets if t.name.startswith("model.")]
     if not targets:
@@ -137,6 +156,19 @@ def cmd_export(args: argparse.Namespace) -> int:
               f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)"
               + (f" with {group.size} processes" if group.size > 1 else ""))
     return 0
+
+
+def _without_tied_aliases(reader: Any, targets: list[Target]) -> list[Target]:
+    """``targets`` less the second name of each tied weight ``checkpoint.save`` recorded (HF ties it on load)."""
+    from checkpoint.training_state import TIED_SECTION
+
+    keys = [k for k in reader.entries if k.startswith(f"{TIED_SECTION}.")]
+    if not keys:
+        return targets
+    aliases = {f"model.{k[len(TIED_SECTION) + 1:]}" for k in keys}
+    dropped = [t for t in targets if t.op == "copy" and t.sources[0] in aliases]
+    logger.info("left out %d tied alias(es) (--keep-tied writes them): %s", len(dropped), [t.name for t in dropped])
+    return [t for t in targets if t not in dropped]
 
 
 def _prepare_safetensors_dir(dst: Path, staging: Path, force: bool) -> None:
@@ -260,6 +292,7 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
     write_checkpoint(
         dst, args.world_size, targets, _overlapped(source, targets),
         max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force, group=args.group,
+        paths=getattr(getattr(source, "metadata", None), "planner_data", None),
     )
     bar.close()
     seconds = time.perf_counter() - start

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from checkpoint.shard import CheckpointShard
 from checkpoint.shard_spec import ShardSpec, shard_spec_of
 
-__all__ = ["convert_tree", "to_checkpointable"]
+__all__ = ["convert_tree", "load_stateful", "resolve_stateful", "to_checkpointable"]
 
 
 def to_checkpointable(
@@ -41,6 +42,8 @@ def to_checkpointable(
         if value.max_chunk_bytes == max_chunk_bytes:
             return value  # already converted (e.g. staged by an async save, which may be a gated subclass)
         return CheckpointShard(value.local, value.spec, writes=value.writes, max_chunk_bytes=max_chunk_bytes)
+    if _is_sharded_tensor(value):
+        return _from_sharded_tensor(value, name=name, max_chunk_bytes=max_chunk_bytes)
     if isinstance(value, DTensor):
         return _from_dtensor(value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes)
     if not isinstance(value, torch.Tensor):
@@ -76,8 +79,74 @@ def _from_dtensor(value: DTensor, *, name: str, replicas_on_rank0_only: bool, ma
     return CheckpointShard(local, spec, writes=writes, max_chunk_bytes=max_chunk_bytes)
 
 
+def _is_sharded_tensor(value: Any) -> bool:
+    # ShardedTensor (FSDP1 / torchrec) has no public import path; its module is imported lazily
+    # so checkpoint/ loads where torch.distributed._shard is absent
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return False
+    return isinstance(value, ShardedTensor)
+
+
+def _from_sharded_tensor(value: Any, *, name: str, max_chunk_bytes: int | None) -> CheckpointShard:
+    """A ``ShardedTensor`` with at most one local shard, as that box of its global tensor."""
+    shards = value.local_shards()
+    global_shape = tuple(value.size())
+    if len(shards) > 1:
+        raise TypeError(
+            f"{name}: a ShardedTensor with {len(shards)} local shards on this rank is not supported "
+            "(one region per key and rank); pass each block under its own key as "
+            "checkpoint.shard(block, global_shape, offsets=...), or convert it to a DTensor"
+        )
+    if not shards:
+        spec = ShardSpec(global_shape, offsets=(0,) * len(global_shape))
+        empty = torch.empty((0,) * len(global_shape), dtype=value.dtype)
+        return CheckpointShard(empty, spec, writes=False, max_chunk_bytes=max_chunk_bytes)
+    local = shards[0].tensor.detach()
+    spec = ShardSpec(global_shape, offsets=tuple(shards[0].metadata.shard_offsets))
+    return CheckpointShard(local, spec, max_chunk_bytes=max_chunk_bytes)
+
+
+def _is_stateful(value: Any) -> bool:
+    return not isinstance(value, (torch.Tensor, dict)) and isinstance(value, Stateful)
+
+
+def resolve_stateful(tree: Any, path: tuple[str, ...] = ()) -> tuple[Any, list[tuple[tuple[str, ...], Any]]]:
+    """``tree`` with every Stateful value (``state_dict()`` / ``load_state_dict()``) replaced by its state dict.
+
+    Returns the new tree (dicts copied, leaves shared) and ``(path, object)`` for
+    each Stateful found, outermost first, so a load can hand each object its
+    loaded state (:func:`load_stateful`), as ``dcp.load`` does.
+    """
+    if _is_stateful(tree):
+        inner, found = resolve_stateful(tree.state_dict(), path)
+        return inner, [(path, tree), *found]
+    if isinstance(tree, dict):
+        out, found = {}, []
+        for k, v in tree.items():
+            out[k], more = resolve_stateful(v, (*path, str(k)))
+            found += more
+        return out, found
+    return tree, []
+
+
+def load_stateful(tree: dict[str, Any], found: list[tuple[tuple[str, ...], Any]]) -> None:
+    """Call ``load_state_dict`` on each object :func:`resolve_stateful` found, innermost first."""
+    for path, obj in reversed(found):
+        node: Any = tree
+        for part in path:
+            node = node[part]
+        obj.load_state_dict(node)
+
+
 def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
-    """:func:`to_checkpointable` on every leaf of nested dicts (lists / tuples are leaves unless they hold tensors)."""
+    """:func:`to_checkpointable` on every leaf of nested dicts (lists / tuples are leaves unless they hold tensors).
+
+    A Stateful value (an ``nn.Module``, a dataloader) is saved as its ``state_dict()``.
+    """
+    if _is_stateful(tree):
+        return convert_tree(tree.state_dict(), prefix, **kwargs)
     if isinstance(tree, dict):
         return {k: convert_tree(v, f"{prefix}{k}.", **kwargs) for k, v in tree.items()}
     if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):

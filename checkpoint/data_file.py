@@ -152,7 +152,9 @@ def write_tensor(stream: CrcStream, tensor: torch.Tensor) -> None:
     # DCP's loader moves device tensors to the host and clones views of larger
     # storages (torch.save would write the whole storage); here only the
     # chunk's own bytes are written, so a contiguous view needs no copy.
-    tensor = tensor.detach().cpu().contiguous()
+    # resolve_conj/neg: a conj() / neg view keeps its bit through contiguous(), and its raw
+    # bytes are not its values
+    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
     layout = plan_archive(tensor)
     if layout is None:
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():

@@ -49,6 +49,7 @@ from checkpoint.commit import commit_staged, write_metadata
 from checkpoint.data_file import CrcStream, write_tensor
 from checkpoint.layout import Box, row_block, split_box
 from checkpoint.manifest import FileRecord
+from checkpoint.training_state import key_path
 from checkpoint.transforms import Target
 
 __all__ = ["row_blocks", "write_checkpoint"]
@@ -89,6 +90,7 @@ def write_checkpoint(
     replace: bool = False,
     extra_info: dict[str, Any] | None = None,
     group: Group = SOLO,
+    paths: dict[str, tuple] | None = None,
 ) -> None:
     """Write ``values`` (one per target, in order) as a committed checkpoint laid out for ``world_size`` ranks.
 
@@ -97,7 +99,9 @@ def write_checkpoint(
     ``FileExistsError`` otherwise, ``ValueError`` when a value does not match
     its target or ``max_chunk_bytes`` is smaller than one element. Under ``torchrun`` (``group`` of P processes) every process
     streams every value and writes the data files of the destination ranks
-    ``r`` with ``r % P`` equal to its own rank; process 0 commits.
+    ``r`` with ``r % P`` equal to its own rank; process 0 commits. ``paths`` (the source
+    checkpoint's ``planner_data``) keeps the nesting of the keys copied unchanged,
+    so ``checkpoint.load`` returns the same nested ``extra``.
     """
     itemsize = max((t.dtype.itemsize for t in targets if t.kind == "tensor"), default=1)
     if max_chunk_bytes < itemsize:
@@ -144,7 +148,8 @@ def write_checkpoint(
     error = None
     if group.rank == 0:
         try:
-            _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info)
+            kept = {t.name: (paths or {}).get(t.name) for t in targets if t.op == "copy" and t.name == t.sources[0]}
+            _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info, kept)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     group.agree(error)
@@ -160,7 +165,7 @@ def _prepare(dst: Path, staging: Path, replace: bool) -> None:
     staging.mkdir(parents=True)
 
 
-def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info) -> None:
+def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info, paths) -> None:
     """Merge every process's storage records, write ``.metadata``, then the format's own commit."""
     storage: dict[MetadataIndex, Any] = {}
     records: dict[str, FileRecord] = {}
@@ -169,7 +174,8 @@ def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_in
         records.update(part_records)
     metadata = Metadata(
         state_dict_metadata=state_md,
-        planner_data={k: (k,) for k in state_md},
+        # each key's nested path, as dcp.save records it: checkpoint.load rebuilds `extra` from it
+        planner_data={k: key_path(k, paths) for k in state_md},
         storage_data=storage,
         version=CURRENT_DCP_VERSION,
     )

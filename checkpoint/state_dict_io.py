@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from checkpoint.atomic import check_committed, is_committed, resolve_for_load, staging_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
-from checkpoint.convert import convert_tree, to_checkpointable
+from checkpoint.convert import convert_tree, load_stateful, resolve_stateful, to_checkpointable
 from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
@@ -183,12 +183,13 @@ def load_flat(
     strict: bool,
     optional: set[str] = frozenset(),
     scope: tuple[str, ...] = ("",),
+    ignored: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[LoadReport, dict[str, Any]]:
     """Fill flat ``targets`` (dotted key -> tensor / placeholder) from ``opened``; tensors in place.
 
     Returns the report and the loaded non-tensor values by key. ``optional``
     keys are never reported missing; only checkpoint keys starting with one of
-    ``scope`` count as unexpected. Strict: raises ``ValueError`` naming every
+    ``scope`` and not in ``ignored`` count as unexpected. Strict: raises ``ValueError`` naming every
     problem before reading anything.
     """
     saved = opened.metadata.state_dict_metadata
@@ -205,7 +206,7 @@ def load_flat(
             report.mismatched_keys.append(problem)
         else:
             loadable[key] = value
-    report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope)]
+    report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
@@ -246,12 +247,19 @@ def load_state_dict(
     ``strict`` raises ``ValueError`` naming missing / unexpected (within the
     top-level sections given) / mis-shaped keys; otherwise they are skipped and
     returned in the :class:`LoadReport`. ``verify`` / ``require_manifest``: see :func:`open_checkpoint`.
+    A Stateful value (``state_dict()`` / ``load_state_dict()``: a module, a
+    dataloader), as ``dcp.load`` accepts, is filled through its ``state_dict()``
+    and then given it by ``load_state_dict()``.
     """
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
-    flat, mappings = flatten_state_dict(state_dict)
+    resolved, stateful = resolve_stateful(state_dict)  # Stateful values load through their state dicts
+    flat, mappings = flatten_state_dict(resolved)
     scope = tuple(f"{k}." for k in state_dict)
     report, values = load_flat(opened, flat, strict=strict, scope=scope)
     for key, value in values.items():
-        set_element(state_dict, mappings[key], value)
+        set_element(resolved, mappings[key], value)
+        if not any(mappings[key][: len(p)] == p for p, _ in stateful):
+            set_element(state_dict, mappings[key], value)
+    load_stateful(resolved, stateful)
     return report
 

@@ -8,8 +8,11 @@ Keys (after DCP's dotted flattening):
   parameter ids), e.g. ``exp_avg``, ``exp_avg_sq``, ``step``;
 * ``optimizer.param_groups.<fqn>.<key>``: each parameter's group
   hyper-parameters (the layout of ``get_state_dict`` with
-  ``flatten_optimizer_state_dict=True``); on load the unflattened torch layout
-  ``optimizer.param_groups.<index>.<key>`` is read too.
+  ``flatten_optimizer_state_dict=True``), without ``param_names`` (a list of
+  every name, once per parameter, would make the state grow with N^2);
+* ``optimizer.param_groups.<index>.<key>`` and ``...<index>.params``: the same
+  options once per group, ``param_names`` included, in torch's unflattened
+  layout (``get_state_dict``'s default), so plain ``dcp.load`` reads either.
 
 ``master_param`` (the fp32 master of a low-precision parameter) is stored only
 when it carries information the saved weight does not: a master exactly equal
@@ -29,15 +32,20 @@ from checkpoint.shard_spec import shard_spec_of
 
 __all__ = [
     "MASTER_PARAM",
+    "PARAM_NAMES",
+    "TIED_SECTION",
     "OptimizerEntries",
     "clean_fqn",
+    "key_path",
     "materialize_optimizer_state",
     "model_entries",
     "optimizer_entries",
     "param_fqns",
+    "tied_aliases",
 ]
 
 MASTER_PARAM = "master_param"
+PARAM_NAMES = "param_names"
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -46,6 +54,28 @@ def clean_fqn(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
     return name
+
+
+def key_path(key: str, saved_paths: dict[str, tuple] | None = None) -> tuple:
+    """The nested-dict path of a dotted checkpoint key, as DCP's ``planner_data`` records it.
+
+    ``saved_paths`` (a source checkpoint's ``planner_data``) wins where it has
+    ``key``; otherwise the path follows the layout ``checkpoint.save`` writes:
+    ``model.<fqn>`` -> ``("model", fqn)``, ``optimizer.state.<fqn>.<name>`` ->
+    ``("optimizer", "state", fqn, name)`` (``param_groups`` alike), and any
+    other key (``extra.*``) split at every dot.
+    """
+    path = (saved_paths or {}).get(key)
+    if path:
+        return tuple(path)
+    if key.startswith("model."):
+        return ("model", key[len("model.") :])
+    for section in ("state", "param_groups"):
+        prefix = f"optimizer.{section}."
+        fqn, dot, name = key[len(prefix) :].rpartition(".")
+        if key.startswith(prefix) and dot and fqn:
+            return ("optimizer", section, fqn, name)
+    return tuple(key.split("."))
 
 
 def _module(model: torch.nn.Module) -> torch.nn.Module:
@@ -59,6 +89,26 @@ def param_fqns(model: torch.nn.Module) -> dict[int, str]:
     for name, p in _module(model).named_parameters():
         names.setdefault(id(p), clean_fqn(name))
     return names
+
+
+TIED_SECTION = "model_tied"
+"""Top-level section ``model_tied.<alias fqn>`` -> twin fqn: the model's tied weights, as saved."""
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``alias fqn -> twin fqn`` for every parameter listed under a second name (tied weights).
+
+    The twin is the first name ``named_parameters()`` gives it (GPT-2:
+    ``lm_head.weight`` -> ``transformer.wte.weight``).
+    """
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in _module(model).named_parameters(remove_duplicate=False):
+        fqn = clean_fqn(name)
+        twin = first.setdefault(id(p), fqn)
+        if twin != fqn:
+            aliases[fqn] = twin
+    return aliases
 
 
 def model_entries(model: torch.nn.Module) -> dict[str, Any]:
@@ -91,6 +141,8 @@ class OptimizerEntries:
     """fqn -> the parameter's key in ``state_dict()["state"]``"""
     group_members: list[list[str]]
     """per param group, the FQNs of its parameters"""
+    indexed_groups: dict[str, dict[str, Any]]
+    """str(group index) -> its options and ``params`` (FQNs): torch's unflattened layout"""
 
 
 def optimizer_entries(
@@ -141,11 +193,15 @@ def optimizer_entries(
             entry[name] = value
         state[fqn] = entry
     groups: dict[str, dict[str, Any]] = {}
-    for names, osd_group in zip(members, osd["param_groups"]):
-        hyper = {k: v for k, v in osd_group.items() if k != "params"}
+    indexed: dict[str, dict[str, Any]] = {}
+    for g_index, (names, osd_group) in enumerate(zip(members, osd["param_groups"])):
+        # Per parameter, without param_names: that list repeated for every parameter grows with N^2.
+        hyper = {k: v for k, v in osd_group.items() if k not in ("params", PARAM_NAMES)}
         for fqn in names:
             groups[fqn] = dict(hyper)
-    return OptimizerEntries(state, groups, index_of, members)
+        # Once per group: what get_state_dict's default (unflattened) layout asks dcp.load for.
+        indexed[str(g_index)] = {**{k: v for k, v in osd_group.items() if k != "params"}, "params": list(names)}
+    return OptimizerEntries(state, groups, index_of, members, indexed)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

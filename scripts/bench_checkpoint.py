@@ -22,6 +22,11 @@ Parts (``--parts`` picks a subset):
   per-tensor metadata ``all_gather_object`` (what Megatron-LM's flat-buffer
   checkpointing does today).
 * ``ranks``: save wall time of the same global state at 1, 2 and 4 ranks (2 cores here).
+* ``scaling``: save / load time and bytes per parameter for the same
+  ``--scaling-mib`` MiB of fp32 parameters cut into 100, 1,000 and 10,000
+  (``--scaling-params``; 100 and 1,000 by default), with AdamW over ``named_parameters()``: ours
+  (``checkpoint.save`` / ``load``) vs plain ``get_state_dict`` + ``dcp.save`` /
+  ``dcp.load``. Flat per-parameter cost means the state grows linearly.
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -40,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -364,6 +370,67 @@ def bench_merge(ranks_list: list[int], tensors: int, *, with_dcp: bool = True) -
         print(f"        ours / DCP time: {ours_t / dcp_t:4.2f}x; DCP also scatters a plan back to every rank, ours sends nothing")
 
 
+def _params_model(count: int, total_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``count`` fp32 parameters of equal size, AdamW over ``named_parameters()`` with its state created."""
+    torch.manual_seed(0)
+    model = torch.nn.ParameterDict(
+        {f"p{i}": torch.nn.Parameter(torch.randn(max(total_bytes // 4 // count, 1))) for i in range(count)}
+    )
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return model, opt
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _ours_save(model, opt, path) -> None:
+    checkpoint.save(path, model=model, optimizer=opt)
+
+
+def _ours_load(model, opt, path) -> None:
+    checkpoint.load(path, model=model, optimizer=opt)
+
+
+def _dcp_save(model, opt, path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path, no_dist=True)
+
+
+def _dcp_load(model, opt, path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path, no_dist=True)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
+def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
+    """Per-parameter save / load cost as the same bytes are cut into more parameters (model + AdamW state)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    print(f"\n== scaling: {mib} MiB of fp32 params + AdamW state, named_parameters(), one process, best of 2")
+    print(f"{'params':>7s} {'who':5s} {'save s':>7s} {'load s':>7s} {'save us/param':>14s} {'load us/param':>14s} {'bytes/param':>12s}")
+    for count in counts:
+        model, opt = _params_model(count, mib << 20)
+        for who, save, load in (("ours", _ours_save, _ours_load), ("dcp", _dcp_save, _dcp_load)):
+            saves, loads, size = [], [], 0
+            for round_ in range(2):
+                path = root / f"scale_{who}_{count}_{round_}"
+                saves.append(_timed(partial(save, model, opt, path)))
+                loads.append(_timed(partial(load, model, opt, path)))
+                size = _dir_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+            s, l = min(saves), min(loads)
+            print(f"{count:7d} {who:5s} {s:7.2f} {l:7.2f} {s / count * 1e6:14.0f} {l / count * 1e6:14.0f} {size / count:12.0f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp dir; pass a path on the file system to measure)")
@@ -373,7 +440,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge-tensors", type=int, default=1000)
     parser.add_argument("--merge-ours-only", action="store_true", help="skip DCP's central plan (memory / time)")
     parser.add_argument("--saves", type=int, default=5, help="consecutive async saves for the staging part (>= 2)")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "async", "staging", "collectives", "ranks", "merge"])
+    parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
+    parser.add_argument("--scaling-params", type=int, nargs="+", default=[100, 1000],
+                        help="parameter counts the scaling part cuts that state into (the issue's row: 100 1000 10000)")
+    parser.add_argument("--parts", nargs="+", default=["throughput", "async", "staging", "collectives", "ranks", "merge", "scaling"])
     args = parser.parse_args(argv)
     if args.saves < 2:
         parser.error(f"--saves must be at least 2 (the 1st save allocates either way), got {args.saves}")
@@ -395,6 +465,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_ranks(root, args.ranks_mib)
         if "merge" in args.parts:
             bench_merge(args.merge_ranks, args.merge_tensors, with_dcp=not args.merge_ours_only)
+        if "scaling" in args.parts:
+            bench_scaling(root, args.scaling_mib, args.scaling_params)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

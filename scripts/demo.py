@@ -211,6 +211,8 @@ def run_phase(args: argparse.Namespace, cfg: Config) -> None:
             log.write(json.dumps({"step": step, "loss": loss_value, "lr": sched.get_last_lr()[0]}) + "\n")
             log.flush()
         done = step + 1
+        if args.hold and done == cfg.kill_at:
+            _hold_for_kill(out / f"{args.run}.held", pending, rank)
         if done == cfg.save_at or done == cfg.steps:
             if pending is not None:
                 pending.result()
@@ -234,6 +236,20 @@ def run_phase(args: argparse.Namespace, cfg: Config) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _hold_for_kill(held: Path, pending: Future | None, rank: int) -> None:
+    """Stop at the kill point: the save resumed from is committed, then wait to be SIGKILLed.
+
+    Rank 0 says where it stands in ``held``; the launcher kills every rank once
+    it is there (a run that went on would finish before a kill polled for it).
+    """
+    if pending is not None:
+        pending.result()
+    if rank == 0:
+        held.write_text("waiting for SIGKILL\n")
+    while True:
+        time.sleep(3600)
 
 
 def _mean_over_ranks(loss: torch.Tensor, world_size: int) -> float:
@@ -274,15 +290,18 @@ def launch(args: argparse.Namespace, run: str, world_size: int, *, resume: str |
     cmd = [sys.executable, __file__, "--phase", "train", "--run", run, "--out", args.out, *_config_args(args)]
     if resume:
         cmd += ["--resume", resume]
+    if kill_at is not None:
+        cmd += ["--hold"]  # the ranks stop at the kill step and wait there to be killed
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-    log = Path(args.out) / f"{run}.jsonl"
+    held = Path(args.out) / f"{run}.held"
     deadline = time.monotonic() + args.timeout
     while any(p.poll() is None for p in procs):
-        if kill_at is not None and _logged_steps(log) >= kill_at and _committed(args, run):
+        # the ranks wait at the kill point until killed, so the kill lands there however slow this loop is
+        if kill_at is not None and held.exists() and _committed(args, run):
             for p in procs:
                 os.killpg(p.pid, signal.SIGKILL)  # no clean-up, no flush: a real crash
             for p in procs:
@@ -302,10 +321,6 @@ def _committed(args: argparse.Namespace, run: str) -> bool:
     return (Path(args.out) / "ckpt" / run / f"step_{args.save_at}" / "manifest.json").exists()
 
 
-def _logged_steps(log: Path) -> int:
-    return sum(1 for _ in open(log)) if log.exists() else 0
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -321,13 +336,45 @@ def read_losses(path: Path, field: str = "loss") -> dict[int, float]:
     return {r["step"]: r[field] for r in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
 
 
+MARKER = ".offload_fsdp_demo"
+"""Written first into a demo's output folder: the folder is the demo's to clear on the next run."""
+
+
+def _demo_files(name: str) -> bool:
+    """Whether ``name`` (an entry of the output folder) is something the demo writes."""
+    runs = {f"{r}{suffix}" for r in "ABC" for suffix in (".jsonl", ".setup.json", ".saves.jsonl", ".final.json", ".held")}
+    fixed = {MARKER, "summary.json", "loss_curve.png", "ckpt", "export"}
+    # ckpt / export and their .tmp / .old siblings left by a save or export cut short
+    return name in runs or name in fixed or name.split(".")[0] in ("ckpt", "export")
+
+
+def prepare_out(out: Path) -> None:
+    """Make ``out`` ready for a fresh demo; never delete what the demo did not write.
+
+    A new or empty folder is used as it is. A previous demo's output (it holds
+    :data:`MARKER`) loses only the demo's own files; anything else in it stays.
+    Any other non-empty folder is refused.
+    """
+    import shutil
+
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"demo: --out {out} is a file; pass a directory (it is created if absent)")
+    if out.is_dir() and any(out.iterdir()):
+        if not (out / MARKER).exists():
+            raise SystemExit(
+                f"demo: --out {out} is not empty and not a previous demo output; "
+                "pass a new or empty directory (the demo never deletes files it did not write)"
+            )
+        for entry in out.iterdir():
+            if _demo_files(entry.name) and entry.name != MARKER:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("output of scripts/demo.py: its own files here are replaced by the next run\n")
+
+
 def orchestrate(args: argparse.Namespace, cfg: Config) -> dict:
     out = Path(args.out)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    prepare_out(out)
     t0 = time.perf_counter()
     launch(args, "A", args.world_size, kill_at=cfg.kill_at)
     resume_from = str(out / "ckpt" / "A" / f"step_{cfg.save_at}")
@@ -431,13 +478,15 @@ def plot(out: Path, cfg: Config) -> None:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "demo_out"), help="output folder (recreated)")
+    parser.add_argument("--out", default=str(REPO / "demo_out"),
+                        help="output folder: new, empty, or a previous demo's (only the demo's own files are replaced)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks for runs A and B")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (what the test suite runs)")
     parser.add_argument("--phase", choices=["all", "train"], default="all", help=argparse.SUPPRESS)
     parser.add_argument("--run", default="A", help=argparse.SUPPRESS)
     parser.add_argument("--resume", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
     for field, default in asdict(Config()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=None)
     args = parser.parse_args(argv)

@@ -173,3 +173,44 @@ def test_entry_nbytes_is_numel_times_the_dtype_size_without_making_a_tensor(monk
     for dtype in dtypes:
         assert Entry("model.w", "tensor", dtype, (2, 3)).nbytes == expected[dtype], dtype
     assert Entry("extra.step", "object").nbytes == 0
+
+
+def test_stack_builds_fused_experts_with_their_optimizer_state_and_unstack_is_its_inverse():
+    from checkpoint.transforms import Stack
+
+    g = torch.Generator().manual_seed(0)
+    values = {}
+    for e in range(3):
+        for part in ("gate", "up"):
+            values[f"model.experts.{e}.{part}.weight"] = torch.randn(2, 4, generator=g)
+            values[f"optimizer.state.experts.{e}.{part}.weight.exp_avg"] = torch.randn(2, 4, generator=g)
+            values[f"optimizer.state.experts.{e}.{part}.weight.step"] = torch.tensor(7.0)
+    source = _DictSource(values)
+    rule = Stack("experts.gate_up", 0, ("experts.#.gate.weight", "experts.#.up.weight"))
+    out = {t.name: v for t, v in stream_targets(source, plan(source.entries, Rules(stacks=(rule,))))}
+    assert set(out) == {"model.experts.gate_up", "optimizer.state.experts.gate_up.exp_avg", "optimizer.state.experts.gate_up.step"}
+    for e in range(3):
+        want = torch.cat([values[f"model.experts.{e}.gate.weight"], values[f"model.experts.{e}.up.weight"]])
+        assert torch.equal(out["model.experts.gate_up"][e], want)
+    assert out["model.experts.gate_up"].shape == (3, 4, 4) and torch.equal(out["optimizer.state.experts.gate_up.step"], torch.tensor(7.0))
+
+    back = _DictSource(out)
+    again = {t.name: v for t, v in stream_targets(back, plan(back.entries, Rules(unstacks=(rule,))))}
+    assert again.keys() == values.keys()
+    for key, value in values.items():
+        assert torch.equal(again[key], value), key
+
+    del values["model.experts.1.gate.weight"], values["model.experts.1.up.weight"]
+    gap = _DictSource(values)
+    with pytest.raises(ValueError, match=r"indices found are \[0, 2\]"):
+        plan(gap.entries, Rules(stacks=(rule,)))
+
+
+def test_reshape_gives_a_merged_tensor_its_shape():
+    from checkpoint.transforms import Reshape
+
+    source = _DictSource({"model.w": torch.arange(24.0).reshape(6, 4)})
+    [(target, value)] = stream_targets(source, plan(source.entries, Rules(reshapes=(Reshape("w", (2, 3, 4)),))))
+    assert target.shape == (2, 3, 4) and torch.equal(value, torch.arange(24.0).reshape(2, 3, 4))
+    with pytest.raises(ValueError, match="element counts differ"):
+        plan(source.entries, Rules(reshapes=(Reshape("w", (5, 5)),)))

@@ -19,8 +19,9 @@ def test_demo_kills_resumes_bit_exactly_and_exports_a_loadable_model(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    # run A was really killed before finishing, after the checkpoint it resumes from
-    assert summary["resume_step"] < summary["steps_run_A_before_kill"] < 12
+    # run A was really killed before finishing, after the checkpoint it resumes from, exactly
+    # at --kill-at (its ranks wait there to be killed: the kill cannot come late)
+    assert summary["resume_step"] < summary["steps_run_A_before_kill"] == 9  # --quick: --kill-at 9 of 12 steps
     # every step A ran after the checkpoint it was resumed from is compared, bit for bit
     assert summary["bit_exact_steps_compared"] == summary["steps_run_A_before_kill"] - summary["resume_step"]
     assert summary["resume_bit_exact"]
@@ -38,3 +39,32 @@ def test_demo_kills_resumes_bit_exactly_and_exports_a_loadable_model(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     assert (out / "loss_curve.png").stat().st_size > 10_000
     assert "demo OK" in proc.stdout
+
+
+def _demo_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_demo_out_refuses_a_folder_it_did_not_write_and_keeps_a_users_file_in_its_own(tmp_path):
+    demo = _demo_module()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(SystemExit, match="not a previous demo output"):
+        demo.prepare_out(mine)
+    assert (mine / "notes.txt").read_text() == "keep me"
+
+    out = tmp_path / "demo"
+    demo.prepare_out(out)  # new: created and marked
+    for name in ("A.jsonl", "summary.json", "ckpt/A/step_6/x", "export.tmp/y"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("old run")
+    (out / "notes.txt").write_text("keep me")
+    demo.prepare_out(out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, "notes.txt"])

@@ -1,0 +1,100 @@
+"""Hugging Face checkpoints of real ``transformers`` models (built from tiny configs, nothing downloaded).
+
+Tied weights: ``save_pretrained`` writes a tied weight once; ``fsdp-ckpt import``
+of it loads strictly, and ``export`` writes it once too (``--keep-tied``: twice).
+"""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import checkpoint
+from checkpoint.cli import main as fsdp_ckpt
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _gpt2(seed: int):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _stored_names(directory) -> set[str]:
+    names = set()
+    for f in directory.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            names |= set(st.keys())
+    return names
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.arange(10).reshape(1, 10)).logits
+
+
+def test_a_tied_gpt2_save_pretrained_imports_and_loads_strictly(tmp_path):
+    hf = _gpt2(0)
+    hf.save_pretrained(tmp_path / "hf")
+    assert "lm_head.weight" not in _stored_names(tmp_path / "hf")
+    assert fsdp_ckpt(["import", str(tmp_path / "hf"), str(tmp_path / "c"), "-q"]) == 0
+    model = _gpt2(1)
+    checkpoint.load(tmp_path / "c", model=model)  # strict: lm_head.weight comes through its twin
+    assert torch.equal(_logits(model), _logits(hf))
+
+
+@pytest.mark.parametrize("keep_tied", [False, True])
+def test_export_writes_a_tied_weight_once_unless_asked_and_from_pretrained_matches(tmp_path, keep_tied):
+    model = _gpt2(0)
+    checkpoint.save(tmp_path / "c", model=model)
+    args = ["export", str(tmp_path / "c"), str(tmp_path / "hf"), "--format", "safetensors", "--model-only", "-q"]
+    assert fsdp_ckpt(args + (["--keep-tied"] if keep_tied else [])) == 0
+    names = _stored_names(tmp_path / "hf")
+    assert "transformer.wte.weight" in names and ("lm_head.weight" in names) == keep_tied
+    model.config.save_pretrained(tmp_path / "hf")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(_logits(loaded), _logits(model))
+
+
+EXPERTS = "model.layers.*.mlp.experts"
+STACK_RULES = [
+    (f"{EXPERTS}.gate_up_proj", "0", f"{EXPERTS}.#.gate_proj.weight,{EXPERTS}.#.up_proj.weight"),
+    (f"{EXPERTS}.down_proj", "0", f"{EXPERTS}.#.down_proj.weight"),
+]
+
+
+def _rule_args(flag: str) -> list[str]:
+    return [arg for rule in STACK_RULES for arg in (flag, *rule)]
+
+
+def _qwen3_moe(seed: int):
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(
+        num_hidden_layers=2, hidden_size=8, intermediate_size=12, moe_intermediate_size=8, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, vocab_size=32, num_experts=3, num_experts_per_tok=2,
+        max_position_embeddings=16, decoder_sparse_step=1, mlp_only_layers=[],
+    )
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def test_a_per_expert_moe_checkpoint_imports_into_the_fused_experts_and_exports_back_per_expert(tmp_path):
+    hf = _qwen3_moe(0)
+    assert tuple(hf.model.layers[0].mlp.experts.gate_up_proj.shape) == (3, 16, 8)  # fused, 3-D
+    hf.save_pretrained(tmp_path / "hf")
+    per_expert = _stored_names(tmp_path / "hf")
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in per_expert
+
+    assert fsdp_ckpt(["import", str(tmp_path / "hf"), str(tmp_path / "c"), "-q", *_rule_args("--stack")]) == 0
+    model = _qwen3_moe(1)
+    checkpoint.load(tmp_path / "c", model=model)  # strict
+    assert torch.equal(_logits(model), _logits(hf))
+
+    checkpoint.save(tmp_path / "saved", model=model)
+    args = ["export", str(tmp_path / "saved"), str(tmp_path / "out"), "--format", "safetensors", "--model-only", "-q"]
+    assert fsdp_ckpt(args + _rule_args("--unstack")) == 0
+    assert _stored_names(tmp_path / "out") == per_expert
+    hf.config.save_pretrained(tmp_path / "out")
+    loaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert torch.equal(_logits(loaded), _logits(hf))

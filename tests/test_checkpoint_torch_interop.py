@@ -1,0 +1,86 @@
+"""Our checkpoints and plain torch.distributed.checkpoint read each other, with torch's default options too."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+import checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def _setup(seed: int, lr: float, named: bool):
+    model = _model(seed)
+    params = model.named_parameters() if named else model.parameters()
+    return model, torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
+
+def _trained(named: bool):
+    model, opt = _setup(0, 1e-2, named)
+    for _ in range(2):
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _assert_same(model, opt, model2, opt2):
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key]), (name, key)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert opt2.param_groups[0]["weight_decay"] == opt.param_groups[0]["weight_decay"]
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["parameters", "named_parameters"])
+@pytest.mark.parametrize("flatten", [False, True], ids=["torch_default", "flattened"])
+def test_plain_get_state_dict_and_dcp_load_read_our_checkpoint(tmp_path, flatten, named):
+    if named and flatten:
+        pytest.skip("torch's flattened layout asks for param_names once per parameter (N^2); we write it per group")
+    model, opt = _trained(named)
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt, extra={"step": 2})
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    # torch's optimizer state is lazy: the state dict of one that never stepped has nothing to
+    # load into, so step once first (as a plain-DCP user resuming does)
+    model3, opt3 = _setup(4, 0.9, named)
+    model3(torch.randn(1, 6)).sum().backward()
+    opt3.step()
+    opt3.zero_grad()
+    msd, osd = get_state_dict(model3, opt3, options=options)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "ours", no_dist=True)
+    set_state_dict(model3, opt3, model_state_dict=msd, optim_state_dict=osd, options=options)
+    _assert_same(model, opt, model3, opt3)
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["torch_default", "flattened"])
+def test_our_load_reads_a_plain_get_state_dict_dcp_save(tmp_path, flatten):
+    model, opt = _trained(named=False)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flatten))
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    model2, opt2 = _setup(3, 0.7, named=False)
+    checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2, require_manifest=False)
+    _assert_same(model, opt, model2, opt2)
+
+
+def test_saved_group_options_grow_linearly_with_named_parameters(tmp_path):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(8)])
+    opt = torch.optim.AdamW(model.named_parameters())
+    checkpoint.save(tmp_path / "c", model=model, optimizer=opt)
+    keys = checkpoint.open_checkpoint(tmp_path / "c").metadata.state_dict_metadata
+    assert [k for k in keys if k.endswith(".param_names")] == ["optimizer.param_groups.0.param_names"]
+    model2 = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(8)])
+    opt2 = torch.optim.AdamW(model2.named_parameters())
+    checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
+    assert opt2.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
