@@ -49,12 +49,12 @@ class HostLayout:
 
 def _register_pinned(storage: torch.Tensor) -> bool:
     """Page-lock ``storage`` in place; returns False (logged) when the runtime cannot."""
-    if not torch.cuda.is_available() or storage.numel() == 0:
+    if not torch.cuda.is_available() or storage.nbytes == 0:
         return False
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(storage.data_ptr(), storage.numel(), 0)
+    err = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
     if int(err) != 0:
-        logger.warning("cudaHostRegister of %d bytes failed (error %s); host buffers stay pageable", storage.numel(), err)
+        logger.warning("cudaHostRegister of %d bytes failed (error %s); host buffers stay pageable", storage.nbytes, err)
         return False
     # Unregister exactly once, when the byte tensor itself is collected (views keep it alive).
     weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr())
@@ -70,20 +70,28 @@ class HostArena:
 
     def __init__(self, layout: HostLayout, *, pin: bool) -> None:
         self.layout = layout
-        self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        dtypes = {dtype for _, dtype, _ in layout.requests}
+        # One dtype (every pageable arena): a typed storage, so views are plain slices. Views
+        # re-typed from bytes (``.view(dtype)``) break torch.save / deepcopy of DTensors over them.
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        numel = -(-layout.nbytes // self.dtype.itemsize)
+        self.storage = torch.zeros(numel, dtype=self.dtype)
         self.pinned = False
         if pin and layout.nbytes:
             if torch.cuda.is_available():
                 self.pinned = _register_pinned(self.storage)
             elif torch.accelerator.is_available():
                 # No exact-size registration API outside CUDA: accept the allocator's rounding.
-                self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+                self.storage = torch.zeros(numel, dtype=self.dtype, pin_memory=True)
                 self.pinned = True
 
     @property
     def reserved_bytes(self) -> int:
-        return self.storage.numel()
+        return self.storage.nbytes
 
     def view(self, handle: int) -> torch.Tensor:
         numel, dtype, offset = self.layout.requests[handle]
+        if dtype == self.dtype:  # offsets are 64-byte aligned, so a whole number of elements
+            start = offset // dtype.itemsize
+            return self.storage[start : start + numel]
         return self.storage[offset : offset + numel * dtype.itemsize].view(dtype)

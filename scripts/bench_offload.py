@@ -18,6 +18,10 @@ loop (the default host step, ``OFFLOAD_FSDP_HOST_STEP=auto``) and torch's fused
 kernel in pieces (its fallback, ``OFFLOAD_FSDP_HOST_STEP=fused``) side by side in
 the same rounds.
 
+Every run also prints the cost of the per-step check that detects weights the
+user wrote between steps (``--write-check-only``: just that row), as a fraction
+of a full ``step()``.
+
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
 start / end of every bucket's D2H, host step and H2D in ms from the step's
@@ -183,6 +187,29 @@ def bench_cpu(args: argparse.Namespace) -> None:
                 print(f"compiled / fused host step, {name}: {times[key] / times[f'{name} (fused) [host step]']:.2f}")
     if "compiled" in built:
         print(f"compiled host step ready in {built['compiled']:.1f} s (C compile + self-check; ~0.1 s once cached)")
+
+
+def bench_write_check(args: argparse.Namespace) -> None:
+    """Cost of detecting user-written weights (a version-counter check per param) vs a full ``step()``.
+
+    Every ``step()`` compares each offloaded param's version counter with the one
+    recorded after its last write-back (``_refresh_written``); nothing was written
+    here, so this is the check alone, as in every step of a run without writes.
+    """
+    sizes = _shapes(int(args.numel), args.tensors)
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    params = _params(sizes, torch.bfloat16, device.type)
+    opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
+    opt.step()  # the first step's one-time comparison pass
+
+    def sync() -> None:
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    times = _time_round_robin({"step": opt.step, "check": lambda: opt._refresh_written(opt._records)}, args.repeats, sync)
+    print(f"\nuser-write check (version counters of {len(sizes)} params, bf16, {sum(sizes) / 1e6:.1f}M elements, "
+          f"offload_fraction=1, {device.type}): {times['check'] * 1e6:.1f} us per step vs step() "
+          f"{times['step'] * 1e3:.1f} ms = {times['check'] / times['step']:.5f} of the step")  # fmt: skip
 
 
 def bench_gpu(args: argparse.Namespace) -> None:
@@ -364,13 +391,19 @@ def main() -> None:
                              "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip
     parser.add_argument("--bucket-numel", type=float, default=float(DEFAULT_BUCKET_NUMEL),
                         help="elements per host bucket for --timeline-json (default 16M)")  # fmt: skip
+    parser.add_argument("--write-check-only", action="store_true",
+                        help="only time the per-step check for weights written by the user, as a share of step()")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.timeline_json:
         record_timeline(args)
         return
-    bench_cpu(args)
+    if not args.write_check_only:
+        bench_cpu(args)
+    bench_write_check(args)
+    if args.write_check_only:
+        return
     if torch.cuda.is_available():
         bench_gpu(args)
     else:
