@@ -10,7 +10,7 @@ Usage::
 All figures come from one run on one machine. On the CPU it compares the
 offloaded path's host step (offload_fraction=1) with torch ``AdamW(fused=True)``
 over the same parameters and with the memory-bandwidth roofline (bytes moved per
-parameter / a copy bandwidth this script measures). With CUDA it adds: full step
+parameter / a copy bandwidth this script measures). With an accelerator (any that torch.accelerator reports) it adds: full step
 time vs max(D2H, host step, H2D) each timed alone (overlap efficiency), bytes
 over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
 and GPU memory saved. ``--host-step both`` (the default) times the compiled C
@@ -197,7 +197,7 @@ def bench_write_check(args: argparse.Namespace) -> None:
     here, so this is the check alone, as in every step of a run without writes.
     """
     sizes = _shapes(int(args.numel), args.tensors)
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    device = _accelerator() or torch.device("cpu")
     params = _params(sizes, torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
     opt.step()  # the first step's one-time comparison pass
@@ -212,12 +212,24 @@ def bench_write_check(args: argparse.Namespace) -> None:
           f"{times['step'] * 1e3:.1f} ms = {times['check'] / times['step']:.5f} of the step")  # fmt: skip
 
 
+def _accelerator() -> torch.device | None:
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    module = torch.get_device_module(device)
+    return module.get_device_name() if hasattr(module, "get_device_name") else device.type
+
+
 def bench_gpu(args: argparse.Namespace) -> None:
-    """Overlap efficiency, PCIe bytes, iteration time and memory saved (bf16 params and grads)."""
+    """Overlap efficiency, bus bytes, iteration time and memory saved (bf16 params and grads), on any accelerator."""
     sizes = _shapes(int(args.numel), args.tensors)
     n = sum(sizes)
-    sync = torch.cuda.synchronize
-    params = _params(sizes, torch.bfloat16, "cuda")
+    device = _accelerator()
+    sync = torch.accelerator.synchronize
+    params = _params(sizes, torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
     grads = [p.grad for p in params]
     stages = [r.grad_stage for r in opt._records]
@@ -236,7 +248,7 @@ def bench_gpu(args: argparse.Namespace) -> None:
     t_step = _time(opt.step, args.repeats, sync)
     bound = max(t_d2h, t_host, t_h2d)
     pcie = (opt._buckets[0].grad_stage.element_size() + sources[0].element_size())
-    print(f"\nGPU ({torch.cuda.get_device_name()}): D2H {t_d2h * 1e3:.1f} ms, host step {t_host * 1e3:.1f} ms, "
+    print(f"\n{device.type} ({_device_name(device)}): D2H {t_d2h * 1e3:.1f} ms, host step {t_host * 1e3:.1f} ms, "
           f"H2D {t_h2d * 1e3:.1f} ms; step {t_step * 1e3:.1f} ms; overlap efficiency max/step = {bound / t_step:.2f}; "
           f"sum/step = {(t_d2h + t_host + t_h2d) / t_step:.2f}; bytes over PCIe per param: {pcie} "
           f"(D2H {opt._buckets[0].grad_stage.element_size()} + H2D {sources[0].element_size()})")  # fmt: skip
@@ -245,9 +257,9 @@ def bench_gpu(args: argparse.Namespace) -> None:
     width = int((n / (2 * args.layers)) ** 0.5)
     results = {}
     for fraction in (None, 1.0):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(2 * args.layers)]).cuda().bfloat16()
+        torch.accelerator.empty_cache()
+        torch.accelerator.reset_peak_memory_stats()
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(2 * args.layers)]).to(device).bfloat16()
         if fraction is None:
             masters = [p.detach().float().requires_grad_() for p in model.parameters()]
             inner = torch.optim.AdamW(masters, lr=1e-4, fused=True)
@@ -262,14 +274,14 @@ def bench_gpu(args: argparse.Namespace) -> None:
         else:
             hybrid = HybridDeviceOptimizer(model.parameters(), fraction, lr=1e-4)
             opt_step = hybrid.step
-        x = torch.randn(args.batch, width, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(args.batch, width, device=device, dtype=torch.bfloat16)
 
         def iteration() -> None:
             model(x).float().square().mean().backward()
             opt_step()
             model.zero_grad(set_to_none=False)
 
-        results[fraction] = (_time(iteration, args.repeats, sync), torch.cuda.max_memory_allocated())
+        results[fraction] = (_time(iteration, args.repeats, sync), torch.accelerator.max_memory_allocated())
         del model
     (t_dev, m_dev), (t_off, m_off) = results[None], results[1.0]
     print(f"training iteration ({2 * args.layers} x Linear({width}), bf16, batch {args.batch}): "
@@ -339,7 +351,7 @@ class _StageClock:
 
 def record_timeline(args: argparse.Namespace) -> None:
     """Write the per-bucket stage spans of the fastest of a few full steps to ``args.timeline_json``."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _accelerator() or torch.device("cpu")
     sizes = _shapes(int(args.numel), args.tensors)
     params = _params(sizes, torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3, bucket_numel=int(args.bucket_numel))
@@ -361,7 +373,7 @@ def record_timeline(args: argparse.Namespace) -> None:
     data = {
         "format": "offload_timeline",
         "version": 1,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": _device_name(device),
         "unit": "ms",
         "params": sum(sizes),
         "step": [0.0, step_ms],
@@ -404,10 +416,10 @@ def main() -> None:
     bench_write_check(args)
     if args.write_check_only:
         return
-    if torch.cuda.is_available():
+    if _accelerator() is not None:
         bench_gpu(args)
     else:
-        print("\n(no CUDA device: GPU figures skipped)")
+        print("\n(no accelerator: device figures skipped)")
 
 
 if __name__ == "__main__":
