@@ -35,10 +35,10 @@ import torch
 from torch.profiler import record_function
 
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
+from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
-from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.per_element import check_per_element
 from offload_fsdp.records import ParamShard, build_records, param_name, partition

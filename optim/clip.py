@@ -165,11 +165,11 @@ def _norms(group: list[torch.Tensor], norm_type: float, acc_dtype: torch.dtype, 
 def _reduce_device(group: object) -> torch.device:
     """Where ``group``'s all_reduce runs: the current accelerator when the group has a non-gloo backend
     for it (nccl, xccl, hccl, a PrivateUse1 one), else the CPU."""
-    if not torch.accelerator.is_available():
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
         return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator()
-    # e.g. "cpu:gloo,cuda:nccl"
-    backends = dict(entry.split(":", 1) for entry in dist.get_backend_config(group).split(",") if ":" in entry)
+    config = dist.get_backend_config(group)  # type: ignore[arg-type]  # e.g. "cpu:gloo,cuda:nccl"
+    backends = dict(tuple(entry.split(":", 1)) for entry in config.split(",") if ":" in entry)
     if backends.get(accelerator.type, "gloo") == "gloo":
         return torch.device("cpu")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())

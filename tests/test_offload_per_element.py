@@ -7,7 +7,11 @@ import torch
 
 from checkpoint.shard_spec import ShardSpec, attach_shard_spec
 from offload_fsdp import HybridDeviceOptimizer
-from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, is_per_element, register_per_element
+from offload_fsdp.per_element import (
+    PER_ELEMENT_OPTIMIZERS,
+    is_per_element,
+    register_per_element,
+)
 from tests.distributed import run_ranks
 
 

@@ -17,7 +17,7 @@ from offload_fsdp import HybridDeviceOptimizer
 from tests.distributed import run_ranks
 
 WRITES = ["load_state_dict", "copy_", "mul_", "ema_swap"]
-HYPER = dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1)
+HYPER = {"lr": 0.01, "betas": (0.8, 0.95), "weight_decay": 0.1}
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
