@@ -112,51 +112,69 @@ def test_steps_without_writes_do_not_refresh_masters(monkeypatch):
     assert calls == [], "the optimizer's own write-back must not count as a user write"
 
 
-def _fsdp_body(rank: int, world_size: int, kinds: list[str]) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
+def _counting_refreshes(opt: HybridDeviceOptimizer) -> list[int]:
+    """Make ``opt`` log the size of every master refresh into the returned list."""
+    calls: list[int] = []
+    refresh = opt._refresh_masters
+
+    def counted(records):
+        calls.append(len(records))
+        refresh(records)
+
+    opt._refresh_masters = counted
+    return calls
+
+
+def _fsdp_case(mesh, rank: int, dtype: torch.dtype, kind: str, fraction: float) -> tuple[float, int]:
+    """(max |master - torch AdamW| after 4 steps with a write before the 3rd, refreshes in a step without writes)."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world_size,))
-
-    def sharded(dtype, upcast=False):
+    def sharded(upcast: bool):
         model = _model(dtype).float() if upcast else _model(dtype)
         fully_shard(model[0], mesh=mesh)
         return fully_shard(model, mesh=mesh)
 
-    out: dict = {"diffs": {}, "refreshes_without_writes": 0}
-    for dtype in (torch.float32, torch.bfloat16):
-        for kind in kinds:
-            for fraction in (0.5, 1.0):
-                ours, ref = sharded(dtype), sharded(dtype, upcast=True)  # ref: torch AdamW (bf16: the master)
-                opt = HybridDeviceOptimizer(torch.optim.AdamW(ours.parameters(), **HYPER), fraction)
-                ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-                refresh = opt._refresh_masters
-                calls = []
-                opt._refresh_masters = lambda records, refresh=refresh, calls=calls: (calls.append(1), refresh(records))
-                for step in range(4):
-                    if step == 2:
-                        _write(kind, ours)
-                        _write(kind, ref) if dtype == torch.float32 else _as_master_reference(ref, ours)
-                    if step == 1:
-                        calls.clear()
-                    gen = torch.Generator().manual_seed(100 * step + rank)
-                    ours(torch.randn(4, 6, generator=gen).to(dtype)).float().square().mean().backward()
-                    for p, r in zip(ours.parameters(), ref.parameters()):
-                        r.grad = p.grad.float()  # the same (reduce-scattered) grads, upcast
-                    opt.step()
-                    ref_opt.step()
-                    opt.zero_grad()
-                    if step == 1:
-                        out["refreshes_without_writes"] += len(calls)
-                masters = [opt.state[p].get("master_param", p) for p in ours.parameters()]
-                out["diffs"][f"{dtype}-{kind}@{fraction}"] = max(
-                    (a.to_local().float() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0
-                    for a, b in zip(masters, ref.parameters())
-                )
-    return out
+    ours, ref = sharded(upcast=False), sharded(upcast=True)  # ref: torch AdamW (for bf16: the master)
+    opt = HybridDeviceOptimizer(torch.optim.AdamW(ours.parameters(), **HYPER), fraction)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
+    calls = _counting_refreshes(opt)
+    refreshes_without_writes = 0
+    for step in range(4):
+        if step == 2:
+            _write(kind, ours)
+            if dtype == torch.float32:
+                _write(kind, ref)
+            else:
+                _as_master_reference(ref, ours)
+        calls.clear()
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        ours(torch.randn(4, 6, generator=gen).to(dtype)).float().square().mean().backward()
+        for p, r in zip(ours.parameters(), ref.parameters()):
+            r.grad = p.grad.float()  # the same (reduce-scattered) grads, upcast
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        if step == 1:  # after the first step's one-time pass, before any write
+            refreshes_without_writes = len(calls)
+    masters = [opt.state[p].get("master_param", p) for p in ours.parameters()]
+    diff = max(
+        (a.to_local().float() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0
+        for a, b in zip(masters, ref.parameters())
+    )
+    return diff, refreshes_without_writes
+
+
+def _fsdp_body(rank: int, world_size: int, kinds: list[str]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {
+        f"{dtype}-{kind}@{fraction}": _fsdp_case(mesh, rank, dtype, kind, fraction)
+        for dtype in (torch.float32, torch.bfloat16) for kind in kinds for fraction in (0.5, 1.0)
+    }  # fmt: skip
 
 
 def test_fsdp2_local_shards_written_between_steps_are_kept_like_torch():
-    for out in run_ranks(_fsdp_body, world_size=2, args=(WRITES,)):
-        assert max(out["diffs"].values()) < 1e-5, out["diffs"]
-        assert out["refreshes_without_writes"] == 0, "FSDP2's own work must not count as a user write"
+    for cases in run_ranks(_fsdp_body, world_size=2, args=(WRITES,)):
+        assert max(diff for diff, _ in cases.values()) < 1e-5, cases
+        assert all(refreshes == 0 for _, refreshes in cases.values()), "FSDP2's own work must not count as a user write"
