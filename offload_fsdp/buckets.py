@@ -53,6 +53,8 @@ class HostBucket:
     delegate: DelegatedOptimizer | None = None
     """fallback path: one ``cpu_optimizer_cls`` instance over this bucket's master views"""
     d2h_done: torch.Event | None = None
+    d2h_sources: list[torch.Tensor] = field(default_factory=list)
+    """device grads an in-flight D2H reads, held alive on backends without ``record_stream``"""
     h2d_done: torch.Event | None = None
 
     @property

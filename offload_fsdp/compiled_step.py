@@ -25,7 +25,11 @@ compiler (``$CC``, else ``cc``) at the first step that needs it (at construction
 with ``compiled``): about
 4-10 s on a busy 2-core host, then cached per user (``$OFFLOAD_FSDP_CACHE_DIR``,
 else ``~/.cache/offload_fsdp``, keyed by source, flags, compiler and CPU) so later
-processes load it in ~0.1 s. Before first use it checks itself against torch's
+processes load it in ~0.1 s. The build happens once per machine: it runs under an
+exclusive file lock beside the cached library, so when every rank of a fresh node
+starts at once one compiles and the others wait and load its result; a WARNING
+line announces it. ``python -m offload_fsdp.compiled_step --build`` builds it ahead
+of time (node setup), so the first training step pays nothing. Before first use it checks itself against torch's
 kernel on a small problem (the vector width of torch's scalar tail is found
 there). It is loaded with :mod:`ctypes` and called once per bucket; with more than
 one torch thread (``torch.get_num_threads()``) the call spreads the bucket's pieces
@@ -50,10 +54,15 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks (see _exclusive)
+    fcntl = None  # type: ignore[assignment]
 
 from offload_fsdp.buckets import HostBucket
 from offload_fsdp.fused_step import _SR_BELOW, AdamHyper, FusedScratch, adam_bucket_step, noise_counter, pieces
@@ -115,6 +124,12 @@ def _build_key(compiler: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def library_path(compiler: str | None = None) -> Path:
+    """Where the compiled step for this machine, source and compiler is cached."""
+    compiler = compiler or os.environ.get("CC") or "cc"
+    return _cache_dir() / f"host_adam-{_build_key(compiler)}.so"
+
+
 def _compile(compiler: str, out: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="offload_fsdp_step_") as tmp:
         src, lib = Path(tmp, "host_adam.c"), Path(tmp, "host_adam.so")
@@ -132,15 +147,54 @@ def _compile(compiler: str, out: Path) -> None:
         os.replace(staged, out)  # atomic: a concurrent process sees the old file or the whole new one
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``lock_path`` (created if missing) for the block.
+
+    Where ``fcntl`` does not exist (Windows) there is no lock: concurrent builds then
+    each write their own temporary file and replace the target atomically, so the
+    result is still whole, only paid more than once.
+    """
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        if fcntl is None:
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)  # blocks while another process builds
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _ensure_built(compiler: str, path: Path) -> bool:
+    """Build ``path`` unless it exists, once per machine: concurrent processes wait for one builder.
+
+    Returns True if this process built it. Raises ``OSError`` when the cache is not writable.
+    """
+    if path.exists():
+        return False
+    with _exclusive(path.with_name(path.name + ".lock")):
+        if path.exists():  # another process built it while this one waited for the lock
+            return False
+        logger.warning(
+            "building the host Adam step once for this machine (~5-20 s, %s); later processes load it from %s. "
+            "`python -m offload_fsdp.compiled_step --build` does this ahead of time",
+            compiler, path,
+        )  # fmt: skip
+        _compile(compiler, path)
+        return True
+
+
 def _compile_and_load() -> ctypes.CDLL:
     """The C loop as a shared library: from the per-user cache, else compiled into it (or a temp dir)."""
     compiler = os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"C compiler {compiler!r} not found; install gcc or set CC")
-    path = _cache_dir() / f"host_adam-{_build_key(compiler)}.so"
+    path = library_path(compiler)
     if not path.exists():
         try:
-            _compile(compiler, path)
+            _ensure_built(compiler, path)
         except OSError:  # cache not writable: build a private copy for this process only
             with tempfile.TemporaryDirectory(prefix="offload_fsdp_step_") as tmp:
                 private = Path(tmp, "host_adam.so")
@@ -335,3 +389,31 @@ def select_host_step() -> HostStep:
     elif choice != "auto":
         raise ValueError(f"{HOST_STEP_ENV}={choice!r} is not a host step; use 'auto' (default), 'compiled' or 'fused'")
     return compiled_adam_bucket_step
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m offload_fsdp.compiled_step --build``: build (or find) and self-check the step now.
+
+    Run it once per machine (e.g. in the image or node setup, before launching ranks)
+    so that no training process pays the build at its first step.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m offload_fsdp.compiled_step", description=main.__doc__)
+    parser.add_argument("--build", action="store_true", help="build the host Adam step into the cache and check it")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # the CLI's own output, not the library's
+    if not compiled_step_available(warn=False):
+        print("error: the compiled host step could not be built (see the warning above); "
+              f"training will use torch's fused kernel ({HOST_STEP_ENV}=fused skips the attempt)", file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"compiled host step ready: {library_path()} (vector width {_vec_width})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

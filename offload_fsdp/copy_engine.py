@@ -69,6 +69,7 @@ class StreamCopyEngine:
         self.h2d_stream = torch.Stream(device)
         self._step_begin: torch.Event | None = None
         self._last_h2d: torch.Event | None = None
+        self._record_stream_supported = True
 
     def _main(self) -> torch.Stream:
         return torch.accelerator.current_stream(self.device)
@@ -85,16 +86,27 @@ class StreamCopyEngine:
         self.d2h_stream.wait_stream(self._main())
         with self.d2h_stream:
             dst.copy_(src.reshape(dst.shape), non_blocking=True)
-        # zero_grad(set_to_none=True) may free the grad while the copy still reads it:
-        # tell the caching allocator the side stream uses this memory.
-        src.record_stream(self.d2h_stream)
+        self._keep_until_copied(bucket, src)
         bucket.d2h_done = self.d2h_stream.record_event()
+
+    def _keep_until_copied(self, bucket: HostBucket, src: torch.Tensor) -> None:
+        # zero_grad(set_to_none=True) may free the grad while the copy still reads it:
+        # tell the caching allocator the side stream uses this memory. A backend without
+        # record_stream: hold a reference until wait_grads has seen the copy's event.
+        if self._record_stream_supported:
+            try:
+                src.record_stream(self.d2h_stream)
+                return
+            except (NotImplementedError, RuntimeError):
+                self._record_stream_supported = False
+        bucket.d2h_sources.append(src)
 
     def wait_grads(self, bucket: HostBucket) -> None:
         # The host step reads the staged grads: they must have fully landed.
         if bucket.d2h_done is not None:
             bucket.d2h_done.synchronize()
             bucket.d2h_done = None
+        bucket.d2h_sources.clear()  # the copies that read them have completed
 
     def wait_params_free(self, bucket: HostBucket) -> None:
         # The host step overwrites the master / param staging that the previous

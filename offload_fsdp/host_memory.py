@@ -7,6 +7,11 @@ longer page or give to other processes). Instead all host buffers of one kind
 are planned first, allocated as ONE ordinary (pageable) byte tensor of the
 exact total size, and that range is page-locked in place with
 ``cudaHostRegister``. Reserved == used, up to 64-byte alignment padding.
+
+That is a CUDA-only fast path. On any other accelerator (XPU, a PrivateUse1
+backend), or where registration fails, the arena comes from torch's pinned
+allocator (``pin_memory=True``: page-locked, rounded up); where nothing can
+pin, it stays pageable and copies are synchronous in effect (logged).
 """
 
 from __future__ import annotations
@@ -49,16 +54,36 @@ class HostLayout:
 
 def _register_pinned(storage: torch.Tensor) -> bool:
     """Page-lock ``storage`` in place; returns False (logged) when the runtime cannot."""
-    if not torch.cuda.is_available() or storage.numel() == 0:
+    if not torch.cuda.is_available() or storage.nbytes == 0:
         return False
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(storage.data_ptr(), storage.numel(), 0)
+    err = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
     if int(err) != 0:
-        logger.warning("cudaHostRegister of %d bytes failed (error %s); host buffers stay pageable", storage.numel(), err)
+        logger.warning("cudaHostRegister of %d bytes failed (error %s); using torch's pinned allocator", storage.nbytes, err)
         return False
     # Unregister exactly once, when the byte tensor itself is collected (views keep it alive).
     weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr())
     return True
+
+
+def _allocate(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A zeroed host tensor and whether it is page-locked.
+
+    CUDA fast path: an exact-size pageable allocation registered in place. Any
+    accelerator (CUDA too, when registration fails): torch's pinned allocator,
+    which rounds the request up to a power of two. Neither: pageable, logged.
+    """
+    if not pin or numel == 0:
+        return torch.zeros(numel, dtype=dtype), False
+    if torch.cuda.is_available():
+        storage = torch.zeros(numel, dtype=dtype)
+        if _register_pinned(storage):
+            return storage, True
+    try:
+        return torch.zeros(numel, dtype=dtype, pin_memory=True), True
+    except RuntimeError as exc:  # no accelerator, or its runtime cannot pin
+        logger.warning("page-locking %d host bytes failed (%s); host buffers stay pageable", numel * dtype.itemsize, exc)
+        return torch.zeros(numel, dtype=dtype), False
 
 
 class HostArena:
@@ -70,20 +95,19 @@ class HostArena:
 
     def __init__(self, layout: HostLayout, *, pin: bool) -> None:
         self.layout = layout
-        self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8)
-        self.pinned = False
-        if pin and layout.nbytes:
-            if torch.cuda.is_available():
-                self.pinned = _register_pinned(self.storage)
-            elif torch.accelerator.is_available():
-                # No exact-size registration API outside CUDA: accept the allocator's rounding.
-                self.storage = torch.zeros(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-                self.pinned = True
+        dtypes = {dtype for _, dtype, _ in layout.requests}
+        # One dtype (every pageable arena): a typed storage, so views are plain slices. Views
+        # re-typed from bytes (``.view(dtype)``) break torch.save / deepcopy of DTensors over them.
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        self.storage, self.pinned = _allocate(-(-layout.nbytes // self.dtype.itemsize), self.dtype, pin=pin)
 
     @property
     def reserved_bytes(self) -> int:
-        return self.storage.numel()
+        return self.storage.nbytes
 
     def view(self, handle: int) -> torch.Tensor:
         numel, dtype, offset = self.layout.requests[handle]
+        if dtype == self.dtype:  # offsets are 64-byte aligned, so a whole number of elements
+            start = offset // dtype.itemsize
+            return self.storage[start : start + numel]
         return self.storage[offset : offset + numel * dtype.itemsize].view(dtype)

@@ -35,13 +35,14 @@ import torch
 from torch.profiler import record_function
 
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
+from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
-from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
+from offload_fsdp.per_element import check_per_element
 from offload_fsdp.records import ParamShard, build_records, param_name, partition
-from offload_fsdp.state_io import check_groups_match, load_record_state
+from offload_fsdp.state_io import check_groups_match, check_record_state, load_record_state
 from optim.grad import get_grad, local_tensor
 from optim.grad import zero_grad as zero_grads  # both slots: .grad and decoupled_grad
 from optim.precision import PrecisionPolicy
@@ -77,6 +78,32 @@ def _check_fraction(value: Any) -> float:
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {value!r}")
     return value
+
+
+def _adopt_written(master: torch.Tensor, written: torch.Tensor) -> None:
+    """The master takes the param's value ``written`` wherever that differs from the master's cast.
+
+    Same dtype: the param is the master. Lower precision: an element whose cast
+    still equals the param keeps the master's extra precision (it was not written).
+    """
+    if written.dtype == master.dtype:
+        master.copy_(written)
+        return
+    changed = written != master.to(written.dtype)
+    master.copy_(torch.where(changed, written.to(master.dtype), master))
+
+
+def _refuse_repeated_params(groups: list[dict[str, Any]]) -> None:
+    """``ValueError`` naming a param listed twice in one group (torch only warns; it would get two records)."""
+    for index, group in enumerate(groups):
+        first: dict[int, int] = {}
+        for position, p in enumerate(group["params"]):
+            if id(p) in first:
+                raise ValueError(
+                    f"param group {index} lists parameter {param_name(group, index, position)!r} twice (positions "
+                    f"{first[id(p)]} and {position}); list each parameter once"
+                )
+            first[id(p)] = position
 
 
 def _check_optimizer_cls(cls: Any, arg: str) -> None:
@@ -155,6 +182,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         gpu_cls = gpu_optimizer_cls if gpu_optimizer_cls is not None else cpu_cls
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
+        _refuse_repeated_params(groups)
         super().__init__(groups, opt_defaults)
         # Keys the user set, per group and at constructor level (those also fill groups added later).
         group_keys, self._explicit_defaults = explicit
@@ -188,6 +216,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # registration is undone when an arena's storage object dies).
         self._later_host_buffers: list[HostBuffers] = []
         self._built = True
+        # A scheduler attached to the wrapped optimizer before wrapping checks that *it* was stepped.
+        self._wrapped = weakref.ref(wrapped) if wrapped is not None else None
         # Weights loaded between construction (or a state-dict load) and the first step
         # must not be reverted by masters copied earlier: step() refreshes them once.
         self._refresh_masters_before_step = True
@@ -225,7 +255,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for d in (*wrapped.param_groups, wrapped.defaults)
             ]
             explicit = (group_keys, default_keys)
-            return [dict(g) for g in wrapped.param_groups], dict(wrapped.defaults), cls, wrapped, explicit
+            # Its group dicts themselves, not copies: a scheduler attached to it before wrapping
+            # (LambdaLR, OneCycleLR's betas) keeps writing the hyper-parameters this optimizer reads.
+            return list(wrapped.param_groups), dict(wrapped.defaults), cls, wrapped, explicit
         cls = cpu_cls if cpu_cls is not None else torch.optim.AdamW
         _check_optimizer_cls(cls, "cpu_optimizer_cls")
         # Read the user's group dicts before the probe fills them; a lone tensor is left for torch to refuse.
@@ -275,6 +307,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             torch.accelerator.is_available() and any(r.local.device.type != "cpu" for r in records)
         )
         partition(records, self.offload_fraction, host_resident_is_offloaded=accelerated)
+        self._check_classes_fit_shards(records)
         for r in records:
             if r.offloaded:
                 r.grad_dtype = self.precision.grad_staging_dtype(r.param.dtype)
@@ -300,6 +333,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._log_partition(records, buckets, buffers, what)
         return buffers
 
+    def _check_classes_fit_shards(self, records: list[ParamShard]) -> None:
+        """Refuse, naming class and param, a non-elementwise class on a sharded param (:mod:`offload_fsdp.per_element`)."""
+        for r in records:
+            if r.trainable and r.is_sharded:
+                cls = self.cpu_optimizer_cls if r.offloaded else self.gpu_optimizer_cls
+                check_per_element(cls, r.name, tuple(r.local.shape), r.global_shape)
+
     @torch.no_grad()
     def _init_host_copies(self, buckets: list[HostBucket]) -> None:
         """Fill host masters / param staging from the params; attach fallback delegates."""
@@ -309,6 +349,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if r.param_stage is not None:
                     r.master.copy_(r.param_stage)
                 r.working = r.master
+                r.mark_synced()
             if not bucket.fused:
                 bucket.delegate = DelegatedOptimizer(
                     self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
@@ -322,6 +363,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             master_dtype = self._master_dtype(r.param.dtype)
             # A device fp32 master for low-precision params; otherwise the local param itself.
             r.working = r.local.to(master_dtype, copy=True) if master_dtype != r.param.dtype else r.local
+            r.mark_synced()
         if not records:
             return
         if self._device_delegate is None:
@@ -546,6 +588,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return loss
         if self._refresh_masters_before_step:
             self.reload_model_params()
+        else:
+            self._refresh_written([r for r, _ in active])
         grads = {id(r): g for r, g in active}
         engines = list({id(e): e for e in self._engines.values()}.values())
         for engine in engines:
@@ -567,7 +611,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 r.staged_grad_key = None
         for r, _ in active:
             self._publish(r)
+        self._mark_wrapped_stepped()
         return loss
+
+    def _mark_wrapped_stepped(self) -> None:
+        """Tell a scheduler attached to the wrapped optimizer that its optimizer stepped.
+
+        torch's LRScheduler warns "lr_scheduler.step() before optimizer.step()" unless the
+        optimizer it was built on set the private flag ``_opt_called`` (its patched ``step``
+        does); no public API exists. If torch renames it, only that spurious warning returns.
+        """
+        wrapped = self._wrapped() if self._wrapped is not None else None
+        if wrapped is not None:
+            wrapped._opt_called = True
 
     def _step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
         if not active:
@@ -585,6 +641,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for r, _ in active:
             if r.working is not r.local:
                 r.local.copy_(r.working)  # the param is the cast of its fp32 master
+                r.mark_synced()
 
     def _step_bucket(self, bucket: HostBucket, active: list[ParamShard]) -> None:
         bucket.engine.wait_grads(bucket)
@@ -616,6 +673,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         r.param_stage.copy_(r.master)
         with record_function("HybridDeviceOptimizer.h2d"), self._bucket_stage("h2d", bucket):
             bucket.engine.push_params(bucket, [(r.local, r.push_source) for r in active])
+        for r in active:
+            r.mark_synced()  # after the push: its copy_ bumped the version counter
 
     # ------------------------------------------------------------------ state
 
@@ -683,12 +742,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         silently revert them. A master whose cast equals its param is kept (it
         holds more precision than the param, e.g. one just loaded in place with the
         weights it was saved with); one whose param differs is replaced by the
-        param's value. The first step after construction or after
-        ``load_state_dict`` calls this by itself (one comparison pass); weights
-        written between later steps need an explicit call.
+        param's value, element by element: where the param's value differs from the
+        master's cast the master takes it, elsewhere the master keeps its extra
+        precision. The first step after construction or after ``load_state_dict``
+        calls this by itself (one comparison pass); between later steps, each
+        ``step()`` and ``state_dict()`` refresh exactly the params written in place
+        since the optimizer last wrote them (:meth:`_refresh_written`), so an
+        explicit call is never needed.
         """
         self._refresh_masters(self._records)
         self._refresh_masters_before_step = False
+
+    @torch.no_grad()
+    def _refresh_written(self, records: list[ParamShard]) -> None:
+        """Refresh the masters of those ``records`` whose param was written in place since the
+        optimizer last wrote it (version counter moved): the user's weights are the truth.
+
+        A loop over version counters, no pass over the data, unless something was written.
+        """
+        written = [r for r in records if r.has_master and r.written_since_sync]
+        if written:
+            logger.debug("refreshing the masters of %d params written since the last step", len(written))
+            self._refresh_masters(written)
 
     @torch.no_grad()
     def _refresh_masters(self, records: list[ParamShard]) -> None:
@@ -705,12 +780,34 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.engine.fetch(r.param_stage, r.local)
                 # Against the master's cast, not the staging: a master written in place (DCP
                 # loading into state_dict()'s views) leaves the staging holding the old cast.
-                if not torch.equal(r.param_stage, r.master.to(r.param_stage.dtype)):
-                    r.master.copy_(r.param_stage)
+                _adopt_written(r.master, r.param_stage)
         for r in records:
-            if not r.offloaded and r.working is not None and r.working is not r.local:
-                if not torch.equal(r.working.to(r.param.dtype), r.local):
-                    r.working.copy_(r.local)
+            if not r.offloaded and r.has_master:
+                _adopt_written(r.working, r.local)
+        for r in records:
+            if r.has_master:
+                r.mark_synced()
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch; a ``master_param`` in it is first refreshed from a param written since the last step."""
+        self._refresh_written(self._records)
+        return super().state_dict()
+
+    def _class_of(self, r: ParamShard) -> type[torch.optim.Optimizer]:
+        return self.cpu_optimizer_cls if r.offloaded else self.gpu_optimizer_cls
+
+    def _materialize_for_load(self, pairs: list[tuple[ParamShard, dict[str, Any] | None]]) -> None:
+        """Materialise state and check every (record, saved state) pair; on an error, drop what was created."""
+        fresh = [r for r in self._records if r.trainable and r.state is None]
+        self.materialize_state()
+        try:
+            for r, saved in pairs:
+                if saved is not None and r.trainable:
+                    check_record_state(r, saved, self._class_of(r).__name__)
+        except BaseException:
+            for r in fresh:
+                self._forget(r)
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
@@ -736,21 +833,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_groups_match(self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
+        pairs = [(r, saved_state.get(sid)) for r, sid in zip(self._records, saved_ids)]
+        self._materialize_for_load(pairs)  # checks everything first: a failed load changes nothing
         # Masters from the params, except where a master is saved: that one wins, and it may
         # be this optimizer's own master already overwritten in place (DCP's load into the
         # views state_dict() returned), which a refresh from the not-yet-loaded params would clobber.
         self._refresh_masters([
-            r for r, sid in zip(self._records, saved_ids)
-            if not (r.has_separate_master and "master_param" in saved_state.get(sid, {}))
+            r for r, saved in pairs if not (r.has_separate_master and "master_param" in (saved or {}))
         ])  # fmt: skip
-        self.materialize_state()
-        for r, sid in zip(self._records, saved_ids):
-            saved = saved_state.get(sid)
+        for r, saved in pairs:
             if saved is None or not r.trainable:
                 self._forget(r)
                 continue
-            owner = self.cpu_optimizer_cls if r.offloaded else self.gpu_optimizer_cls
-            load_record_state(r, saved, owner.__name__)
+            load_record_state(r, saved, self._class_of(r).__name__)
         for ours, theirs in zip(self.param_groups, saved_groups):
             ours.update(hyperparameters(theirs))
         # torch.distributed.checkpoint's set_state_dict loads the optimizer BEFORE the model

@@ -35,6 +35,9 @@ class ParamShard:
     """fully-qualified name when known (named params), else its position ``param_groups[g][i]``"""
     group_index: int
     """index of its group in ``optimizer.param_groups`` (hyper-parameters are read from there)"""
+    trainable: bool = True
+    """``requires_grad`` at construction: only these get update space (a param unfrozen later
+    is refused at ``step()`` with the fix, never half-served)"""
     offloaded: bool = False
     """True when its update runs on the host (fp32 master + state in host buckets)"""
     grad_dtype: torch.dtype | None = None
@@ -52,6 +55,10 @@ class ParamShard:
     """host buffer the gradient is copied into (its own dtype)"""
     staged_grad_key: tuple[int, int, int] | None = None
     """(id, data_ptr, version) of the device grad last copied into ``grad_stage`` this step"""
+    synced_key: tuple[int, int, int, int] | None = None
+    """(id, data_ptr, version, the DTensor's version) of the local param when the optimizer last made it and its
+    master agree (records with a separate master only): a different key means the user
+    wrote the param since, so its master must be refreshed before the next update"""
 
     # --- delegated optimizers (device share, and host buckets without a fused kernel) ---
     working: torch.Tensor | None = None
@@ -74,8 +81,17 @@ class ParamShard:
         return self.local.numel()
 
     @property
-    def trainable(self) -> bool:
-        return self.param.requires_grad
+    def global_shape(self) -> tuple[int, ...]:
+        """The whole parameter's shape: the DTensor's, a flat shard's spec's, else the local shape."""
+        if self.is_dtensor:
+            return tuple(self.param.shape)
+        spec = shard_spec_of(self.param)
+        return spec.global_shape if spec is not None else tuple(self.local.shape)
+
+    @property
+    def is_sharded(self) -> bool:
+        """True when the local tensor is only a piece of the parameter (a replica is not)."""
+        return tuple(self.local.shape) != self.global_shape
 
     @property
     def is_dtensor(self) -> bool:
@@ -86,6 +102,30 @@ class ParamShard:
         """The host tensor holding the updated param in its own dtype (what H2D copies)."""
         assert self.master is not None
         return self.param_stage if self.param_stage is not None else self.master
+
+    @property
+    def has_master(self) -> bool:
+        """True when the update is applied to a copy of the param (host master, or a device fp32 master)."""
+        return self.working is not None and self.working is not self.local
+
+    def _local_key(self) -> tuple[int, int, int, int]:
+        # Both counters: a write through the DTensor (``model.load_state_dict``, ``p.mul_``) bumps
+        # the DTensor's only; one into ``to_local()`` bumps the local tensor's only.
+        local = self.local
+        return (id(local), local.data_ptr(), local._version, self.param._version)
+
+    def mark_synced(self) -> None:
+        """Record the local param's identity and version counter after master and param were made to agree."""
+        self.synced_key = self._local_key()
+
+    @property
+    def written_since_sync(self) -> bool:
+        """True when the local param was written in place (or replaced) since :meth:`mark_synced`.
+
+        Every in-place op bumps a tensor's version counter (``copy_``, ``mul_``,
+        ``load_state_dict``'s copy, an EMA swap), so this costs no pass over the data.
+        """
+        return self.synced_key != self._local_key()
 
     @property
     def has_separate_master(self) -> bool:
@@ -102,8 +142,25 @@ class ParamShard:
             return tensor
         param = self.param
         return DTensor.from_local(
-            tensor, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
+            _own_storage(tensor), param.device_mesh, param.placements, run_check=False,
+            shape=param.shape, stride=param.stride(),
+        )  # fmt: skip
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as ``tensor`` (a view into a host buffer), as a tensor at storage offset 0.
+
+    torch.save / copy.deepcopy of a DTensor whose local tensor has a non-zero storage
+    offset fails ("Attempted to access the data pointer on an invalid python storage":
+    the wrapper's data_ptr is then non-zero, so torch pickles its empty storage). A slice
+    of the untyped storage shares the memory (and keeps the buffer alive), so in-place
+    loads into these tensors still land in the optimizer's buffers.
+    """
+    if tensor.storage_offset() == 0:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    storage = tensor.untyped_storage()[start : start + tensor.numel() * tensor.element_size()]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, tensor.shape, tensor.stride())
 
 
 def param_name(group: dict[str, Any], group_index: int, position: int) -> str:
@@ -155,7 +212,7 @@ def build_records(groups: list[dict[str, Any]], *, first_group_index: int = 0) -
         for position, param in enumerate(group["params"]):
             name = param_name(group, group_index, position)
             _validate(param, name)
-            records.append(ParamShard(param=param, name=name, group_index=group_index))
+            records.append(ParamShard(param=param, name=name, group_index=group_index, trainable=param.requires_grad))
     return records
 
 

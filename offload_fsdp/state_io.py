@@ -16,7 +16,7 @@ import torch
 from offload_fsdp.records import ParamShard
 from optim.grad import local_tensor
 
-__all__ = ["check_groups_match", "load_record_state"]
+__all__ = ["check_groups_match", "check_record_state", "load_record_state"]
 
 
 def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
@@ -34,12 +34,10 @@ def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) 
             )
 
 
-def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> None:
-    """Copy ``saved`` (one param's state) into ``r``'s materialised state; then its master, if saved.
+def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> None:
+    """Raise ``ValueError`` naming the param and key unless ``saved`` fits ``r``'s materialised state.
 
-    Preconditions: ``r.state`` exists (materialised) and the masters were refreshed
-    from the params. Side effects: state tensors, the master and (when a
-    ``master_param`` is loaded) the param itself, set to the master's cast.
+    Changes nothing: a load checks every param first, so a failed load leaves the optimizer as it was.
     """
     expected = set(r.state) - {"master_param"}
     got = set(saved) - {"master_param"}
@@ -48,6 +46,33 @@ def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> 
             f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
             f"({class_name}); was it saved with another optimizer class or options (e.g. amsgrad)?"
         )
+    for key, value in saved.items():
+        if key == "master_param":
+            if value is not None and r.has_separate_master and local_tensor(value).shape != r.working.shape:
+                raise ValueError(
+                    f"master_param of parameter {r.name!r} has local shape {tuple(local_tensor(value).shape)}, "
+                    f"expected {tuple(r.working.shape)}"
+                )
+            continue
+        dst = r.state[key]
+        if not isinstance(dst, torch.Tensor):
+            continue
+        src = local_tensor(value) if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        if src.shape != local_tensor(dst).shape:
+            raise ValueError(
+                f"optimizer state {key!r} of parameter {r.name!r} has local shape {tuple(src.shape)}, "
+                f"expected {tuple(local_tensor(dst).shape)}; load through checkpoint.load to reshard"
+            )
+
+
+def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> None:
+    """Copy ``saved`` (one param's state) into ``r``'s materialised state; then its master, if saved.
+
+    Preconditions: ``r.state`` exists (materialised), :func:`check_record_state` passed and
+    the masters were refreshed from the params. Side effects: state tensors, the master and
+    (when a ``master_param`` is loaded) the param itself, set to the master's cast.
+    """
+    check_record_state(r, saved, class_name)
     for key, value in saved.items():
         if key != "master_param":
             _load_value(r, key, value)
@@ -64,20 +89,10 @@ def _load_value(r: ParamShard, key: str, value: Any) -> None:
             r.inner_state[key] = value
         return
     src = local_tensor(value) if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    dst_local = local_tensor(dst)
-    if src.shape != dst_local.shape:
-        raise ValueError(
-            f"optimizer state {key!r} of parameter {r.name!r} has local shape {tuple(src.shape)}, "
-            f"expected {tuple(dst_local.shape)}; load through checkpoint.load to reshard"
-        )
-    dst_local.copy_(src)
+    local_tensor(dst).copy_(src)
 
 
 def _load_master(r: ParamShard, src: torch.Tensor) -> None:
-    if src.shape != r.working.shape:
-        raise ValueError(
-            f"master_param of parameter {r.name!r} has local shape {tuple(src.shape)}, expected {tuple(r.working.shape)}"
-        )
     r.working.copy_(src)
     if r.offloaded:
         r.param_stage.copy_(r.working)

@@ -141,13 +141,8 @@ def _partial_norm(
         if t.numel():
             by_device[(t.device, t.dtype)].append(t)
     partials = [torch.zeros((), dtype=acc_dtype, device=out_device)]
-    for (device, _), group in by_device.items():
-        use_foreach = foreach if foreach is not None else device.type in ("cpu", "cuda", "xpu", "mps")
-        if use_foreach:
-            norms = torch._foreach_norm(group, norm_type, dtype=acc_dtype)
-        else:
-            norms = [torch.linalg.vector_norm(t, norm_type, dtype=acc_dtype) for t in group]
-        stacked = torch.stack(norms)
+    for group in by_device.values():
+        stacked = torch.stack(_norms(group, norm_type, acc_dtype, foreach))
         part = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
         # One small device->host (or cross-device) move per device, not per tensor.
         partials.append(part.to(out_device))
@@ -155,11 +150,29 @@ def _partial_norm(
     return combined.max() if math.isinf(norm_type) else combined.sum()
 
 
+def _norms(group: list[torch.Tensor], norm_type: float, acc_dtype: torch.dtype, foreach: bool | None) -> list[torch.Tensor]:
+    """Per-tensor norms of one (device, dtype) group: one foreach kernel where the backend has it."""
+    if foreach is not False:
+        try:
+            return list(torch._foreach_norm(group, norm_type, dtype=acc_dtype))
+        except (NotImplementedError, RuntimeError):
+            if foreach:  # asked for explicitly: the backend's error stands
+                raise
+            # default: a backend without a foreach norm kernel (some PrivateUse1 ones) goes per tensor
+    return [torch.linalg.vector_norm(t, norm_type, dtype=acc_dtype) for t in group]
+
+
 def _reduce_device(group: object) -> torch.device:
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where ``group``'s all_reduce runs: the current accelerator when the group has a non-gloo backend
+    for it (nccl, xccl, hccl, a PrivateUse1 one), else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        return torch.device("cpu")
+    config = dist.get_backend_config(group)  # type: ignore[arg-type]  # e.g. "cpu:gloo,cuda:nccl"
+    backends = dict(tuple(entry.split(":", 1)) for entry in config.split(",") if ":" in entry)
+    if backends.get(accelerator.type, "gloo") == "gloo":
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _check_norm_type(norm_type: float) -> float:

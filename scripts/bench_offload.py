@@ -10,13 +10,17 @@ Usage::
 All figures come from one run on one machine. On the CPU it compares the
 offloaded path's host step (offload_fraction=1) with torch ``AdamW(fused=True)``
 over the same parameters and with the memory-bandwidth roofline (bytes moved per
-parameter / a copy bandwidth this script measures). With CUDA it adds: full step
+parameter / a copy bandwidth this script measures). With an accelerator (any that torch.accelerator reports) it adds: full step
 time vs max(D2H, host step, H2D) each timed alone (overlap efficiency), bytes
 over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
 and GPU memory saved. ``--host-step both`` (the default) times the compiled C
 loop (the default host step, ``OFFLOAD_FSDP_HOST_STEP=auto``) and torch's fused
 kernel in pieces (its fallback, ``OFFLOAD_FSDP_HOST_STEP=fused``) side by side in
 the same rounds.
+
+Every run also prints the cost of the per-step check that detects weights the
+user wrote between steps (``--write-check-only``: just that row), as a fraction
+of a full ``step()``.
 
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
@@ -185,12 +189,47 @@ def bench_cpu(args: argparse.Namespace) -> None:
         print(f"compiled host step ready in {built['compiled']:.1f} s (C compile + self-check; ~0.1 s once cached)")
 
 
+def bench_write_check(args: argparse.Namespace) -> None:
+    """Cost of detecting user-written weights (a version-counter check per param) vs a full ``step()``.
+
+    Every ``step()`` compares each offloaded param's version counter with the one
+    recorded after its last write-back (``_refresh_written``); nothing was written
+    here, so this is the check alone, as in every step of a run without writes.
+    """
+    sizes = _shapes(int(args.numel), args.tensors)
+    device = _accelerator() or torch.device("cpu")
+    params = _params(sizes, torch.bfloat16, device.type)
+    opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
+    opt.step()  # the first step's one-time comparison pass
+
+    def sync() -> None:
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    times = _time_round_robin({"step": opt.step, "check": lambda: opt._refresh_written(opt._records)}, args.repeats, sync)
+    print(f"\nuser-write check (version counters of {len(sizes)} params, bf16, {sum(sizes) / 1e6:.1f}M elements, "
+          f"offload_fraction=1, {device.type}): {times['check'] * 1e6:.1f} us per step vs step() "
+          f"{times['step'] * 1e3:.1f} ms = {times['check'] / times['step']:.5f} of the step")  # fmt: skip
+
+
+def _accelerator() -> torch.device | None:
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    module = torch.get_device_module(device)
+    return module.get_device_name() if hasattr(module, "get_device_name") else device.type
+
+
 def bench_gpu(args: argparse.Namespace) -> None:
-    """Overlap efficiency, PCIe bytes, iteration time and memory saved (bf16 params and grads)."""
+    """Overlap efficiency, bus bytes, iteration time and memory saved (bf16 params and grads), on any accelerator."""
     sizes = _shapes(int(args.numel), args.tensors)
     n = sum(sizes)
-    sync = torch.cuda.synchronize
-    params = _params(sizes, torch.bfloat16, "cuda")
+    device = _accelerator()
+    sync = torch.accelerator.synchronize
+    params = _params(sizes, torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
     grads = [p.grad for p in params]
     stages = [r.grad_stage for r in opt._records]
@@ -209,7 +248,7 @@ def bench_gpu(args: argparse.Namespace) -> None:
     t_step = _time(opt.step, args.repeats, sync)
     bound = max(t_d2h, t_host, t_h2d)
     pcie = (opt._buckets[0].grad_stage.element_size() + sources[0].element_size())
-    print(f"\nGPU ({torch.cuda.get_device_name()}): D2H {t_d2h * 1e3:.1f} ms, host step {t_host * 1e3:.1f} ms, "
+    print(f"\n{device.type} ({_device_name(device)}): D2H {t_d2h * 1e3:.1f} ms, host step {t_host * 1e3:.1f} ms, "
           f"H2D {t_h2d * 1e3:.1f} ms; step {t_step * 1e3:.1f} ms; overlap efficiency max/step = {bound / t_step:.2f}; "
           f"sum/step = {(t_d2h + t_host + t_h2d) / t_step:.2f}; bytes over PCIe per param: {pcie} "
           f"(D2H {opt._buckets[0].grad_stage.element_size()} + H2D {sources[0].element_size()})")  # fmt: skip
@@ -218,9 +257,9 @@ def bench_gpu(args: argparse.Namespace) -> None:
     width = int((n / (2 * args.layers)) ** 0.5)
     results = {}
     for fraction in (None, 1.0):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(2 * args.layers)]).cuda().bfloat16()
+        torch.accelerator.empty_cache()
+        torch.accelerator.reset_peak_memory_stats()
+        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(2 * args.layers)]).to(device).bfloat16()
         if fraction is None:
             masters = [p.detach().float().requires_grad_() for p in model.parameters()]
             inner = torch.optim.AdamW(masters, lr=1e-4, fused=True)
@@ -235,14 +274,14 @@ def bench_gpu(args: argparse.Namespace) -> None:
         else:
             hybrid = HybridDeviceOptimizer(model.parameters(), fraction, lr=1e-4)
             opt_step = hybrid.step
-        x = torch.randn(args.batch, width, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(args.batch, width, device=device, dtype=torch.bfloat16)
 
         def iteration() -> None:
             model(x).float().square().mean().backward()
             opt_step()
             model.zero_grad(set_to_none=False)
 
-        results[fraction] = (_time(iteration, args.repeats, sync), torch.cuda.max_memory_allocated())
+        results[fraction] = (_time(iteration, args.repeats, sync), torch.accelerator.max_memory_allocated())
         del model
     (t_dev, m_dev), (t_off, m_off) = results[None], results[1.0]
     print(f"training iteration ({2 * args.layers} x Linear({width}), bf16, batch {args.batch}): "
@@ -312,7 +351,7 @@ class _StageClock:
 
 def record_timeline(args: argparse.Namespace) -> None:
     """Write the per-bucket stage spans of the fastest of a few full steps to ``args.timeline_json``."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = _accelerator() or torch.device("cpu")
     sizes = _shapes(int(args.numel), args.tensors)
     params = _params(sizes, torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3, bucket_numel=int(args.bucket_numel))
@@ -334,7 +373,7 @@ def record_timeline(args: argparse.Namespace) -> None:
     data = {
         "format": "offload_timeline",
         "version": 1,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "device": _device_name(device),
         "unit": "ms",
         "params": sum(sizes),
         "step": [0.0, step_ms],
@@ -364,17 +403,23 @@ def main() -> None:
                              "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip
     parser.add_argument("--bucket-numel", type=float, default=float(DEFAULT_BUCKET_NUMEL),
                         help="elements per host bucket for --timeline-json (default 16M)")  # fmt: skip
+    parser.add_argument("--write-check-only", action="store_true",
+                        help="only time the per-step check for weights written by the user, as a share of step()")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.timeline_json:
         record_timeline(args)
         return
-    bench_cpu(args)
-    if torch.cuda.is_available():
+    if not args.write_check_only:
+        bench_cpu(args)
+    bench_write_check(args)
+    if args.write_check_only:
+        return
+    if _accelerator() is not None:
         bench_gpu(args)
     else:
-        print("\n(no CUDA device: GPU figures skipped)")
+        print("\n(no accelerator: device figures skipped)")
 
 
 if __name__ == "__main__":

@@ -176,16 +176,18 @@ def build(cfg: Config, device: torch.device, world_size: int):
 def run_phase(args: argparse.Namespace, cfg: Config) -> None:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    # One GPU per rank (NCCL refuses two ranks on one GPU): with fewer GPUs than ranks, run on the CPU over gloo.
-    on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    # One accelerator per rank (NCCL and its peers refuse two ranks on one device): with fewer
+    # devices than ranks, run on the CPU over gloo. Any accelerator torch.accelerator reports.
+    on_device = torch.accelerator.is_available() and torch.accelerator.device_count() >= world_size
+    kind = torch.accelerator.current_accelerator().type if on_device else "cpu"
+    device = torch.device(kind, int(os.environ.get("LOCAL_RANK", 0))) if on_device else torch.device("cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if world_size > 1:
         import torch.distributed as dist
 
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if on_device:
+            torch.accelerator.set_device_index(device.index)
+        dist.init_process_group(dist.get_default_backend_for_device(device))
     out = Path(args.out)
     model, opt, sched = build(cfg, device, world_size)
     start = 0

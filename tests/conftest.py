@@ -1,11 +1,18 @@
 import pytest
 import torch
 
+# marker -> (is it available here, why it is skipped)
+_NEEDS = {
+    "accelerator": (torch.accelerator.is_available, "needs an accelerator (torch.accelerator); run `pytest -m accelerator` on one"),
+    "cuda": (torch.cuda.is_available, "needs a CUDA device; run `pytest -m cuda` on a GPU machine"),
+}
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; run `pytest -m cuda` on a GPU machine")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    for marker, (available, reason) in _NEEDS.items():
+        if available():
+            continue
+        skip = pytest.mark.skip(reason=reason)
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)

@@ -1,6 +1,9 @@
-"""CUDA-only behaviour of HybridDeviceOptimizer: pinned buffers, side streams, and no missing sync.
+"""HybridDeviceOptimizer's device path: pinned buffers, side streams, and no missing sync.
 
-Skipped without a GPU (see conftest); run with ``pytest -m cuda`` on a GPU machine.
+Runs on whatever accelerator ``torch.accelerator`` reports (CUDA, XPU, a PrivateUse1
+backend); skipped without one (see conftest): ``pytest -m accelerator``. The few
+CUDA-only checks (exact-size ``cudaHostRegister``, CUDA profiler activity) are also
+marked ``cuda``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import torch
 
 from offload_fsdp import HybridDeviceOptimizer
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.accelerator
+
+DEVICE = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
 class _Scale(torch.nn.Module):
@@ -30,7 +35,7 @@ class _Scale(torch.nn.Module):
 
 def _low_intensity_model(n=1 << 21, depth=6, seed=0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[_Scale(n) for _ in range(depth)]).cuda()
+    model = torch.nn.Sequential(*[_Scale(n) for _ in range(depth)]).to(DEVICE)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -38,11 +43,11 @@ def _low_intensity_model(n=1 << 21, depth=6, seed=0):
 
 
 def _train(model, opt, steps, n, micro_batches=1, clip=None, defer=False):
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
     losses = []
     for _ in range(steps):
         for i in range(micro_batches):
-            x = torch.randn(n, device="cuda", generator=gen)
+            x = torch.randn(n, device=DEVICE, generator=gen)
             loss = model(x).square().mean()
             with opt.defer_grad_copies() if defer and i < micro_batches - 1 else contextlib.nullcontext():
                 loss.backward()
@@ -51,7 +56,7 @@ def _train(model, opt, steps, n, micro_batches=1, clip=None, defer=False):
         opt.step()
         opt.zero_grad(set_to_none=False)
         losses.append(loss.detach())
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     return torch.stack(losses)
 
 
@@ -80,9 +85,9 @@ def test_offloaded_training_matches_plain_adamw_on_gpu_with_no_missing_sync(frac
     ref_masters = [p.detach().float().clone().requires_grad_() for p in ref.parameters()]
     opt = HybridDeviceOptimizer(model.parameters(), fraction, lr=1e-2, bucket_numel=1 << 22)
     ref_opt = torch.optim.AdamW(ref_masters, lr=1e-2)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
     for step in range(8):
-        x = torch.randn(n, device="cuda", generator=gen, dtype=dtype)
+        x = torch.randn(n, device=DEVICE, generator=gen, dtype=dtype)
         model(x).square().mean().backward()
         ref(x).square().mean().backward()
         for m, p in zip(ref_masters, ref.parameters()):
@@ -93,7 +98,7 @@ def test_offloaded_training_matches_plain_adamw_on_gpu_with_no_missing_sync(frac
         with torch.no_grad():
             for m, p in zip(ref_masters, ref.parameters()):
                 p.copy_(m)
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize()
         for i, (p, s) in enumerate(zip(model.parameters(), seen)):
             assert torch.equal(s.cpu(), _master(opt, p).to(dtype)), f"step {step}, param {i}: stale param read"
         opt.zero_grad()
@@ -120,24 +125,33 @@ def test_gradient_accumulation_with_hooks_and_clipping_matches_plain_adamw_on_gp
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_host_buffers_are_pinned_exactly_sized_and_state_lives_on_the_host():
+@pytest.mark.cuda
+def test_cuda_host_registration_pins_exactly_the_bytes_used():
+    model = _low_intensity_model(1 << 20, depth=2).to(torch.bfloat16)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2)
+    pinned = opt._host_buffers.pinned
+    assert pinned.pinned and pinned.storage.is_pinned()
+    assert pinned.reserved_bytes - pinned.layout.used_bytes < 64 * 2 * len(opt._buckets)  # alignment only
+
+
+def test_host_buffers_are_pinned_and_state_lives_on_the_host():
     n = 1 << 20
     model = _low_intensity_model(n, depth=2).to(torch.bfloat16)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2)
     pinned = opt._host_buffers.pinned
     assert pinned.pinned and pinned.storage.is_pinned()
-    assert pinned.reserved_bytes - pinned.layout.used_bytes < 64 * 2 * len(opt._buckets)  # alignment only
     bucket = opt._buckets[0]
     assert bucket.grad_stage.dtype == bucket.param_stage.dtype == torch.bfloat16  # 2 + 2 bytes cross PCIe
     assert bucket.grad_stage.is_pinned() and bucket.param_stage.is_pinned()
     assert bucket.master.dtype == torch.float32 and bucket.master.device.type == "cpu"
     _train(model, opt, 1, n)  # grads now exist and are kept (zero_grad(set_to_none=False))
-    before = torch.cuda.memory_allocated()
+    before = torch.accelerator.memory_allocated()
     _train(model, opt, 2, n)
     assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    assert torch.cuda.memory_allocated() - before < n  # no device-side optimizer state or masters (4 B/param each)
+    assert torch.accelerator.memory_allocated() - before < n  # no device-side optimizer state or masters (4 B/param each)
 
 
+@pytest.mark.cuda
 def test_profiler_trace_shows_d2h_host_step_and_h2d_ranges():
     n = 1 << 20
     model = _low_intensity_model(n, depth=2)
@@ -168,7 +182,7 @@ def test_materialize_and_resume_on_gpu_are_bit_exact():
 
 
 def test_cpu_resident_params_always_update_on_the_host_and_the_fraction_counts_device_params():
-    on_gpu = [torch.zeros(10, device="cuda", requires_grad=True) for _ in range(4)]
+    on_gpu = [torch.zeros(10, device=DEVICE, requires_grad=True) for _ in range(4)]
     on_cpu = torch.zeros(100, requires_grad=True)
     opt = HybridDeviceOptimizer(on_gpu[:2] + [on_cpu] + on_gpu[2:], 0.5, lr=0.1)
     assert [r.offloaded for r in opt._records] == [True, True, True, False, False]

@@ -124,7 +124,7 @@ def test_materialize_zero_grad_and_reload_cover_the_added_group():
 
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt.step()  # lr 0; the first step refreshes masters by itself, later weights need reload_model_params
+    opt.step()  # lr 0; the first step refreshes masters by itself (reload_model_params is the explicit form)
     with torch.no_grad():
         for p in added:
             p.fill_(0.5)

@@ -39,3 +39,27 @@ def test_host_arenas_reserve_exactly_the_bytes_their_buffers_use_up_to_alignment
     requested = sorted(n for a in arenas for n, _, _ in a.layout.requests)
     roles = 5 if separate_master else 4  # grad, [param staging], master, exp_avg, exp_avg_sq
     assert requested == sorted(b.numel for b in opt._buckets for _ in range(roles))
+
+
+def test_pinning_falls_back_from_cuda_registration_to_the_pinned_allocator_to_pageable(monkeypatch, caplog):
+    from offload_fsdp import host_memory
+
+    asked = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, pin_memory=False, **kwargs):
+        asked.append(pin_memory)
+        return real_zeros(*args, **kwargs)  # stands in for a page-locked allocation
+
+    # CUDA present but cudaHostRegister fails: torch's pinned allocator, not pageable memory
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory, "_register_pinned", lambda storage: False)
+    monkeypatch.setattr(torch, "zeros", zeros)
+    storage, pinned = host_memory._allocate(16, torch.float32, pin=True)
+    assert pinned and asked == [False, True] and storage.shape == (16,)
+    # no CUDA and no backend that can pin: pageable, and said so
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch, "zeros", real_zeros)
+    with caplog.at_level("WARNING", logger="offload_fsdp.host_memory"):
+        storage, pinned = host_memory._allocate(16, torch.float32, pin=True)
+    assert not pinned and storage.shape == (16,) and "stay pageable" in caplog.text

@@ -131,12 +131,39 @@ def test_graph_safe_grads_carry_the_gradient_get_grad_reads_into_a_view_of_anoth
     assert p.grad.dtype == torch.bfloat16 and torch.equal(p.grad.float(), old)
 
 
-@pytest.mark.cuda
+def test_a_backend_without_a_foreach_norm_kernel_falls_back_to_per_tensor_norms(monkeypatch):
+    params = _params(7)
+    expected = clip_grad_norm_(params, 1e6)
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("_foreach_norm is not implemented for this backend")
+
+    monkeypatch.setattr(torch, "_foreach_norm", missing)
+    torch.testing.assert_close(clip_grad_norm_(params, 1e6), expected)
+    with pytest.raises(NotImplementedError):
+        clip_grad_norm_(params, 1e6, foreach=True)  # asked for explicitly: the backend's error stands
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ("cpu:gloo,xpu:xccl", "xpu"), ("cpu:gloo,xpu:gloo", "cpu"), ("cpu:gloo", "cpu"),
+])  # fmt: skip
+def test_the_norm_is_reduced_on_the_accelerator_its_group_has_a_backend_for(monkeypatch, config, expected):
+    from optim import clip
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a: torch.device("xpu"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(clip.dist, "get_backend_config", lambda group=None: config)
+    assert clip._reduce_device(None).type == expected
+
+
+@pytest.mark.accelerator
 def test_gradients_split_between_host_and_device_give_the_single_device_norm():
     params = _params(6)
     ref = _reference(params)
+    device = torch.accelerator.current_accelerator()
     for p in params[::2]:
-        p.data, p.grad = p.data.cuda(), p.grad.cuda()
+        p.data, p.grad = p.data.to(device), p.grad.to(device)
     for norm_type in (2.0, math.inf):
         ref_norm = torch.nn.utils.get_total_norm([r.grad for r in ref], norm_type)
         norm = clip_grad_norm_(params, 1e6, norm_type)

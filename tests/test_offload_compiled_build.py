@@ -1,0 +1,74 @@
+"""The compiled host step is built once per machine, whoever starts first, and can be built ahead of time."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from offload_fsdp import compiled_step
+
+PROCESSES = 3
+
+
+def _start_together(barrier, cache: str, log: str) -> None:
+    """One process of a fresh node: all start at the barrier and need the library."""
+    os.environ["OFFLOAD_FSDP_CACHE_DIR"] = cache
+
+    def fake_compile(compiler: str, out: Path) -> None:  # a slow build, so that without a lock they would overlap
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)
+        out.write_bytes(b"library")
+
+    compiled_step._compile = fake_compile
+    path = Path(cache) / "host_adam-test.so"
+    barrier.wait()
+    compiled_step._ensure_built("cc", path)
+    assert path.read_bytes() == b"library"
+
+
+def test_processes_starting_at_once_build_once_and_all_find_the_library(tmp_path):
+    ctx = multiprocessing.get_context("fork")  # the children only touch files: fork is safe and fast
+    barrier = ctx.Barrier(PROCESSES)
+    log = tmp_path / "builds.log"
+    procs = [ctx.Process(target=_start_together, args=(barrier, str(tmp_path / "cache"), str(log)))
+             for _ in range(PROCESSES)]  # fmt: skip
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * PROCESSES
+    assert len(log.read_text().split()) == 1, "one build for all processes"
+
+
+def test_a_build_is_announced_once_at_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(compiled_step, "_compile", lambda compiler, out: out.write_bytes(b"library"))
+    path = tmp_path / "host_adam-test.so"
+    with caplog.at_level("WARNING", logger="offload_fsdp.compiled_step"):
+        assert compiled_step._ensure_built("cc", path)
+        assert not compiled_step._ensure_built("cc", path)  # already there: loaded, not built
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "building the host Adam step once for this machine" in messages[0]
+    assert "python -m offload_fsdp.compiled_step --build" in messages[0]
+
+
+def _build_command(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "offload_fsdp.compiled_step", "--build"], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+
+
+def test_the_build_command_exits_nonzero_with_one_line_reason_without_a_compiler(tmp_path):
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "OFFLOAD_FSDP_CACHE_DIR": str(tmp_path)}
+    proc = _build_command(env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: the compiled host step could not be built")
+
+
+def test_the_build_command_builds_into_the_cache_the_optimizer_loads_from():
+    proc = _build_command(dict(os.environ))  # the user's cache: a second run (and the fast-path tests) only load
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("compiled host step ready: ") and Path(proc.stdout.split(": ")[1].split(" (")[0]).exists()
