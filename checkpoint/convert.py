@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from checkpoint.shard import CheckpointShard
-from checkpoint.shard_spec import ShardSpec, shard_spec_of
+from offload_fsdp.shard_spec import ShardSpec, shard_spec_of
 
 __all__ = ["convert_tree", "load_stateful", "resolve_stateful", "to_checkpointable"]
 

@@ -1,7 +1,7 @@
 """A local tensor described as one region of a global tensor, checkpointable through DCP.
 
 :class:`CheckpointShard` is a tensor subclass whose *shape is the global
-shape* and which holds a rank's local data plus a :class:`~checkpoint.shard_spec.ShardSpec`.
+shape* and which holds a rank's local data plus a :class:`~offload_fsdp.shard_spec.ShardSpec`.
 It implements DCP's checkpointable protocol (``__create_write_items__``,
 ``__create_chunk_list__``, ``__get_tensor_shard__``) as methods, so plain
 ``torch.distributed.checkpoint.save`` / ``load`` accept it too, and it pickles
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from checkpoint.layout import Box, box_flat_start, region_boxes, split_box
-from checkpoint.shard_spec import ShardSpec
+from offload_fsdp.shard_spec import ShardSpec
 
 __all__ = ["CheckpointShard", "shard"]
 

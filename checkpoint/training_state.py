@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from checkpoint.shard import CheckpointShard
-from checkpoint.shard_spec import shard_spec_of
+from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = [
     "MASTER_PARAM",
@@ -205,7 +205,7 @@ def optimizer_entries(
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    # Not optim.grad.local_tensor: checkpoint/ must import without the optim package.
+    # Not offload_fsdp.grad.local_tensor: checkpoint/ must import without the optim package.
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

@@ -40,12 +40,18 @@ from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngin
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
+from offload_fsdp.grad import get_grad, local_tensor
+from offload_fsdp.grad import (
+    zero_grad as zero_grads,  # both slots: .grad and decoupled_grad
+)
 from offload_fsdp.per_element import check_per_element
+from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, param_name, partition
-from offload_fsdp.state_io import check_groups_match, check_record_state, load_record_state
-from optim.grad import get_grad, local_tensor
-from optim.grad import zero_grad as zero_grads  # both slots: .grad and decoupled_grad
-from optim.precision import PrecisionPolicy
+from offload_fsdp.state_io import (
+    check_groups_match,
+    check_record_state,
+    load_record_state,
+)
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer"]
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from checkpoint.shard_spec import shard_spec_of
-from optim.grad import local_tensor
+from offload_fsdp.grad import local_tensor
+from offload_fsdp.shard_spec import shard_spec_of
 
 if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from offload_fsdp.grad import local_tensor
 from offload_fsdp.records import ParamShard
-from optim.grad import local_tensor
 
 __all__ = ["check_groups_match", "check_record_state", "load_record_state"]
 

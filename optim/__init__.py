@@ -5,12 +5,12 @@ Transformer Engine / apex backends, optional host offload), gradient clipping on
 local shards, CUDA-graph-safe gradients and the memory model behind docs/optim.md.
 """
 
+from offload_fsdp.grad import get_grad, local_tensor, set_grad, zero_grad
+from offload_fsdp.precision import PrecisionPolicy
 from optim.build import BACKENDS, build_optimizer
 from optim.clip import clip_grad_norm_, grad_norm
 from optim.graph_safe import GraphSafeGrads, graph_safe_grads
-from optim.grad import get_grad, local_tensor, set_grad, zero_grad
 from optim.main_params import enable_main_params
-from optim.precision import PrecisionPolicy
 
 _LAZY = {"MemoryFootprint": "optim.memory", "bytes_per_param": "optim.memory"}
 

@@ -17,10 +17,16 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from optim.fused_adapters import build_fused_adam, fused_adam_class, plan_for_main_params, plan_fused_adam
-from optim.grad import local_tensor
+from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.grad import local_tensor
+from offload_fsdp.precision import PrecisionPolicy
+from optim.fused_adapters import (
+    build_fused_adam,
+    fused_adam_class,
+    plan_for_main_params,
+    plan_fused_adam,
+)
 from optim.main_params import enable_main_params
-from optim.precision import PrecisionPolicy
 
 __all__ = ["BACKENDS", "build_optimizer"]
 
@@ -125,12 +131,6 @@ def _build_offloaded(
         raise ValueError("offload_fraction is supported for name='adamw' / 'adam' only (the host step is fused Adam)")
     if cuda_graphs:
         raise ValueError("cuda_graphs=True cannot capture a host optimizer step; leave offload_fraction=None")
-    try:
-        from offload_fsdp import HybridDeviceOptimizer
-    except ImportError as exc:
-        raise ImportError(
-            f"offload_fraction needs offload_fsdp.HybridDeviceOptimizer, which is not importable ({exc})"
-        ) from exc
     # Exactly torch's class: HybridDeviceOptimizer runs its bucketed fused host kernel for
     # torch.optim.Adam / AdamW themselves (a subclass would fall back to per-bucket instances).
     cpu_cls = _TORCH_CLASSES[name]

@@ -9,12 +9,12 @@ rank holds:
   DTensors on one mesh are reduced with a single ``all_reduce`` over that mesh.
   Along ``Replicate`` mesh dims (HSDP) only the replica at coordinate 0
   contributes, so identical replicas are not counted twice;
-* a **flat-shard / box** parameter (one with a :class:`~checkpoint.shard_spec.ShardSpec`)
+* a **flat-shard / box** parameter (one with a :class:`~offload_fsdp.shard_spec.ShardSpec`)
   contributes its local gradient, reduced over ``mesh_or_group`` (default: the
   world), again with one ``all_reduce`` for all of them;
 * a **plain** tensor without a shard spec is a whole tensor: it is counted
   locally and not reduced (every rank holds the same copy);
-* gradients are read with :func:`~optim.grad.get_grad`, so ``decoupled_grad``
+* gradients are read with :func:`~offload_fsdp.grad.get_grad`, so ``decoupled_grad``
   is honoured; they may sit on different devices (host and accelerator): norms
   are computed per (device, dtype) group with one foreach kernel and summed.
 
@@ -35,7 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from optim.grad import get_grad, local_tensor
+from offload_fsdp.grad import get_grad, local_tensor
+from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -92,9 +93,6 @@ def _resolve_flat_group(mesh_or_group: DeviceMesh | dist.ProcessGroup | None) ->
 
 
 def _bucket(params: list[torch.Tensor], mesh_or_group: DeviceMesh | dist.ProcessGroup | None) -> _Buckets:
-    # Imported here so that `import optim` never depends on the checkpoint package importing.
-    from checkpoint.shard_spec import shard_spec_of
-
     buckets = _Buckets()
     flat_group: object | None = ...  # resolved on first use only: no dist calls for plain params
     for index, param in enumerate(params):

@@ -1,6 +1,6 @@
 """Adapters for the fused Adam of Transformer Engine and of NVIDIA apex.
 
-Each adapter turns a :class:`~optim.precision.PrecisionPolicy` and the
+Each adapter turns a :class:`~offload_fsdp.precision.PrecisionPolicy` and the
 parameters' own dtypes into the constructor arguments the library understands,
 imports the library lazily, and refuses (``ValueError``) what the library
 cannot honour instead of quietly training in another precision.
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from optim.precision import PrecisionPolicy
+from offload_fsdp.precision import PrecisionPolicy
 
 __all__ = ["FusedAdamPlan", "plan_fused_adam", "build_fused_adam", "fused_adam_class", "plan_for_main_params"]
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from optim.grad import get_grad, set_grad
+from offload_fsdp.grad import get_grad, set_grad
 
 __all__ = ["GraphSafeGrads", "graph_safe_grads"]
 
@@ -53,8 +53,8 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
 
     ``grad_dtype=None`` keeps each param's dtype (the view goes to ``.grad``);
     otherwise gradients are ``grad_dtype`` and, for params of another dtype, the
-    view goes to ``decoupled_grad`` (the :mod:`optim.grad` protocol). Each param's
-    existing gradient (as :func:`~optim.grad.get_grad` reads it) is copied into
+    view goes to ``decoupled_grad`` (the :mod:`offload_fsdp.grad` protocol). Each param's
+    existing gradient (as :func:`~offload_fsdp.grad.get_grad` reads it) is copied into
     its view, cast if the dtype differs, and the other slot is cleared, so
     ``get_grad`` returns the view. Plain tensors only: a DTensor's
     gradient is allocated by its FSDP implementation, which this cannot pin.

@@ -2,7 +2,7 @@
 
 ``torch.optim`` reads ``param.grad`` and updates ``param`` in its own dtype. A
 bf16 parameter whose fp32 gradient lives in ``param.decoupled_grad`` (see
-:mod:`optim.grad`) therefore cannot be stepped as is: ``.grad`` is empty, and
+:mod:`offload_fsdp.grad`) therefore cannot be stepped as is: ``.grad`` is empty, and
 an update applied in bf16 would drop everything below bf16's resolution.
 
 :func:`enable_main_params` fixes that with the optimizer's own hooks, keeping
@@ -11,7 +11,7 @@ hold the model's parameters (so LR schedulers and ``get_state_dict`` work):
 
 * before ``step``, every parameter with a gradient is pointed (``param.data``)
   at its main copy in ``main_params_dtype``, kept in the optimizer state under
-  ``"main_param"``, and its ``.grad`` at the gradient from :func:`~optim.grad.get_grad`
+  ``"main_param"``, and its ``.grad`` at the gradient from :func:`~offload_fsdp.grad.get_grad`
   (cast to the main dtype only if it is not already in it);
 * after ``step``, the updated main copy is cast back into the parameter's own
   storage, and ``.grad`` is restored to what it was;
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from optim.grad import get_grad, zero_decoupled_grad
+from offload_fsdp.grad import get_grad, zero_decoupled_grad
 
 __all__ = ["MAIN_PARAM_KEY", "enable_main_params"]
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from optim.precision import PrecisionPolicy
+from offload_fsdp.precision import PrecisionPolicy
 
 __all__ = ["MemoryFootprint", "bytes_per_param", "memory_table", "STANDARD_CONFIGS"]
 

@@ -17,8 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import checkpoint
-from checkpoint.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -309,7 +309,11 @@ def _three_rank_body(rank: int, world_size: int, root: str, ref_a: dict, ref_fla
     checkpoint.load(root / "async3b", model=reloaded)
     out["async"] += [n for n, p in reloaded.named_parameters() if not torch.equal(_full(p), ref_a[n])]
     # plain DCP reads ours at another world size
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
 
     model = _fsdp(_net(9), world_size)
     opt = torch.optim.AdamW(model.parameters(), lr=0.3)

@@ -7,9 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint.layout import Box, box_flat_start, flat_range_to_boxes, region_boxes, row_block, split_box
+from checkpoint.layout import (
+    Box,
+    box_flat_start,
+    flat_range_to_boxes,
+    region_boxes,
+    row_block,
+    split_box,
+)
 from checkpoint.shard import local_view, shard
-from checkpoint.shard_spec import ShardSpec
+from offload_fsdp.shard_spec import ShardSpec
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 from tests.distributed import run_ranks
 
 LR = 0.01

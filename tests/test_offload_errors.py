@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint.shard_spec import SHARD_SPEC_ATTR, ShardSpec
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.shard_spec import SHARD_SPEC_ATTR, ShardSpec
 
 
 def _named(n: int = 2) -> list[tuple[str, torch.Tensor]]:

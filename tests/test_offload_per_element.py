@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint.shard_spec import ShardSpec, attach_shard_spec
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.per_element import (
     PER_ELEMENT_OPTIMIZERS,
     is_per_element,
     register_per_element,
 )
+from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec
 from tests.distributed import run_ranks
 
 

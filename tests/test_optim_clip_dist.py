@@ -64,7 +64,7 @@ def _fsdp_and_reference(mesh) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def _flat_shards(rank: int, world_size: int) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
     """bf16 flat-shard params with fp32 decoupled grads, and their whole fp32 reference params."""
-    from checkpoint.shard_spec import ShardSpec, attach_shard_spec
+    from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec
 
     gen = torch.Generator().manual_seed(2)
     shards, whole = [], []

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from checkpoint.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
+from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 
 
 def test_shard_spec_needs_exactly_one_of_box_or_flat_range():

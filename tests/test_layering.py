@@ -1,0 +1,45 @@
+"""The base package imports no sibling: a user's own ``checkpoint.py`` / ``optim.py`` cannot break it."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_SHADOW = 'raise ImportError("the user\'s own {name}.py was imported instead of the package")\n'
+
+
+def test_offload_fsdp_imports_from_a_directory_holding_checkpoint_py_and_optim_py(tmp_path):
+    for name in ("checkpoint", "optim"):
+        (tmp_path / f"{name}.py").write_text(_SHADOW.format(name=name))
+    # The script's own directory comes first on sys.path, as for a user's train.py beside its checkpoint.py.
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(1, {str(REPO)!r})\n"
+        "from offload_fsdp import HybridDeviceOptimizer\n"
+        "from offload_fsdp.grad import get_grad\n"
+        "from offload_fsdp.precision import PrecisionPolicy\n"
+        "from offload_fsdp.shard_spec import ShardSpec\n"
+        "import torch\n"
+        "p = torch.nn.Parameter(torch.ones(4))\n"
+        "opt = HybridDeviceOptimizer(torch.optim.AdamW([p], lr=0.1), offload_fraction=1)\n"
+        "p.grad = torch.ones(4)\n"
+        "opt.step()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('checkpoint', 'optim')))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"offload_fsdp imported a sibling package: {out.stdout}"
+
+
+def test_sibling_packages_import_the_base_downward_only():
+    # checkpoint and optim may import offload_fsdp; offload_fsdp imports neither (checked above),
+    # and checkpoint does not import optim nor optim checkpoint.
+    for package, forbidden in (("checkpoint", "optim"), ("optim", "checkpoint")):
+        pattern = re.compile(rf"^\s*(from|import) {forbidden}\b", re.MULTILINE)
+        for path in (REPO / package).rglob("*.py"):
+            assert not pattern.search(path.read_text()), (
+                f"{path.relative_to(REPO)} imports {forbidden}: siblings meet only through offload_fsdp"
+            )
