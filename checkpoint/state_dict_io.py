@@ -14,6 +14,7 @@ costs nothing: every rank reads the merged ``.metadata`` and its own chunks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -27,15 +28,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint.atomic import check_committed, is_committed, resolve_for_load, staging_path
-from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
+from checkpoint.atomic import (
+    check_committed,
+    check_target,
+    is_committed,
+    make_staging,
+    remove_staging,
+    resolve_for_load,
+    staging_path,
+    write_lock,
+)
+from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
 from checkpoint.convert import convert_tree, to_checkpointable
 from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
+from checkpoint.save_errors import raise_on_every_rank, save_failed
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
@@ -89,31 +101,63 @@ def save_state_dict(
     """Save ``state_dict`` (this rank's part) as a committed checkpoint at ``path``; all ranks call it.
 
     Atomic: nothing at ``path`` changes until the new checkpoint is complete
-    (see :mod:`checkpoint.atomic`). ``mode="scale"`` trades DCP's plan exchange
-    for one barrier; in it, plain tensors are taken from rank 0 and the
-    checkpoint is committed when rank 0 returns.
+    (see :mod:`checkpoint.atomic`); a save to a path another save is writing
+    waits for it. An async save still in flight is finished first, and raises
+    here if it failed. ``path`` must be absent, empty or a committed
+    checkpoint (checked before anything is written). An error on any rank
+    raises on every rank (:class:`~checkpoint.save_errors.CheckpointSaveError`
+    on the others); a failed save leaves no staging behind. ``mode="scale"``
+    trades DCP's plan exchange for two small gathers; in it, plain tensors are
+    taken from rank 0 and the checkpoint is committed by rank 0.
     """
+    from checkpoint.async_save import wait_for_async_save
+
+    wait_for_async_save()
+    write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
+
+
+def write_state_dict(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    mode: str = "collective",
+    max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs)."""
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
     rank, world_size, distributed = _dist_info(process_group)
     scale = mode == "scale" and distributed
-    converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
-    staged = staging_path(path)
-    info = {"max_chunk_bytes": max_chunk_bytes}
-    if scale:
-        writer = FsdpWriter(staged, world_size=world_size)
-        dcp.save(
-            converted,
-            storage_writer=writer,
-            planner=FsdpSavePlanner(validate_cover=False),
-            process_group=process_group,
-            use_collectives=False,
-        )  # ends with DCP's one barrier: every rank's files are durable past it
-        if rank == 0:
-            commit(path, world_size, extra_info=info)
-        return
-    on_commit = partial(_commit_collective, path, world_size, {"mode": "collective", **info})
-    writer = FsdpWriter(staged, on_commit=on_commit)
+    agree = partial(raise_on_every_rank, path=path, group=process_group, distributed=distributed)
+    error: Exception | None = None
+    with contextlib.ExitStack() as held:
+        try:
+            converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
+            if rank == 0:
+                held.enter_context(write_lock(path))  # held until committed: one writer per path
+                check_target(path)
+                make_staging(path)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+            error = exc
+        # Before anything is written: a rank that cannot save must not leave the others inside dcp.save.
+        agree(error)
+        try:
+            if scale:
+                _save_scale(converted, path, rank, world_size, max_chunk_bytes, agree)
+            else:
+                _save_collective(converted, path, world_size, max_chunk_bytes, process_group, distributed)
+        except BaseException as exc:
+            if rank == 0:
+                remove_staging(path)  # every rank has stopped writing: DCP / agree() raised on all of them
+            if isinstance(exc, CheckpointException):
+                raise save_failed(exc, path) from exc
+            raise
+
+
+def _save_collective(converted, path, world_size, max_chunk_bytes, process_group, distributed) -> None:
+    info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
+    writer = FsdpWriter(staging_path(path), on_commit=partial(_commit_collective, path, world_size, info))
     with quiet_single_process():
         dcp.save(
             converted,
@@ -122,6 +166,29 @@ def save_state_dict(
             process_group=process_group,
             no_dist=not distributed,
         )
+
+
+def _save_scale(converted, path, rank, world_size, max_chunk_bytes, agree) -> None:
+    """Each rank writes its files and record alone; rank 0 commits once every rank succeeded."""
+    error: Exception | None = None
+    try:
+        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
+        with quiet_single_process():
+            # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
+            dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
+    except CheckpointException as exc:
+        error = save_failed(exc, path)
+        error.__cause__ = exc
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    agree(error)  # every rank's files are durable past it
+    error = None
+    if rank == 0:
+        try:
+            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes})
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    agree(error)
 
 
 def _commit_collective(path, world_size, info, metadata: Metadata, files) -> None:

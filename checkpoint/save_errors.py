@@ -1,0 +1,68 @@
+"""How a save fails: on every rank at once, as one ``Exception`` with one message.
+
+DCP raises ``CheckpointException``, a ``BaseException`` that ``except
+Exception`` does not catch, and only from inside its own collectives: an
+error a rank hits before or outside them (converting its state dict,
+checking the target) would leave the other ranks waiting forever inside
+``dcp.save``. :func:`raise_on_every_rank` is the one collective a save
+spends to agree on such a step, and :func:`save_failed` turns DCP's
+exception into a :class:`CheckpointSaveError`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = ["CheckpointSaveError", "raise_on_every_rank", "save_failed"]
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on one or more ranks; nothing at the target path changed.
+
+    ``failures`` maps each failing rank to its error message. The error of
+    this rank (or DCP's exception) is the ``__cause__``.
+    """
+
+    def __init__(self, path: str | os.PathLike, failures: dict[int, str]) -> None:
+        ranks = ", ".join(str(r) for r in sorted(failures))
+        first = failures[min(failures)]
+        more = "" if len(set(failures.values())) == 1 else f" (and {len(failures) - 1} other rank(s) failed too)"
+        plural = "s" if len(failures) > 1 else ""
+        super().__init__(f"saving checkpoint {str(path)!r} failed on rank{plural} {ranks}: {first}{more}")
+        self.failures = failures
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def raise_on_every_rank(
+    error: Exception | None, path: str | os.PathLike, *, group: dist.ProcessGroup | None, distributed: bool
+) -> None:
+    """One collective: every rank learns whether any rank failed a step, and then every rank raises.
+
+    The failing rank raises its own ``error`` (it already names the key and
+    the fix); the others raise :class:`CheckpointSaveError` naming the
+    failing rank(s) and the first message. Single process: raises ``error``.
+    Precondition: every rank of ``group`` calls it, at the same point.
+    """
+    if not distributed:
+        if error is not None:
+            raise error
+        return
+    everyone: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, None if error is None else _describe(error), group=group)
+    failures = {rank: message for rank, message in enumerate(everyone) if message is not None}
+    if error is not None:
+        raise error
+    if failures:
+        raise CheckpointSaveError(path, failures)
+
+
+def save_failed(exc: CheckpointException, path: str | os.PathLike) -> CheckpointSaveError:
+    """DCP's ``CheckpointException`` (raised on every rank) as a :class:`CheckpointSaveError`; raise it ``from exc``."""
+    failures = {rank: _describe(failure[0]) for rank, failure in exc.failures.items()}
+    return CheckpointSaveError(path, failures or {0: str(exc)})
