@@ -62,7 +62,14 @@ def raise_on_every_rank(
         raise CheckpointSaveError(path, failures)
 
 
-def save_failed(exc: CheckpointException, path: str | os.PathLike) -> CheckpointSaveError:
-    """DCP's ``CheckpointException`` (raised on every rank) as a :class:`CheckpointSaveError`; raise it ``from exc``."""
-    failures = {rank: _describe(failure[0]) for rank, failure in exc.failures.items()}
+def save_failed(exc: CheckpointException, path: str | os.PathLike, rank: int) -> BaseException:
+    """What to raise for DCP's ``CheckpointException`` (raised on every rank) on rank ``rank``; raise it ``from exc``.
+
+    As :func:`raise_on_every_rank`: the failing rank gets its own error back
+    (already clear: it names the key or file), the others a :class:`CheckpointSaveError`.
+    """
+    own = exc.failures.get(rank)
+    if own is not None:
+        return own[0]
+    failures = {r: _describe(failure[0]) for r, failure in exc.failures.items()}
     return CheckpointSaveError(path, failures or {0: str(exc)})

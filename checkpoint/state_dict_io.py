@@ -47,7 +47,7 @@ from checkpoint.convert import convert_tree, to_checkpointable
 from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
-from checkpoint.save_errors import raise_on_every_rank, save_failed
+from checkpoint.save_errors import CheckpointSaveError, raise_on_every_rank, save_failed
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
@@ -128,57 +128,71 @@ def write_state_dict(
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
     rank, world_size, distributed = _dist_info(process_group)
-    scale = mode == "scale" and distributed
-    agree = partial(raise_on_every_rank, path=path, group=process_group, distributed=distributed)
-    error: Exception | None = None
+    convert = partial(
+        convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
+    )
     with contextlib.ExitStack() as held:
+        prepared = []
+
+        def prepare() -> None:  # rank 0, before anything is written
+            held.enter_context(write_lock(path))  # held until committed: one writer per path
+            check_target(path)
+            make_staging(path)
+            prepared.append(True)
+
         try:
-            converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
-            if rank == 0:
-                held.enter_context(write_lock(path))  # held until committed: one writer per path
-                check_target(path)
-                make_staging(path)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
-            error = exc
-        # Before anything is written: a rank that cannot save must not leave the others inside dcp.save.
-        agree(error)
-        try:
-            if scale:
-                _save_scale(converted, path, rank, world_size, max_chunk_bytes, agree)
+            if mode == "scale" and distributed:
+                _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group)
             else:
-                _save_collective(converted, path, world_size, max_chunk_bytes, process_group, distributed)
+                _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed)
         except BaseException as exc:
-            if rank == 0:
+            if prepared:
                 remove_staging(path)  # every rank has stopped writing: DCP / agree() raised on all of them
-            if isinstance(exc, CheckpointException):
-                raise save_failed(exc, path) from exc
-            raise
+            if not isinstance(exc, CheckpointException):
+                raise
+            error = save_failed(exc, path, rank if distributed else 0)
+            if isinstance(error, CheckpointSaveError):
+                raise error from exc
+            error.__suppress_context__ = True  # this rank's own error: DCP's wrapper of it adds nothing
+            raise error
 
 
-def _save_collective(converted, path, world_size, max_chunk_bytes, process_group, distributed) -> None:
+def _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed) -> None:
+    """DCP's collective save; conversion and rank 0's preparation run in its local-plan step, where it gathers errors."""
     info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
-    writer = FsdpWriter(staging_path(path), on_commit=partial(_commit_collective, path, world_size, info))
+    writer = FsdpWriter(staging_path(path), prepare=prepare, on_commit=partial(_commit_collective, path, world_size, info))
     with quiet_single_process():
         dcp.save(
-            converted,
+            state_dict,
             storage_writer=writer,
-            planner=FsdpSavePlanner(),
+            planner=FsdpSavePlanner(convert=convert),
             process_group=process_group,
             no_dist=not distributed,
         )
 
 
-def _save_scale(converted, path, rank, world_size, max_chunk_bytes, agree) -> None:
-    """Each rank writes its files and record alone; rank 0 commits once every rank succeeded."""
-    error: Exception | None = None
+def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group) -> None:
+    """Each rank writes its files and record alone; rank 0 commits once every rank succeeded.
+
+    Two small gathers (:func:`~checkpoint.save_errors.raise_on_every_rank`): after rank 0
+    prepared the target and every rank converted its state; after the writes (rank 0 commits).
+    """
+    agree = partial(raise_on_every_rank, path=path, group=process_group, distributed=True)
+    error: BaseException | None = None
+    try:
+        converted = convert(state_dict)
+        if rank == 0:
+            prepare()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    agree(error)
     try:
         writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
         with quiet_single_process():
             # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
             dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
     except CheckpointException as exc:
-        error = save_failed(exc, path)
-        error.__cause__ = exc
+        error = save_failed(exc, path, 0)  # DCP ran this rank alone, as rank 0
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     agree(error)  # every rank's files are durable past it
