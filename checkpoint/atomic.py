@@ -180,8 +180,8 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
     (``flock`` alone would not order two threads sharing a lock file), then
     ``fcntl.flock`` on ``.P.fsdp-ckpt-lock`` beside ``path`` for other
     processes (on file systems where ``flock`` is not shared between hosts,
-    only processes of one host are ordered). The lock file stays (removing it
-    would let two processes lock two different files).
+    only processes of one host are ordered). The lock file is removed on
+    release; a waiter that then holds a removed file locks the new one instead.
     """
     path = Path(path)
     key = os.path.abspath(path)
@@ -195,20 +195,39 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
             path.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as exc:
             raise NotADirectoryError(f"cannot save to {str(path)!r}: a parent of it is a file, not a directory") from exc
-        fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _flock(lock_path(path), path)
+        try:
+            yield
+        finally:
+            # Removed while still locked: a process waiting on this file finds it gone and locks a new one.
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path(path))
+            os.close(fd)  # releases the flock
+    finally:
+        thread_lock.release()
+
+
+def _flock(lock: Path, path: Path) -> int:
+    """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed)."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                logger.warning("waiting for another process's save to %s to finish (%s is locked)", path, lock_path(path))
+                logger.warning("waiting for another process's save to %s to finish (%s is locked)", path, lock)
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the flock
-    finally:
-        thread_lock.release()
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the holder we waited for removed this file: lock the one at the name now
 
 
 def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed) -> None:
