@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -49,6 +50,7 @@ from checkpoint.manifest import (
     write_manifest,
 )
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
+from checkpoint.save_errors import raise_unwrapped
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
 
 __all__ = [
@@ -87,8 +89,11 @@ def write_rank(
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
     # Ranks may be written by separate processes at once: the staging dir is shared, not made afresh.
     writer = FsdpWriter(make_staging(path, fresh=False), force_rank=rank, world_size=world_size)
-    with quiet_single_process():
-        dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
+    try:
+        with quiet_single_process():
+            dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
+    except CheckpointException as exc:
+        raise_unwrapped(exc, path)
 
 
 def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:

@@ -5,8 +5,8 @@ Exception`` does not catch, and only from inside its own collectives: an
 error a rank hits before or outside them (converting its state dict,
 checking the target) would leave the other ranks waiting forever inside
 ``dcp.save``. :func:`raise_on_every_rank` is the one collective a save
-spends to agree on such a step, and :func:`save_failed` turns DCP's
-exception into a :class:`CheckpointSaveError`.
+spends to agree on such a step, and :func:`unwrap_dcp_error` turns DCP's
+exception into this rank's own error or a :class:`CheckpointSaveError`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointSaveError", "raise_on_every_rank", "save_failed"]
+__all__ = ["CheckpointSaveError", "raise_on_every_rank", "raise_unwrapped", "unwrap_dcp_error"]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -62,7 +62,7 @@ def raise_on_every_rank(
         raise CheckpointSaveError(path, failures)
 
 
-def save_failed(exc: CheckpointException, path: str | os.PathLike, rank: int) -> BaseException:
+def unwrap_dcp_error(exc: CheckpointException, path: str | os.PathLike, rank: int) -> BaseException:
     """What to raise for DCP's ``CheckpointException`` (raised on every rank) on rank ``rank``; raise it ``from exc``.
 
     As :func:`raise_on_every_rank`: the failing rank gets its own error back
@@ -73,3 +73,12 @@ def save_failed(exc: CheckpointException, path: str | os.PathLike, rank: int) ->
         return own[0]
     failures = {r: _describe(failure[0]) for r, failure in exc.failures.items()}
     return CheckpointSaveError(path, failures or {0: str(exc)})
+
+
+def raise_unwrapped(exc: CheckpointException, path: str | os.PathLike, rank: int = 0) -> None:
+    """Raise :func:`unwrap_dcp_error`'s choice from inside the ``except`` that caught ``exc``."""
+    error = unwrap_dcp_error(exc, path, rank)
+    if isinstance(error, CheckpointSaveError):
+        raise error from exc
+    error.__suppress_context__ = True  # this rank's own error: DCP's wrapper of it adds nothing
+    raise error

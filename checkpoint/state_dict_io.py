@@ -47,7 +47,7 @@ from checkpoint.convert import convert_tree, to_checkpointable
 from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
-from checkpoint.save_errors import CheckpointSaveError, raise_on_every_rank, save_failed
+from checkpoint.save_errors import raise_on_every_rank, raise_unwrapped, unwrap_dcp_error
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
@@ -150,11 +150,7 @@ def write_state_dict(
                 remove_staging(path)  # every rank has stopped writing: DCP / agree() raised on all of them
             if not isinstance(exc, CheckpointException):
                 raise
-            error = save_failed(exc, path, rank if distributed else 0)
-            if isinstance(error, CheckpointSaveError):
-                raise error from exc
-            error.__suppress_context__ = True  # this rank's own error: DCP's wrapper of it adds nothing
-            raise error
+            raise_unwrapped(exc, path, rank if distributed else 0)
 
 
 def _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed) -> None:
@@ -192,7 +188,7 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
             # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
             dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
     except CheckpointException as exc:
-        error = save_failed(exc, path, 0)  # DCP ran this rank alone, as rank 0
+        error = unwrap_dcp_error(exc, path, 0)  # DCP ran this rank alone, as rank 0
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     agree(error)  # every rank's files are durable past it
@@ -207,6 +203,15 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
 
 def _commit_collective(path, world_size, info, metadata: Metadata, files) -> None:
     commit_staged(path, metadata, files, world_size, extra_info=info)
+
+
+@contextlib.contextmanager
+def _own_errors(path: Path):
+    """A single-process DCP call raising the error it hit, not DCP's ``CheckpointException`` (a ``BaseException``)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise_unwrapped(exc, path)
 
 
 @dataclass
@@ -290,7 +295,7 @@ def load_flat(
     if strict and report:
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
-        with quiet_single_process():
+        with quiet_single_process(), _own_errors(opened.path):
             dcp.load(
             loadable,
                 # Our own files are read straight into place; a plain DCP directory the DCP way.
