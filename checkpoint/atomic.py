@@ -169,7 +169,7 @@ def check_target(path: str | os.PathLike) -> None:
 
 
 _registry_lock = threading.Lock()
-_thread_locks: dict[str, threading.Lock] = {}
+_thread_locks: dict[str, list] = {}  # absolute path -> [lock, users]
 
 
 @contextlib.contextmanager
@@ -186,7 +186,9 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
     path = Path(path)
     key = os.path.abspath(path)
     with _registry_lock:
-        thread_lock = _thread_locks.setdefault(key, threading.Lock())
+        entry = _thread_locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1  # users: the entry is dropped with its last one, so the registry stays small
+    thread_lock = entry[0]
     if not thread_lock.acquire(blocking=False):
         logger.info("waiting for another save to %s in this process to finish", path)
         thread_lock.acquire()
@@ -205,6 +207,10 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
             os.close(fd)  # releases the flock
     finally:
         thread_lock.release()
+        with _registry_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _thread_locks[key]
 
 
 def _flock(lock: Path, path: Path) -> int:

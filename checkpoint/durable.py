@@ -89,7 +89,7 @@ def durable_replace(tmp: str | os.PathLike, path: str | os.PathLike, *, sync_dir
 
     Precondition: ``tmp`` is in ``path``'s directory and nothing writes to it any more.
     """
-    with open(tmp, "rb+") as f:
+    with disk_full_is_clear(path), open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     _rename(Path(tmp), Path(path), sync_dir)
 
