@@ -7,8 +7,11 @@ of tensors, DTensors, flat-shard tensors (with a ``fsdp_shard_spec``),
 
 Communication: a save in the default ``mode="collective"`` costs DCP's fixed
 plan exchange (a gather and a scatter) and its final gather + broadcast,
-whatever the number of tensors; ``mode="scale"`` costs one barrier (rank 0
-then merges the per-rank metadata, :func:`checkpoint.commit.commit`). A load
+whatever the number of tensors (errors of any rank, the conversion of the
+state dict included, are gathered there and raised on every rank);
+``mode="scale"`` costs three small gathers, each agreeing on whether a step
+failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
+the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
 costs nothing: every rank reads the merged ``.metadata`` and its own chunks.
 """
 
@@ -107,7 +110,7 @@ def save_state_dict(
     checkpoint (checked before anything is written). An error on any rank
     raises on every rank (:class:`~checkpoint.save_errors.CheckpointSaveError`
     on the others); a failed save leaves no staging behind. ``mode="scale"``
-    trades DCP's plan exchange for two small gathers; in it, plain tensors are
+    trades DCP's plan exchange for three small gathers; in it, plain tensors are
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
     from checkpoint.async_save import wait_for_async_save
@@ -170,8 +173,8 @@ def _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, pre
 def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group) -> None:
     """Each rank writes its files and record alone; rank 0 commits once every rank succeeded.
 
-    Two small gathers (:func:`~checkpoint.save_errors.raise_on_every_rank`): after rank 0
-    prepared the target and every rank converted its state; after the writes (rank 0 commits).
+    Three small gathers (:func:`~checkpoint.save_errors.raise_on_every_rank`): after rank 0
+    prepared the target and every rank converted its state; after the writes; after rank 0's commit.
     """
     agree = partial(raise_on_every_rank, path=path, group=process_group, distributed=True)
     error: BaseException | None = None
