@@ -16,7 +16,7 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointSaveError", "raise_on_every_rank", "raise_unwrapped", "unwrap_dcp_error"]
+__all__ = ["CheckpointSaveError", "agree_on_failure", "raise_on_every_rank", "raise_unwrapped", "unwrap_dcp_error"]
 
 
 class CheckpointSaveError(RuntimeError):
@@ -39,25 +39,31 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def raise_on_every_rank(
-    error: Exception | None, path: str | os.PathLike, *, group: dist.ProcessGroup | None, distributed: bool
-) -> None:
-    """One collective: every rank learns whether any rank failed a step, and then every rank raises.
+def agree_on_failure(error: BaseException | None, *, group: dist.ProcessGroup | None, distributed: bool) -> dict[int, str]:
+    """One collective: every rank learns whether any rank failed a step; raises ``error`` where it happened.
 
-    The failing rank raises its own ``error`` (it already names the key and
-    the fix); the others raise :class:`CheckpointSaveError` naming the
-    failing rank(s) and the first message. Single process: raises ``error``.
+    Returns ``{rank: message}`` of the failed ranks (empty when none did) on
+    every rank that did not fail itself. Single process: raises ``error`` or returns ``{}``.
     Precondition: every rank of ``group`` calls it, at the same point.
     """
     if not distributed:
         if error is not None:
             raise error
-        return
+        return {}
     everyone: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, None if error is None else _describe(error), group=group)
-    failures = {rank: message for rank, message in enumerate(everyone) if message is not None}
     if error is not None:
         raise error
+    return {rank: message for rank, message in enumerate(everyone) if message is not None}
+
+
+def raise_on_every_rank(
+    error: BaseException | None, path: str | os.PathLike, *, group: dist.ProcessGroup | None, distributed: bool
+) -> None:
+    """:func:`agree_on_failure` for a save: the failing rank raises its own ``error`` (it already names
+    the key and the fix); the others raise :class:`CheckpointSaveError` naming the failing rank(s).
+    """
+    failures = agree_on_failure(error, group=group, distributed=distributed)
     if failures:
         raise CheckpointSaveError(path, failures)
 
