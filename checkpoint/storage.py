@@ -123,9 +123,10 @@ class FsdpWriter(FileSystemWriter):
             self.use_collectives = False
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # No mkdir here: the staging dir is made (marked) by whoever prepares the target, before any
+        # rank writes; a rank creating it would leave an unmarked dir behind a refused save.
         if self.prepare is not None and self.is_coordinator:
             self.prepare()  # the coordinator's plan is gathered before any rank writes: it runs first
-        self.fs.mkdir(self.path)
         if self.rank in (None, 0):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
             stale = Path(self.path) / MANIFEST_NAME

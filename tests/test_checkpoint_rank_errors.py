@@ -44,16 +44,34 @@ def _save(rank: int, world_size: int, path: str, bad: str, how: str) -> dict:
         return {"raised": type(exc).__name__, "message": str(exc)}
 
 
+def _save_onto_user_data(rank: int, world_size: int, path: str) -> dict:
+    state = {"w": _non_contiguous_flat_shard(rank, world_size).contiguous(), "step": 3}
+    attach_shard_spec(state["w"], ShardSpec((world_size * 12,), flat_start=12 * rank))
+    try:
+        checkpoint.save_state_dict(state, path)
+        return {"raised": None}
+    except Exception as exc:  # noqa: BLE001
+        return {"raised": type(exc).__name__, "message": str(exc)}
+
+
 def _body(rank: int, world_size: int, root: str) -> dict:
     outcomes = {}
     for bad, how in CASES:  # one launch for every case: spawning 4 ranks is the slow part
         outcomes[(bad, how)] = _save(rank, world_size, f"{root}/{bad}-{how}", bad, how)
         dist.barrier()  # every rank is out of the save: none is stuck in it
+    outcomes["user_data"] = _save_onto_user_data(rank, world_size, f"{root}/user_data")
+    dist.barrier()
     return outcomes
 
 
 def test_a_bad_input_on_one_rank_of_four_raises_on_every_rank(tmp_path):
+    (tmp_path / "user_data").mkdir()
+    (tmp_path / "user_data" / "notes.txt").write_text("mine")
     results = run_ranks(_body, 4, args=(str(tmp_path),), timeout_s=120)
+    # a target that is not a checkpoint: refused by rank 0 before anything is written, raised on every rank
+    assert results[0]["user_data"]["raised"] == "FileExistsError", results[0]["user_data"]
+    assert all(r["user_data"]["raised"] == "CheckpointSaveError" for r in results[1:]), [r["user_data"] for r in results]
+    assert [p.name for p in (tmp_path / "user_data").iterdir()] == ["notes.txt"]
     for case in CASES:
         print(case, {rank: r[case]["raised"] for rank, r in enumerate(results)})
         bad_rank = results[BAD_RANK][case]
@@ -62,4 +80,4 @@ def test_a_bad_input_on_one_rank_of_four_raises_on_every_rank(tmp_path):
             if rank != BAD_RANK:
                 assert result[case]["raised"] == "CheckpointSaveError", (case, rank, result[case])
                 assert f"rank {BAD_RANK}" in result[case]["message"] and "ValueError" in result[case]["message"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no staging, no lock file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["user_data"]  # no output, no staging, no lock file
