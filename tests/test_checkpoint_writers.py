@@ -273,10 +273,12 @@ def test_saves_and_exports_onto_a_full_disk_fail_clearly_and_leave_no_staging(tm
 
     checkpoint.save_state_dict(big, tmp_path / "big")
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for fmt, out in (("torch", "model.pt"), ("safetensors", "hf")):
+    commands = [["export", "--format", "torch", str(small_tmpfs / "model.pt")],
+                ["export", "--format", "safetensors", str(small_tmpfs / "hf")],
+                ["reshard", "--world-size", "2", str(small_tmpfs / "resharded")]]
+    for command, *options, out in commands:
         done = subprocess.run(
-            [sys.executable, "-m", "checkpoint.cli", "export", str(tmp_path / "big"), str(small_tmpfs / out),
-             "--format", fmt, "-q"],
+            [sys.executable, "-m", "checkpoint.cli", command, str(tmp_path / "big"), out, *options, "-q"],
             env=env, capture_output=True, text=True, timeout=120,
         )
         assert done.returncode not in (0, -7), done.stderr  # -7: killed by SIGBUS
