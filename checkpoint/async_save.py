@@ -142,7 +142,7 @@ def _finish_at_exit() -> None:
 # A private hook, and deliberately so: it runs before concurrent.futures' own exit hook stops every
 # thread pool from taking work (registered later, so run earlier), which the save in flight still needs.
 # atexit.register would run too late ("cannot schedule new futures after interpreter shutdown").
-threading._register_atexit(_finish_at_exit)
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
 
 
 def _background_group():
