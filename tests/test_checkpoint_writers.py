@@ -151,13 +151,7 @@ def test_a_failed_async_save_whose_future_was_asked_is_not_raised_again(tmp_path
 def test_a_process_exiting_with_an_async_save_in_flight_finishes_it(tmp_path):
     script = textwrap.dedent(
         f"""
-        import torch, checkpoint, checkpoint.storage
-        original = checkpoint.storage.write_tensor
-        calls = []
-        def slow(stream, tensor):  # the main thread reaches its exit before the write is done
-            calls.append(1)
-            original(stream, tensor)
-        checkpoint.storage.write_tensor = slow
+        import torch, checkpoint
         state = {{"w": {{f"t{{i}}": torch.full((256, 256), 7.0) for i in range(16)}}, "v": 7}}
         checkpoint.async_save({str(tmp_path / "ck")!r}, extra=state)
         # exits here without waiting on the future
