@@ -123,8 +123,8 @@ def wait_for_async_save() -> None:
         future.observed = True
         raise AsyncSaveError(
             f"the async checkpoint save to {str(future.path)!r} failed ({type(error).__name__}: {error}); "
-            "that checkpoint was not committed. Call future.result() after an async save to handle this where it "
-            "happens; the next save proceeds normally"
+            "that checkpoint was not committed and this call did not start another save (call it again to go on; "
+            "call future.result() on an async save's future to handle its failure where it happens)"
         ) from error
 
 
