@@ -28,12 +28,24 @@ def _non_contiguous_flat_shard(rank: int, world_size: int):
     return flat
 
 
-CASES = [(bad, how) for bad in ("dtensor", "flat") for how in ("blocking", "async")]
+def _megatron_slice_of_the_wrong_length(rank: int, world_size: int):
+    flat = torch.arange(12.0) + 12 * rank
+    stop = 12 * rank + (5 if rank == BAD_RANK else 12)
+    flat.megatron_fsdp_slice = slice(12 * rank, stop)
+    flat.orig_param = torch.empty(world_size * 12, device="meta")
+    return flat
+
+
+MAKERS = {
+    "dtensor": _dtensor_with_a_wrong_local_shape,
+    "flat": _non_contiguous_flat_shard,
+    "megatron": _megatron_slice_of_the_wrong_length,
+}
+CASES = [(bad, how) for bad in MAKERS for how in ("blocking", "async")]
 
 
 def _save(rank: int, world_size: int, path: str, bad: str, how: str) -> dict:
-    make = {"dtensor": _dtensor_with_a_wrong_local_shape, "flat": _non_contiguous_flat_shard}[bad]
-    state = {"w": make(rank, world_size), "step": 3}
+    state = {"w": MAKERS[bad](rank, world_size), "step": 3}
     try:
         if how == "async":
             checkpoint.async_save(path, extra=state).result(timeout=60)
@@ -75,7 +87,7 @@ def test_a_bad_input_on_one_rank_of_four_raises_on_every_rank(tmp_path):
     for case in CASES:
         print(case, {rank: r[case]["raised"] for rank, r in enumerate(results)})
         bad_rank = results[BAD_RANK][case]
-        assert bad_rank["raised"] == "ValueError" and "w" in bad_rank["message"], case  # its own error, naming the key
+        assert bad_rank["raised"] == "ValueError" and "w: " in bad_rank["message"], (case, bad_rank)  # names the key
         for rank, result in enumerate(results):
             if rank != BAD_RANK:
                 assert result[case]["raised"] == "CheckpointSaveError", (case, rank, result[case])
