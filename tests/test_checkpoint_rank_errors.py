@@ -41,7 +41,7 @@ MAKERS = {
     "flat": _non_contiguous_flat_shard,
     "megatron": _megatron_slice_of_the_wrong_length,
 }
-CASES = [(bad, how) for bad in MAKERS for how in ("blocking", "async")]
+CASES = [(bad, how) for bad in MAKERS for how in ("blocking", "async")] + [("flat", "scale")]
 
 
 def _save(rank: int, world_size: int, path: str, bad: str, how: str) -> dict:
@@ -50,7 +50,7 @@ def _save(rank: int, world_size: int, path: str, bad: str, how: str) -> dict:
         if how == "async":
             checkpoint.async_save(path, extra=state).result(timeout=60)
         else:
-            checkpoint.save_state_dict(state, path)
+            checkpoint.save_state_dict(state, path, mode="collective" if how == "blocking" else how)
         return {"raised": None}
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
         return {"raised": type(exc).__name__, "message": str(exc)}
