@@ -23,10 +23,12 @@ checkpoint and :mod:`checkpoint.layout` for how regions become chunks.
 """
 
 from checkpoint.api import LoadResult, async_save, load, save
-from checkpoint.async_save import release_staging_buffers
+from checkpoint.async_save import AsyncSaveError, release_staging_buffers, wait_for_async_save
 from checkpoint.atomic import resolve_for_load
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
+from checkpoint.durable import DiskFullError
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
+from checkpoint.save_errors import CheckpointSaveError
 from checkpoint.shard import CheckpointShard, shard
 from checkpoint.state_dict_io import (
     CheckpointCorruptError,
@@ -40,8 +42,11 @@ from checkpoint.state_dict_io import (
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
     "FORMAT_VERSION",
+    "AsyncSaveError",
     "CheckpointCorruptError",
+    "CheckpointSaveError",
     "CheckpointShard",
+    "DiskFullError",
     "LoadReport",
     "LoadResult",
     "Manifest",
@@ -59,5 +64,6 @@ __all__ = [
     "save",
     "save_state_dict",
     "shard",
+    "wait_for_async_save",
     "write_rank",
 ]

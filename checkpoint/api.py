@@ -82,6 +82,13 @@ def save(
     ``reuse_staging_buffers=False`` stages into fresh host memory that is freed
     after the save instead of kept for the next one (see
     :func:`checkpoint.release_staging_buffers`).
+
+    Guarantees (see :func:`checkpoint.save_state_dict`): ``path`` ends as the
+    previous checkpoint or the whole new one; a save to a path being written
+    waits for it; a target that is not a checkpoint is refused before anything
+    is written; an error on any rank raises an ``Exception`` on every rank. An
+    async save's failure is logged at ERROR and raised by ``future.result()``,
+    or else by the next save (:class:`checkpoint.AsyncSaveError`).
     """
     for name in _ASYNC_ONLY:
         if not async_ and name in options:

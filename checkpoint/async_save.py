@@ -5,7 +5,7 @@ though the caller changes it right after:
 
 * ``max_staging_bytes=None`` (default): a host snapshot of every local tensor
   (a device tensor is copied device -> host once, into pinned memory when
-  CUDA is available; a host-resident tensor, like a ``HybridDeviceOptimizer``'s
+  an accelerator is available; a host-resident tensor, like a ``HybridDeviceOptimizer``'s
   state, host -> host, no device round trip). The caller blocks for the copy
   only; host memory: one checkpoint's worth (this rank's share).
 * ``max_staging_bytes=N``: bounded staging (:mod:`checkpoint.staging`). The
@@ -23,6 +23,14 @@ One background thread writes through :func:`checkpoint.save_state_dict` on a
 dedicated gloo process group, so its collectives never interleave with
 training's. At most one async save is in flight: a new one first waits for
 the previous one to finish, so at most one set of staging buffers is alive.
+A blocking save waits for it too, so saves to one path commit in call order.
+
+Failures are never silent. A failed async save is logged at ERROR when it
+happens, re-raised by its future's ``result()``, and, if nobody asked the
+future, raised by the next save (async or blocking) as :class:`AsyncSaveError`,
+or by :func:`wait_for_async_save`. A process that exits with a save in
+flight finishes it first (a hook run at interpreter exit, before the thread
+pools shut down) and logs at ERROR if it could not.
 
 Staging buffers are kept for the next save (:mod:`checkpoint.staging_pool`):
 the next save of the same state copies into the same host memory instead of
@@ -46,19 +54,95 @@ import torch.distributed as dist
 
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree
+from checkpoint.save_errors import raise_on_every_rank
 from checkpoint.shard import CheckpointShard
 from checkpoint.staging import copy_to_staging, gate_state_dict, replace_shards
 from checkpoint.staging_pool import StagingPool
 
-__all__ = ["async_save_state_dict", "release_staging_buffers", "stage"]
+__all__ = ["AsyncSaveError", "async_save_state_dict", "release_staging_buffers", "stage", "wait_for_async_save"]
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
-_in_flight: Future | None = None
+_in_flight: _SaveFuture | None = None
 _group = None
 _pool = StagingPool()  # guarded by _lock
+
+
+class AsyncSaveError(RuntimeError):
+    """An earlier async save failed and nobody had asked its future; raised by the next save or wait.
+
+    The save's own error is the ``__cause__``.
+    """
+
+
+class _SaveFuture(Future):
+    """The future of one async save; remembers whether its outcome was looked at (so it is raised once)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self.path = path
+        self.observed = False
+
+    def result(self, timeout: float | None = None):
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        self.observed = True
+        return super().exception(timeout)
+
+
+def _run(future: _SaveFuture, save, *args, **kwargs) -> None:
+    """The writer thread's body: the save, its outcome into ``future``, a failure logged as it happens."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        save(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - handed to the future, logged, raised by the next save
+        logger.error("async checkpoint save to %s failed: %s: %s", future.path, type(exc).__name__, exc)
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+
+
+def wait_for_async_save() -> None:
+    """Wait for the async save in flight, if any; raise :class:`AsyncSaveError` if it failed unobserved.
+
+    Every save calls it first, so a failure is raised once, by the next save,
+    when the caller never asked the future. Raises nothing for a failure
+    already seen through the future's ``result()`` / ``exception()``.
+    """
+    future = _in_flight
+    if future is None:
+        return
+    wait([future])
+    error = super(_SaveFuture, future).exception()
+    if error is not None and not future.observed:
+        future.observed = True
+        raise AsyncSaveError(
+            f"the async checkpoint save to {str(future.path)!r} failed ({type(error).__name__}: {error}); "
+            "that checkpoint was not committed and this call did not start another save (call it again to go on; "
+            "call future.result() on an async save's future to handle its failure where it happens)"
+        ) from error
+
+
+def _finish_at_exit() -> None:
+    """Interpreter exit with a save in flight: finish it, or say loudly that it did not commit."""
+    future = _in_flight
+    if future is None or future.done():
+        return
+    logger.warning("waiting for the async checkpoint save to %s to finish before the process exits", future.path)
+    wait([future])
+    if super(_SaveFuture, future).exception() is not None:
+        logger.error("the async checkpoint save to %s did not commit before exit", future.path)
+
+
+# A private hook, and deliberately so: it runs before concurrent.futures' own exit hook stops every
+# thread pool from taking work (registered later, so run earlier), which the save in flight still needs.
+# atexit.register would run too late ("cannot schedule new futures after interpreter shutdown").
+threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
 
 
 def _background_group():
@@ -85,18 +169,18 @@ def stage(
 ) -> dict[str, Any]:
     """A host snapshot of ``state_dict`` with every tensor as a :class:`CheckpointShard` over a copy in ``pool``."""
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
-    copied_from_device = False
+    devices: set[torch.device] = set()
 
     def snapshot(key: str, shard: CheckpointShard) -> CheckpointShard:
-        nonlocal copied_from_device
         copy = copy_to_staging(pool, key, shard.local)
-        copied_from_device |= shard.local.device.type != "cpu"
+        if shard.local.device.type != "cpu":
+            devices.add(shard.local.device)
         return CheckpointShard(copy, shard.spec, writes=shard.writes, max_chunk_bytes=shard.max_chunk_bytes)
 
     staged = replace_shards(converted, snapshot)
-    if copied_from_device:
+    for device in devices:
         # The non-blocking D2H copies must land before the writer thread reads the snapshot.
-        torch.cuda.synchronize()
+        torch.accelerator.synchronize(device)
     return staged
 
 
@@ -121,34 +205,56 @@ def async_save_state_dict(
     :func:`release_staging_buffers`).
     """
     global _executor, _in_flight
-    from checkpoint.state_dict_io import save_state_dict
+    from checkpoint.state_dict_io import write_state_dict
 
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     with _lock:
-        if _in_flight is not None:
-            wait([_in_flight])  # bound staging memory: one save in flight at a time (its error stays in its future)
+        # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
+        wait_for_async_save()
         # Reusing staging buffers relies on this: nothing reads the previous save's buffers any more.
         assert _in_flight is None or _in_flight.done()
         _pool.begin_save(reuse=reuse_staging_buffers)
         group = process_group if process_group is not None else _background_group()
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rank, distributed = (dist.get_rank(), True) if dist.is_available() and dist.is_initialized() else (0, False)
         gate = None
-        if max_staging_bytes is None:
-            staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool)
-        else:
-            converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes)
-            if torch.cuda.is_available():
-                # The writer thread reads live device tensors on its own stream: the caller's queued work must land first.
-                torch.cuda.synchronize()
-            staged, gate = gate_state_dict(converted, max_staging_bytes, _pool)
+        error: Exception | None = None
+        try:
+            if max_staging_bytes is None:
+                staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool)
+            else:
+                converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+                _synchronize_devices(converted)
+                staged, gate = gate_state_dict(converted, max_staging_bytes, _pool)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank
+            error = exc
+        # The writer threads meet in collectives: a rank whose state cannot be staged must not send the others there.
+        raise_on_every_rank(error, path, group=group, distributed=distributed)
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-async-save")
-        _in_flight = _executor.submit(
-            save_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
+        _in_flight = _SaveFuture(path)
+        _executor.submit(
+            _run, _in_flight, write_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
         )
         if gate is not None:
             gate.wait_staged(_in_flight)
             logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
         _pool.end_staging()
         return _in_flight
+
+
+def _synchronize_devices(converted: dict[str, Any]) -> None:
+    """Wait for the caller's queued work on every device a shard of ``converted`` lives on.
+
+    The writer thread reads live device tensors on its own stream: what the caller queued must land first.
+    """
+    devices: set[torch.device] = set()
+
+    def note(_key: str, shard: CheckpointShard) -> CheckpointShard:
+        if shard.local.device.type != "cpu":
+            devices.add(shard.local.device)
+        return shard
+
+    replace_shards(converted, note)
+    for device in devices:
+        torch.accelerator.synchronize(device)

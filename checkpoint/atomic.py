@@ -1,67 +1,248 @@
-"""Where a save is staged and how it replaces a previous checkpoint, crash-safely.
+"""Where a save is staged, who may write a path, and how a save replaces a previous checkpoint, crash-safely.
 
-A save to ``P`` writes everything under the sibling ``P.tmp`` (data files,
-``.metadata``, then ``manifest.json`` last) and is then swapped into place:
+A save to ``P`` holds ``P``'s write lock (:func:`write_lock`: a lock shared by
+the threads of this process plus ``fcntl.flock`` on ``.P.fsdp-ckpt-lock`` in
+``P``'s parent, shared with other processes), so two saves to one path never
+interleave: the second waits for the first. It writes everything under the
+staging directory ``.P.fsdp-ckpt-staging`` (marker file first, then data
+files, ``.metadata``, and ``manifest.json`` last) and is then swapped into place:
 
-1. if ``P`` holds a committed checkpoint: ``rename(P, P.old)``;
-2. ``rename(P.tmp, P)``; fsync the parent directory;
-3. remove ``P.old``.
+1. if ``P`` holds a committed checkpoint: mark it, ``rename(P, .P.fsdp-ckpt-old)``;
+2. ``rename(staging, P)``; fsync the parent directory; remove the marker from ``P``;
+3. remove ``.P.fsdp-ckpt-old``.
+
+Staging and swap directories are recognisably ours: a name no user would
+pick, and the marker file :data:`MARKER_NAME` inside, written before anything
+else. A save removes only marked directories; anything unmarked sitting at
+one of these names is left alone and the save fails with
+``FileExistsError`` saying what is in the way. Whatever the user keeps next
+to ``P`` (``P.old``, ``P.tmp``, backups) is never looked at.
 
 A ``kill -9`` at any moment leaves one of these states, each resolved without
 ever mixing files of two saves:
 
-* before 1: ``P`` is the previous checkpoint (``P.tmp`` is ignored, and
-  removed or overwritten by the next save);
-* between 1 and 2: ``P`` is missing and ``P.old`` is the previous checkpoint:
-  :func:`resolve_for_load` falls back to ``P.old`` (with a warning), and the
-  next save renames it back first;
-* after 2: ``P`` is the new checkpoint; a leftover ``P.old`` is removed by the
-  next save.
+* before 1: ``P`` is the previous checkpoint (the staging dir is ignored,
+  and removed by the next save);
+* between 1 and 2: ``P`` is missing and the swap dir holds the previous
+  checkpoint: :func:`resolve_for_load` falls back to it (with a warning), and
+  the next save renames it back first;
+* after 2: ``P`` is the new checkpoint; a leftover swap dir is removed by the next save.
 
 A fresh path never exists before step 2, so it is either complete or absent
-(``FileNotFoundError`` that mentions an unfinished ``P.tmp``).
+(``FileNotFoundError`` that mentions an unfinished save if there is one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from checkpoint.durable import fsync_dir
 from checkpoint.manifest import MANIFEST_NAME, NotACheckpointError
 
-__all__ = ["OLD_SUFFIX", "TMP_SUFFIX", "is_committed", "old_path", "resolve_for_load", "staging_path", "swap_into_place"]
+__all__ = [
+    "MARKER_NAME",
+    "check_target",
+    "is_committed",
+    "is_ours",
+    "make_staging",
+    "old_path",
+    "remove_staging",
+    "resolve_for_load",
+    "staging_path",
+    "swap_into_place",
+    "write_lock",
+]
 
 logger = logging.getLogger(__name__)
 
-TMP_SUFFIX = ".tmp"
-OLD_SUFFIX = ".old"
+STAGING_SUFFIX = ".fsdp-ckpt-staging"
+OLD_SUFFIX = ".fsdp-ckpt-old"
+LOCK_SUFFIX = ".fsdp-ckpt-lock"
+MARKER_NAME = ".fsdp-ckpt-owned"
+"""The file inside every directory this library stages or swaps: it may remove such a directory, and no other."""
+
+
+def _sibling(path: str | os.PathLike, suffix: str) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}{suffix}")
 
 
 def staging_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + TMP_SUFFIX)
+    """Where a save to ``path`` is written before it is swapped in (same directory: the rename is atomic)."""
+    return _sibling(path, STAGING_SUFFIX)
 
 
 def old_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + OLD_SUFFIX)
+    """Where the checkpoint a save replaces sits between the two renames of the swap."""
+    return _sibling(path, OLD_SUFFIX)
+
+
+def lock_path(path: str | os.PathLike) -> Path:
+    return _sibling(path, LOCK_SUFFIX)
 
 
 def is_committed(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST_NAME).is_file()
 
 
+def is_ours(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` carries this library's marker (see the module docstring)."""
+    return (Path(directory) / MARKER_NAME).is_file()
+
+
+def mark(directory: str | os.PathLike) -> None:
+    """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
+    marker = Path(directory) / MARKER_NAME
+    if not marker.is_file():
+        with open(marker, "w") as f:
+            f.write("written by fsdp-ckpt; this directory may be replaced or removed by the next save\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(directory)
+
+
+def _in_the_way(path: Path, role: str, target: Path) -> FileExistsError:
+    return FileExistsError(
+        f"{str(path)!r} is in the way of the save to {str(target)!r}: this name is kept for its {role}, "
+        f"but it has no {MARKER_NAME} marker, so it was not made by a save and is left alone; move it away"
+    )
+
+
+def _remove_ours(directory: Path, role: str, target: Path) -> None:
+    """Remove ``directory`` if it is ours (marked, or an empty dir left by a kill before the marker)."""
+    if not directory.exists() and not directory.is_symlink():
+        return
+    if directory.is_dir() and not directory.is_symlink():
+        if is_ours(directory):
+            shutil.rmtree(directory)
+            return
+        if not any(directory.iterdir()):
+            directory.rmdir()
+            return
+    raise _in_the_way(directory, role, target)
+
+
+def make_staging(path: str | os.PathLike, *, fresh: bool = True) -> Path:
+    """An empty, marked staging directory for a save to ``path``. Precondition: the caller holds :func:`write_lock`.
+
+    A staging directory left by an unfinished save is removed first (``fresh``)
+    or reused as is (``fresh=False``: ranks written one by one, :func:`checkpoint.write_rank`).
+    Raises ``FileExistsError`` when something not made by a save sits at the staging name.
+    """
+    path = Path(path)
+    staged = staging_path(path)
+    if fresh or not is_ours(staged):
+        _remove_ours(staged, "unfinished saves", path)
+    staged.mkdir(parents=True, exist_ok=True)
+    mark(staged)
+    return staged
+
+
+def remove_staging(path: str | os.PathLike) -> None:
+    """Remove the staging directory of a failed save to ``path``, if it is ours. Never raises."""
+    staged = staging_path(path)
+    if is_ours(staged):
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def check_target(path: str | os.PathLike) -> None:
+    """Refuse, before anything is written, a ``path`` a save may not replace.
+
+    ``path`` may be absent, an empty directory or a committed checkpoint.
+    Raises ``FileExistsError`` naming it otherwise (user data is never replaced).
+    """
+    path = Path(path)
+    if not path.exists() and not path.is_symlink():
+        return
+    if path.is_dir() and (is_committed(path) or not any(path.iterdir())):
+        return
+    kind = "a file" if not path.is_dir() else "a directory that is not a committed checkpoint"
+    raise FileExistsError(f"cannot save to {str(path)!r}: it is {kind}; move it away or save to another path")
+
+
+_registry_lock = threading.Lock()
+_thread_locks: dict[str, list] = {}  # absolute path -> [lock, users]
+
+
+@contextlib.contextmanager
+def write_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold the right to write ``path``: other threads and processes saving to it wait until it is released.
+
+    Two locks, taken in this order: one per path for this process's threads
+    (``flock`` alone would not order two threads sharing a lock file), then
+    ``fcntl.flock`` on ``.P.fsdp-ckpt-lock`` beside ``path`` for other
+    processes (on file systems where ``flock`` is not shared between hosts,
+    only processes of one host are ordered). The lock file is removed on
+    release; a waiter that then holds a removed file locks the new one instead.
+    """
+    path = Path(path)
+    key = os.path.abspath(path)
+    with _registry_lock:
+        entry = _thread_locks.setdefault(key, [threading.Lock(), 0])
+        entry[1] += 1  # users: the entry is dropped with its last one, so the registry stays small
+    thread_lock = entry[0]
+    if not thread_lock.acquire(blocking=False):
+        logger.info("waiting for another save to %s in this process to finish", path)
+        thread_lock.acquire()
+    try:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as exc:
+            raise NotADirectoryError(f"cannot save to {str(path)!r}: a parent of it is a file, not a directory") from exc
+        fd = _flock(lock_path(path), path)
+        try:
+            yield
+        finally:
+            # Removed while still locked: a process waiting on this file finds it gone and locks a new one.
+            with contextlib.suppress(OSError):
+                os.unlink(lock_path(path))
+            os.close(fd)  # releases the flock
+    finally:
+        thread_lock.release()
+        with _registry_lock:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _thread_locks[key]
+
+
+def _flock(lock: Path, path: Path) -> int:
+    """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed)."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                logger.warning("waiting for another process's save to %s to finish (%s is locked)", path, lock)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the holder we waited for removed this file: lock the one at the name now
+
+
 def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed) -> None:
-    """Undo a swap killed between its two renames: ``P.old`` goes back to ``P``. Rank 0 / one process only.
+    """Undo a swap killed between its two renames: the swap dir goes back to ``P``. Rank 0 / one process only.
 
     ``complete`` tells a finished output (default: a committed checkpoint), as in :func:`swap_into_place`.
     """
     path, old = Path(path), old_path(path)
-    if not path.exists() and complete(old):
+    if not path.exists() and is_ours(old) and complete(old):
         logger.warning("recovering %s from %s left by an interrupted save", path, old)
         os.replace(old, path)
         fsync_dir(path.parent)
@@ -70,21 +251,22 @@ def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Pat
 def swap_into_place(
     staged: str | os.PathLike, path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed
 ) -> None:
-    """Replace ``path`` by the committed directory ``staged`` (see the module docstring). One process only.
+    """Replace ``path`` by the committed directory ``staged`` (see the module docstring).
 
-    ``complete(directory)`` says whether a directory holds a finished output:
-    by default a committed checkpoint; other writers (``fsdp-ckpt export``)
-    pass their own commit record. ``staged`` must be complete. Raises
-    ``FileExistsError`` when ``path`` exists but is not complete (and not
-    empty): that is user data this function will not delete.
+    One process only, holding :func:`write_lock`. ``complete(directory)`` says
+    whether a directory holds a finished output: by default a committed
+    checkpoint; other writers (``fsdp-ckpt export``) pass their own commit
+    record. ``staged`` must be complete and marked. Raises ``FileExistsError``
+    when ``path`` exists but is not complete (and not empty), or an unmarked
+    directory sits at the swap name: user data this function will not delete.
     """
     staged, path, old = Path(staged), Path(path), old_path(path)
-    assert complete(staged), f"{staged} must be committed before it is swapped in"
+    assert complete(staged) and is_ours(staged), f"{staged} must be committed and marked before it is swapped in"
     recover_interrupted_swap(path, complete=complete)
     if path.exists():
         if complete(path):
-            if old.exists():
-                shutil.rmtree(old)  # a leftover of a finished swap; P itself is committed
+            _remove_ours(old, "interrupted swaps", path)  # a leftover of a finished swap; P itself is complete
+            mark(path)  # so that a kill between the renames leaves a swap dir the next save recognises
             os.replace(path, old)
         elif path.is_dir() and not any(path.iterdir()):
             path.rmdir()
@@ -95,16 +277,18 @@ def swap_into_place(
             )
     os.replace(staged, path)
     fsync_dir(path.parent)
+    # The output holds only its own files; the marker comes back if a later save moves it aside.
+    (path / MARKER_NAME).unlink(missing_ok=True)
     if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # moved there by this very call
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:
     """The directory to read for a checkpoint saved at ``path``.
 
-    ``path`` itself when it exists; ``P.old`` when ``path`` is missing because a
-    save was killed mid-swap. Raises ``FileNotFoundError`` (naming the path,
-    and an unfinished ``P.tmp`` if there is one) otherwise; a directory
+    ``path`` itself when it exists; the swap directory when ``path`` is missing
+    because a save was killed mid-swap. Raises ``FileNotFoundError`` (naming
+    the path, and an unfinished save if there is one) otherwise; a directory
     without a manifest raises :class:`~checkpoint.manifest.NotACheckpointError`
     later, from ``read_manifest``.
     """
@@ -112,7 +296,7 @@ def resolve_for_load(path: str | os.PathLike) -> Path:
     if path.exists():
         return path
     old = old_path(path)
-    if is_committed(old):
+    if is_ours(old) and is_committed(old):
         logger.warning("%s is missing; loading %s left by a save that was interrupted mid-swap", path, old)
         return old
     hint = ""

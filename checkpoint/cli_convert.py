@@ -8,6 +8,7 @@ tensor by tensor, read ahead on a background thread while the writer writes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from checkpoint.atomic import MARKER_NAME, make_staging, remove_staging, staging_path, swap_into_place, write_lock
 from checkpoint.cli_report import CliError, Progress, human_bytes
 from checkpoint.cli_source import open_source
 from checkpoint.stream import Entry, parse_dtype, prefetch
@@ -108,47 +110,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
     dst = Path(args.dst)
     start = time.perf_counter()
-    if args.format == "safetensors":
-        from checkpoint.atomic import staging_path
-        from checkpoint.safetensors_io import plan_shards, write_shards
-
-        # written whole under DST.tmp, then swapped in: a crash leaves DST absent or as it was
-        staging = staging_path(dst)
-        group.together(lambda: _prepare_safetensors_dir(dst, staging, args.force), only_rank0=True)
-        by_name = {n: (n, d, s) for n, d, s in specs}
-        names = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
-        shards = [[by_name[n] for n in g] for g in names]
-        mine = group.share([sum(Entry(n, "tensor", d, s).nbytes for n, d, s in sh) for sh in shards])
-        my_names = {n for i, g in enumerate(names) if mine[i] for n in g}
-        my_targets = [t for t in tensors if out_name(t) in my_names]
-        logger.info("writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards),
-                    human_bytes(args.max_shard_size))
-        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
-        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
-        try:
-            group.together(lambda: write_shards(staging, shards, values, full_keys=not args.model_only,
-                                                on_bytes=bar.add, which=mine.__getitem__))
-            objects_json = _json_objects(object_values)
-            group.together(lambda: _commit_safetensors(staging, dst, shards, objects_json, args.force), only_rank0=True)
-        except BaseException:
-            if group.rank == 0:  # every process has stopped writing (together() agreed on the failure)
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
-        where = f"{len(shards)} file(s) + model.safetensors.index.json in {dst}"
-    else:
-        from checkpoint.durable import durable_replace, temp_path
-        from checkpoint.torchfile_io import fill_tensors
-
-        tmp = temp_path(dst)
-        group.together(lambda: _prepare_torch_file(dst, tmp, specs, object_values, args.force), only_rank0=True)
-        mine = group.share([Entry(n, "tensor", d, s).nbytes for n, d, s in specs])
-        my_targets = [t for i, t in enumerate(tensors) if mine[i]]
-        my_specs = [spec for i, spec in enumerate(specs) if mine[i]]
-        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
-        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
-        group.together(lambda: fill_tensors(tmp, my_specs, values, on_bytes=bar.add))
-        group.together(lambda: durable_replace(tmp, dst), only_rank0=True)
-        where = str(dst)
+    with contextlib.ExitStack() as held:
+        # one writer per output path, held by process 0 until the output is committed
+        group.together(lambda: held.enter_context(write_lock(dst)), only_rank0=True)
+        if args.format == "safetensors":
+            where, bar = _export_safetensors(args, reader, dst, specs, tensors, object_values, out_name, cast)
+        else:
+            where, bar = _export_torch_file(args, reader, dst, specs, tensors, object_values, out_name, cast)
     bar.close()
     seconds = time.perf_counter() - start
     if group.rank == 0:
@@ -171,8 +139,59 @@ def _without_tied_aliases(reader: Any, targets: list[Target]) -> list[Target]:
     return [t for t in targets if t not in dropped]
 
 
-def _prepare_safetensors_dir(dst: Path, staging: Path, force: bool) -> None:
-    """Make an empty ``staging`` for an export to ``dst``; with ``force``, other files of ``dst`` go in first.
+def _export_safetensors(args, reader, dst: Path, specs, tensors, object_values, out_name, cast) -> tuple[str, Progress]:
+    from checkpoint.safetensors_io import plan_shards, write_shards
+
+    group = args.group
+    # written whole under the staging dir, then swapped in: a crash leaves DST absent or as it was
+    staging = staging_path(dst)
+    group.together(lambda: _prepare_safetensors_dir(dst, args.force), only_rank0=True)
+    by_name = {n: (n, d, s) for n, d, s in specs}
+    names = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
+    shards = [[by_name[n] for n in g] for g in names]
+    mine = group.share([sum(Entry(n, "tensor", d, s).nbytes for n, d, s in sh) for sh in shards])
+    my_names = {n for i, g in enumerate(names) if mine[i] for n in g}
+    my_targets = [t for t in tensors if out_name(t) in my_names]
+    logger.info("writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards),
+                human_bytes(args.max_shard_size))
+    bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
+    values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
+    try:
+        group.together(lambda: write_shards(staging, shards, values, full_keys=not args.model_only,
+                                            on_bytes=bar.add, which=mine.__getitem__))
+        objects_json = _json_objects(object_values)
+        group.together(lambda: _commit_safetensors(staging, dst, shards, objects_json, args.force), only_rank0=True)
+    except BaseException:
+        if group.rank == 0:  # every process has stopped writing (together() agreed on the failure)
+            remove_staging(dst)
+        raise
+    return f"{len(shards)} file(s) + model.safetensors.index.json in {dst}", bar
+
+
+def _export_torch_file(args, reader, dst: Path, specs, tensors, object_values, out_name, cast) -> tuple[str, Progress]:
+    from checkpoint.durable import durable_replace
+    from checkpoint.torchfile_io import fill_tensors
+
+    group = args.group
+    tmp = staging_path(dst)  # a name no user would pick: a user's DST.tmp is never overwritten
+    try:
+        group.together(lambda: _prepare_torch_file(dst, tmp, specs, object_values, args.force), only_rank0=True)
+        mine = group.share([Entry(n, "tensor", d, s).nbytes for n, d, s in specs])
+        my_targets = [t for i, t in enumerate(tensors) if mine[i]]
+        my_specs = [spec for i, spec in enumerate(specs) if mine[i]]
+        bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
+        values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
+        group.together(lambda: fill_tensors(tmp, my_specs, values, on_bytes=bar.add))
+        group.together(lambda: durable_replace(tmp, dst), only_rank0=True)
+    except BaseException:
+        if group.rank == 0:  # every process has stopped writing (together() agreed on the failure)
+            tmp.unlink(missing_ok=True)
+        raise
+    return str(dst), bar
+
+
+def _prepare_safetensors_dir(dst: Path, force: bool) -> None:
+    """Make an empty staging dir for an export to ``dst``; with ``force``, other files of ``dst`` go in first.
 
     Shards and index of an earlier export in ``dst`` are left out (they would sit
     beside the new ones, unindexed); anything else there (``config.json``, a
@@ -181,16 +200,14 @@ def _prepare_safetensors_dir(dst: Path, staging: Path, force: bool) -> None:
     from checkpoint.atomic import recover_interrupted_swap
     from checkpoint.safetensors_io import is_export, is_export_file
 
-    recover_interrupted_swap(dst, complete=is_export)  # an export killed mid-swap left it at DST.old
+    recover_interrupted_swap(dst, complete=is_export)  # an export killed mid-swap left it in the swap dir
     _check_fresh_output(dst, force)
     if dst.exists() and not dst.is_dir():
         raise CliError(f"output {str(dst)!r} is a file; --format safetensors writes a directory: give a directory")
-    if staging.exists():
-        shutil.rmtree(staging)  # an unfinished export to this path: nothing to keep
-    staging.mkdir(parents=True)
+    staging = make_staging(dst)  # an unfinished export to this path (marked as ours) is removed
     if force and dst.is_dir():
         for entry in dst.iterdir():
-            if not is_export_file(entry.name):
+            if not is_export_file(entry.name) and entry.name != MARKER_NAME:
                 _link_or_copy(entry, staging / entry.name)
 
 
@@ -207,7 +224,6 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
 
 def _commit_safetensors(staging: Path, dst: Path, shards, objects: dict[str, Any], force: bool) -> None:
     """Index last (the export's commit record), then the crash-safe swap of ``staging`` into ``dst``."""
-    from checkpoint.atomic import swap_into_place
     from checkpoint.safetensors_io import is_export, write_index
 
     write_index(staging, shards, objects=objects)
@@ -216,13 +232,14 @@ def _commit_safetensors(staging: Path, dst: Path, shards, objects: dict[str, Any
 
 
 def _prepare_torch_file(dst: Path, tmp: Path, specs, objects: dict[str, Any], force: bool) -> None:
-    from checkpoint.torchfile_io import write_skeleton
+    from checkpoint.torchfile_io import reserve_space, write_skeleton
 
     if dst.is_dir():
         raise CliError(f"output {str(dst)!r} is a directory; --format torch writes one file: give a file name")
     _check_fresh_output(dst, force)
     dst.parent.mkdir(parents=True, exist_ok=True)
     write_skeleton(tmp, specs, objects)
+    reserve_space(tmp)
 
 
 OVERLAP_BYTES = 128 << 20

@@ -60,19 +60,12 @@ class Group:
         A process that failed passes its exception and gets it re-raised; the
         others raise :class:`PeerFailed` naming the first failing process.
         """
-        if self.size == 1:
-            if error is not None:
-                raise error
-            return
-        import torch.distributed as dist
+        from checkpoint.save_errors import agree_on_failure
 
-        reasons: list[str | None] = [None] * self.size
-        dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        for rank, reason in enumerate(reasons):
-            if reason is not None:
-                raise PeerFailed(f"process {rank} of {self.size} failed: {reason}")
+        failures = agree_on_failure(error, group=None, distributed=self.size > 1)
+        if failures:
+            rank = min(failures)
+            raise PeerFailed(f"process {rank} of {self.size} failed: {failures[rank]}")
 
     def gather(self, value: Any) -> list[Any]:
         """``value`` of every process, in process order (picklable, small)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.atomic import staging_path, swap_into_place
+from checkpoint.atomic import MARKER_NAME, check_target, make_staging, staging_path, swap_into_place, write_lock
 from checkpoint.convert import convert_tree
 from checkpoint.durable import durable_write
 from checkpoint.manifest import (
@@ -49,6 +50,7 @@ from checkpoint.manifest import (
     write_manifest,
 )
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
+from checkpoint.save_errors import raise_unwrapped
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
 
 __all__ = [
@@ -85,18 +87,30 @@ def write_rank(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
-    writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
-    with quiet_single_process():
-        dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
+    # Ranks may be written by separate processes at once: the staging dir is shared, not made afresh.
+    writer = FsdpWriter(make_staging(path, fresh=False), force_rank=rank, world_size=world_size)
+    try:
+        with quiet_single_process():
+            dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
+    except CheckpointException as exc:
+        raise_unwrapped(exc, path)
 
 
 def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
     """Merge the ``world_size`` ranks written by :func:`write_rank` (or a scale-mode save) and commit ``path``.
 
-    One process only. Raises ``ValueError`` naming the rank whose files are
-    missing or the key whose chunks are inconsistent; nothing at ``path``
-    changes then.
+    One process only; waits while another save writes ``path``. Raises
+    ``ValueError`` naming the rank whose files are missing or the key whose
+    chunks are inconsistent, ``FileExistsError`` when ``path`` holds something
+    other than a checkpoint; nothing at ``path`` changes then.
     """
+    with write_lock(path):
+        check_target(path)
+        commit_ranks(path, world_size, extra_info=extra_info)
+
+
+def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
+    """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0)."""
     staged = staging_path(path)
     records = []
     for rank in range(world_size):
@@ -206,7 +220,7 @@ def commit_staged(
     referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
     keep = {name: rec for name, rec in files.items() if name in referenced}
     for entry in staged.iterdir():
-        if entry.name not in keep and entry.name != METADATA_NAME:
+        if entry.name not in keep and entry.name not in (METADATA_NAME, MARKER_NAME):
             # Leftovers of an earlier, killed save (another world size) or per-rank files now merged.
             entry.unlink()
     keep[METADATA_NAME] = checksum_file(staged / METADATA_NAME)

@@ -48,7 +48,10 @@ def to_checkpointable(
         return _from_dtensor(value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes)
     if not isinstance(value, torch.Tensor):
         return value
-    spec = shard_spec_of(value)
+    try:
+        spec = shard_spec_of(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from exc
     if spec is not None:
         if spec.is_flat and not value.is_contiguous():
             raise ValueError(f"{name}: a flat-range shard must be contiguous to be saved or loaded in place")

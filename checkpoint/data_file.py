@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from checkpoint.chunk_archive import crc32_combine, plan_archive
+from checkpoint.durable import disk_full_is_clear
 from checkpoint.manifest import FileRecord
 
 __all__ = ["CrcStream", "tensor_bytes", "write_tensor"]
@@ -86,7 +87,8 @@ class CrcStream(io.RawIOBase):
     def finish(self) -> FileRecord:
         """fsync the file and close it; its size and CRC-32. Closes the file even when the fsync fails."""
         try:
-            os.fsync(self.raw.fileno())
+            with disk_full_is_clear(getattr(self.raw, "name", "a checkpoint file")):  # a file system may report the lack of space only here
+                os.fsync(self.raw.fileno())
         finally:
             self.abort()
         return FileRecord(size=self.size, crc32=self.crc)
@@ -103,8 +105,9 @@ class CrcStream(io.RawIOBase):
 
     def _write_all(self, view: memoryview) -> None:
         done = 0
-        while done < len(view):  # an unbuffered file may take less than asked
-            done += self.raw.write(view[done:])
+        with disk_full_is_clear(getattr(self.raw, "name", "a checkpoint file")):
+            while done < len(view):  # an unbuffered file may take less than asked
+                done += self.raw.write(view[done:])
 
     def tell(self) -> int:
         return self.size

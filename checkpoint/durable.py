@@ -9,12 +9,38 @@ the bytes are on disk before the name points at them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["durable_replace", "durable_write", "fsync_dir", "temp_path"]
+__all__ = ["DiskFullError", "disk_full_is_clear", "durable_replace", "durable_write", "fsync_dir", "temp_path"]
+
+
+class DiskFullError(OSError):
+    """The device (or the user's quota) ran out of space while a checkpoint file was written.
+
+    Raised by every writer instead of a bare ``OSError(ENOSPC)``; the writer
+    removes its staging, and whatever was at the target before stays as it was.
+    """
+
+
+@contextlib.contextmanager
+def disk_full_is_clear(path: str | os.PathLike) -> Iterator[None]:
+    """Turn ``ENOSPC`` / ``EDQUOT`` raised inside the block into a :class:`DiskFullError` naming ``path``."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFullError(
+            exc.errno,
+            f"no space left on the device (or quota exceeded) while writing {str(path)!r}: nothing was "
+            "committed and what was at the target is unchanged; free space or write to another file system",
+        ) from exc
 
 TEMP_SUFFIX = ".tmp"
 
@@ -44,7 +70,7 @@ def durable_write(
     path = Path(path)
     tmp = temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with disk_full_is_clear(path), open(tmp, "wb") as f:
             if callable(data):
                 data(f)
             else:
@@ -63,7 +89,7 @@ def durable_replace(tmp: str | os.PathLike, path: str | os.PathLike, *, sync_dir
 
     Precondition: ``tmp`` is in ``path``'s directory and nothing writes to it any more.
     """
-    with open(tmp, "rb+") as f:
+    with disk_full_is_clear(path), open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     _rename(Path(tmp), Path(path), sync_dir)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import mul
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -22,11 +22,23 @@ __all__ = ["FsdpSavePlanner", "chunk_problem", "metadata_problems"]
 
 
 class FsdpSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, refusing a global plan that leaves part of a tensor unwritten."""
+    """DCP's default save planner, refusing a global plan that leaves part of a tensor unwritten.
 
-    def __init__(self, *, validate_cover: bool = True) -> None:
+    ``convert(state_dict)``, if given, turns the caller's state dict into
+    :class:`~checkpoint.shard.CheckpointShard` leaves inside DCP's local-plan
+    step, where DCP gathers every rank's error: a rank whose state cannot be
+    converted makes every rank raise, instead of leaving the others waiting.
+    """
+
+    def __init__(self, *, validate_cover: bool = True, convert: Callable[[dict], dict] | None = None) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
         self.validate_cover = validate_cover
+        self.convert = convert
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        if self.convert is not None:
+            state_dict = self.convert(state_dict)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)

@@ -23,10 +23,10 @@ crash-safe swap into place.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.atomic import is_committed, staging_path
+from checkpoint.atomic import is_committed, make_staging, remove_staging, staging_path, write_lock
 from checkpoint.cli_parallel import SOLO, Group
 from checkpoint.commit import commit_staged, write_metadata
 from checkpoint.data_file import CrcStream, write_tensor
@@ -108,13 +108,24 @@ def write_checkpoint(
         raise ValueError(f"max chunk size {max_chunk_bytes} B is smaller than one element ({itemsize} B); pass a larger one")
     dst = Path(dst)
     staging = staging_path(dst)
-    error = None
-    if group.rank == 0:
+    with contextlib.ExitStack() as held:
+        error = None
+        if group.rank == 0:
+            try:
+                held.enter_context(write_lock(dst))  # one writer per path, until committed
+                _prepare(dst, replace)
+            except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
+                error = exc
+        group.agree(error)  # staging exists (and is empty) before anyone writes into it
         try:
-            _prepare(dst, staging, replace)
-        except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
-            error = exc
-    group.agree(error)  # staging exists (and is empty) before anyone writes into it
+            _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group)
+        except BaseException:
+            if group.rank == 0:  # every process has stopped writing: agree() raised on all of them
+                remove_staging(dst)
+            raise
+
+
+def _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group) -> None:
     files = {r: CrcStream.create(staging / _file_name(r)) for r in range(world_size) if group.mine(r)}
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -155,14 +166,12 @@ def write_checkpoint(
     group.agree(error)
 
 
-def _prepare(dst: Path, staging: Path, replace: bool) -> None:
+def _prepare(dst: Path, replace: bool) -> None:
     if dst.exists() and not replace and (dst.is_file() or any(dst.iterdir())):
         raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
     if dst.exists() and replace and not (is_committed(dst) or (dst.is_dir() and not any(dst.iterdir()))):
         raise FileExistsError(f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path")
-    if staging.exists():
-        shutil.rmtree(staging)  # an unfinished save of this path: never a checkpoint, nothing to keep
-    staging.mkdir(parents=True)
+    make_staging(dst)  # an unfinished save of this path (marked as ours) is removed; anything else is refused
 
 
 def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info, paths) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from checkpoint.data_file import tensor_bytes
-from checkpoint.durable import durable_write
+from checkpoint.durable import disk_full_is_clear, durable_write
 from checkpoint.stream import Entry
 
 __all__ = ["INDEX_NAME", "SafetensorsSource", "is_export", "is_export_file", "plan_shards", "write_index", "write_shards"]
@@ -112,7 +112,7 @@ def write_shards(
             continue
         file_name = shard_file_name(index, len(shards))
         specs = [(n, d, s, Entry(n, "tensor", d, s).nbytes) for n, d, s in shard]
-        with open(directory / file_name, "wb") as f:
+        with disk_full_is_clear(directory / file_name), open(directory / file_name, "wb") as f:
             f.write(_header(specs, full_keys))
             for name, dtype, shape, nbytes in specs:
                 got_name, tensor = next(values)

@@ -176,7 +176,7 @@ def _private_copy(pool: StagingPool, key: str, local: torch.Tensor) -> torch.Ten
     copy = copy_to_staging(pool, key, local)
     if local.device.type != "cpu":
         # The D2H copy must land before the writer thread reads the copy.
-        torch.cuda.current_stream(local.device).synchronize()
+        torch.accelerator.current_stream(local.device).synchronize()
     return copy
 
 

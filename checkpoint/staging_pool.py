@@ -2,7 +2,7 @@
 
 An async save copies (part of) the state into private host buffers so the
 caller can go on changing its tensors. Allocating those buffers afresh for
-every save is not free: pinned memory (``cudaHostAlloc``) of several GiB
+every save is not free: pinned memory (``cudaHostAlloc`` on CUDA) of several GiB
 costs hundreds of milliseconds to seconds, and even fresh pageable memory
 pays a page fault per 4 KiB page on first touch, inside the caller's
 blocking time. :class:`StagingPool` hands the buffers of the previous save
@@ -59,10 +59,11 @@ class StagingPool:
     def buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised contiguous host tensor of ``like``'s shape and dtype, for the state under ``key``.
 
-        Pinned when ``like`` lives on a CUDA device (so the D2H copy into it
-        is asynchronous). Its contents are whatever the last save staged.
+        Pinned when ``like`` lives on an accelerator (so the D2H copy into it
+        is asynchronous; ``pin_memory`` pins for the current accelerator).
+        Its contents are whatever the last save staged.
         """
-        pinned = like.device.type != "cpu" and torch.cuda.is_available()
+        pinned = like.device.type != "cpu" and torch.accelerator.is_available()
         slot = (key, tuple(like.shape), like.dtype, pinned)
         held = self._free.pop(slot, None)
         if held is None:

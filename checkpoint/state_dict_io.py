@@ -7,13 +7,17 @@ of tensors, DTensors, flat-shard tensors (with a ``fsdp_shard_spec``),
 
 Communication: a save in the default ``mode="collective"`` costs DCP's fixed
 plan exchange (a gather and a scatter) and its final gather + broadcast,
-whatever the number of tensors; ``mode="scale"`` costs one barrier (rank 0
-then merges the per-rank metadata, :func:`checkpoint.commit.commit`). A load
+whatever the number of tensors (errors of any rank, the conversion of the
+state dict included, are gathered there and raised on every rank);
+``mode="scale"`` costs three small gathers, each agreeing on whether a step
+failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
+the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
 costs nothing: every rank reads the merged ``.metadata`` and its own chunks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -27,15 +31,26 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint.atomic import check_committed, is_committed, resolve_for_load, staging_path
-from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
+from checkpoint.atomic import (
+    check_committed,
+    check_target,
+    is_committed,
+    make_staging,
+    remove_staging,
+    resolve_for_load,
+    staging_path,
+    write_lock,
+)
+from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
 from checkpoint.convert import convert_tree, load_stateful, resolve_stateful, to_checkpointable
 from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
+from checkpoint.save_errors import raise_on_every_rank, raise_unwrapped, unwrap_dcp_error
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
@@ -89,43 +104,117 @@ def save_state_dict(
     """Save ``state_dict`` (this rank's part) as a committed checkpoint at ``path``; all ranks call it.
 
     Atomic: nothing at ``path`` changes until the new checkpoint is complete
-    (see :mod:`checkpoint.atomic`). ``mode="scale"`` trades DCP's plan exchange
-    for one barrier; in it, plain tensors are taken from rank 0 and the
-    checkpoint is committed when rank 0 returns.
+    (see :mod:`checkpoint.atomic`); a save to a path another save is writing
+    waits for it. An async save still in flight is finished first, and raises
+    here if it failed. ``path`` must be absent, empty or a committed
+    checkpoint (checked before anything is written). An error on any rank
+    raises on every rank (:class:`~checkpoint.save_errors.CheckpointSaveError`
+    on the others); a failed save leaves no staging behind. ``mode="scale"``
+    trades DCP's plan exchange for three small gathers; in it, plain tensors are
+    taken from rank 0 and the checkpoint is committed by rank 0.
     """
+    from checkpoint.async_save import wait_for_async_save
+
+    wait_for_async_save()
+    write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
+
+
+def write_state_dict(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    mode: str = "collective",
+    max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs)."""
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
     rank, world_size, distributed = _dist_info(process_group)
-    scale = mode == "scale" and distributed
-    converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes)
-    staged = staging_path(path)
-    info = {"max_chunk_bytes": max_chunk_bytes}
-    if scale:
-        writer = FsdpWriter(staged, world_size=world_size)
-        dcp.save(
-            converted,
-            storage_writer=writer,
-            planner=FsdpSavePlanner(validate_cover=False),
-            process_group=process_group,
-            use_collectives=False,
-        )  # ends with DCP's one barrier: every rank's files are durable past it
-        if rank == 0:
-            commit(path, world_size, extra_info=info)
-        return
-    on_commit = partial(_commit_collective, path, world_size, {"mode": "collective", **info})
-    writer = FsdpWriter(staged, on_commit=on_commit)
+    convert = partial(
+        convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
+    )
+    with contextlib.ExitStack() as held:
+        prepared = []
+
+        def prepare() -> None:  # rank 0, before anything is written
+            held.enter_context(write_lock(path))  # held until committed: one writer per path
+            check_target(path)
+            make_staging(path)
+            prepared.append(True)
+
+        try:
+            if mode == "scale" and distributed:
+                _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group)
+            else:
+                _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed)
+        except BaseException as exc:
+            if prepared:
+                remove_staging(path)  # every rank has stopped writing: DCP / agree() raised on all of them
+            if not isinstance(exc, CheckpointException):
+                raise
+            raise_unwrapped(exc, path, rank if distributed else 0)
+
+
+def _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed) -> None:
+    """DCP's collective save; conversion and rank 0's preparation run in its local-plan step, where it gathers errors."""
+    info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
+    writer = FsdpWriter(staging_path(path), prepare=prepare, on_commit=partial(_commit_collective, path, world_size, info))
     with quiet_single_process():
         dcp.save(
-            converted,
+            state_dict,
             storage_writer=writer,
-            planner=FsdpSavePlanner(),
+            planner=FsdpSavePlanner(convert=convert),
             process_group=process_group,
             no_dist=not distributed,
         )
 
 
+def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group) -> None:
+    """Each rank writes its files and record alone; rank 0 commits once every rank succeeded.
+
+    Three small gathers (:func:`~checkpoint.save_errors.raise_on_every_rank`): after rank 0
+    prepared the target and every rank converted its state; after the writes; after rank 0's commit.
+    """
+    agree = partial(raise_on_every_rank, path=path, group=process_group, distributed=True)
+    error: BaseException | None = None
+    try:
+        converted = convert(state_dict)
+        if rank == 0:
+            prepare()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    agree(error)
+    try:
+        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
+        with quiet_single_process():
+            # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
+            dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
+    except CheckpointException as exc:
+        error = unwrap_dcp_error(exc, path, 0)  # DCP ran this rank alone, as rank 0
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+        error = exc
+    agree(error)  # every rank's files are durable past it
+    error = None
+    if rank == 0:
+        try:
+            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes})
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    agree(error)
+
+
 def _commit_collective(path, world_size, info, metadata: Metadata, files) -> None:
     commit_staged(path, metadata, files, world_size, extra_info=info)
+
+
+@contextlib.contextmanager
+def _own_errors(path: Path):
+    """A single-process DCP call raising the error it hit, not DCP's ``CheckpointException`` (a ``BaseException``)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise_unwrapped(exc, path)
 
 
 @dataclass
@@ -210,7 +299,7 @@ def load_flat(
     if strict and report:
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
-        with quiet_single_process():
+        with quiet_single_process(), _own_errors(opened.path):
             dcp.load(
             loadable,
                 # Our own files are read straight into place; a plain DCP directory the DCP way.

@@ -90,8 +90,10 @@ class FsdpWriter(FileSystemWriter):
     """Writes one staging directory; see the module docstring.
 
     ``on_commit(metadata, files)`` runs on the coordinator in collective mode
-    after ``.metadata`` is on disk; ``force_rank`` makes a single process write
-    as that rank (scale mode, used by :func:`checkpoint.write_rank`).
+    after ``.metadata`` is on disk; ``prepare()`` runs on the coordinator in
+    DCP's local-plan step, before any rank writes (its error reaches every
+    rank); ``force_rank`` makes a single process write as that rank (scale
+    mode, used by :func:`checkpoint.write_rank`).
     """
 
     def __init__(
@@ -99,12 +101,14 @@ class FsdpWriter(FileSystemWriter):
         path: str | os.PathLike,
         *,
         on_commit=None,
+        prepare=None,
         force_rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self.fs = _CrcFileSystem()
         self.on_commit = on_commit
+        self.prepare = prepare
         self.force_rank = force_rank
         self.world_size = world_size
 
@@ -119,7 +123,10 @@ class FsdpWriter(FileSystemWriter):
             self.use_collectives = False
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.fs.mkdir(self.path)
+        # No mkdir here: the staging dir is made (marked) by whoever prepares the target, before any
+        # rank writes; a rank creating it would leave an unmarked dir behind a refused save.
+        if self.prepare is not None and self.is_coordinator:
+            self.prepare()  # the coordinator's plan is gathered before any rank writes: it runs first
         if self.rank in (None, 0):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
             stale = Path(self.path) / MANIFEST_NAME

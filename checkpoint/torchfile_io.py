@@ -16,6 +16,7 @@ touches one tensor at a time.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -28,9 +29,10 @@ import torch
 # be saved as meta tensors); FakeTensorMode has no public import path yet
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from checkpoint.durable import disk_full_is_clear
 from checkpoint.stream import Entry
 
-__all__ = ["TorchFileSource", "fill_tensors", "write_skeleton"]
+__all__ = ["TorchFileSource", "fill_tensors", "reserve_space", "write_skeleton"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,40 @@ def write_skeleton(tmp: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...
     skeleton.update(objects)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(skeleton, tmp)
+
+
+def reserve_space(tmp: Path) -> None:
+    """Allocate every block of the skeleton ``tmp`` now, so filling it through the mapping cannot run out of space.
+
+    The skeleton's storages are holes; a store into a hole the file system
+    cannot back kills the process with SIGBUS instead of raising. Raises
+    :class:`~checkpoint.durable.DiskFullError` (and removes ``tmp``) when the
+    space is not there.
+    """
+    try:
+        with disk_full_is_clear(tmp):
+            fd = os.open(tmp, os.O_RDWR)
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    _write_zeros_over_holes(fd, size)  # no fallocate here: allocate by writing
+            finally:
+                os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_zeros_over_holes(fd: int, size: int) -> None:
+    """Allocate a file's blocks the portable way: read each piece and write it back (holes read as zeros)."""
+    piece = 16 << 20
+    for start in range(0, size, piece):
+        data = os.pread(fd, min(piece, size - start), start)
+        os.pwrite(fd, data, start)
 
 
 def fill_tensors(

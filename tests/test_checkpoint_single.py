@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import checkpoint
-from checkpoint.atomic import old_path, staging_path
+from checkpoint.atomic import mark, old_path, staging_path
 from checkpoint.manifest import NotACheckpointError, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -214,7 +213,8 @@ def test_chunks_are_bounded_and_load_into_another_flat_layout(tmp_path):
 def test_an_interrupted_swap_loads_the_previous_checkpoint_and_the_next_save_recovers(tmp_path):
     path = tmp_path / "c"
     checkpoint.save_state_dict({"w": torch.ones(3)}, path)
-    os.replace(path, old_path(path))  # what a kill between the two renames leaves
+    mark(path)  # the swap marks the checkpoint it moves aside...
+    os.replace(path, old_path(path))  # ...and this is what a kill between the two renames leaves
     target = {"w": torch.zeros(3)}
     checkpoint.load_state_dict(target, path)
     assert torch.equal(target["w"], torch.ones(3))
@@ -247,7 +247,7 @@ def test_a_save_interrupted_at_every_rename_leaves_old_or_new_never_a_mix(tmp_pa
             finished = True
         except _Killed:
             finished = False
-        except CheckpointException as exc:  # DCP wraps what its coordinator step raised
+        except checkpoint.CheckpointSaveError as exc:  # what DCP's coordinator step raised, as an Exception
             assert "_Killed" in str(exc)
             finished = False
         monkeypatch.setattr(os, "replace", real_replace)

@@ -280,3 +280,17 @@ def test_device_tensors_are_staged_into_pinned_buffers_that_are_reused(tmp_path,
         _assert_loads_as(tmp_path / f"c{i}", want)
     assert _same_buffers(lent[0], lent[1]) == ["w.t0"]
     assert lent[1]["w.t0"]().is_pinned()
+
+
+def test_bounded_async_staging_waits_for_every_accelerator_its_shards_live_on(monkeypatch):
+    """Not only CUDA: the device of each shard is synchronised through torch.accelerator (meta stands in for one)."""
+    from checkpoint.async_save import _synchronize_devices
+    from checkpoint.shard import CheckpointShard
+    from checkpoint.shard_spec import ShardSpec
+
+    synced = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: synced.append(device))
+    spec = ShardSpec((2,), offsets=(0,))
+    converted = {"a": CheckpointShard(torch.empty(2, device="meta"), spec), "b": CheckpointShard(torch.zeros(2), spec)}
+    _synchronize_devices(converted)
+    assert synced == [torch.device("meta")]
