@@ -96,7 +96,7 @@ def load(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
-    verify: str = "sizes",
+    verify: str = "crc",
     require_manifest: bool = True,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
@@ -107,7 +107,8 @@ def load(
     refreshes the others from the loaded weights.
     ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
-    ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
+    ``verify`` (``"crc"``, the default: every byte read is checked against the
+    manifest's CRC-32s as it streams in | ``"full"`` | ``"sizes"`` | ``"none"``) and ``require_manifest``
     (``False`` reads a plain ``dcp.save`` directory too): see :func:`checkpoint.open_checkpoint`.
     """
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
