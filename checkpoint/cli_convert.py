@@ -241,6 +241,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     src = Path(args.src)
     if not src.exists():
         raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
+    if not src.is_dir():
+        from checkpoint.manifest import open_regular
+
+        open_regular(src).close()  # a FIFO or device given as the source: a clear error, never a hang
     if src.is_dir() or src.suffix == ".safetensors":
         from checkpoint.safetensors_io import SafetensorsSource
 

@@ -223,15 +223,18 @@ def open_regular(path: str | os.PathLike):
     """
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointCorruptError(f"{path}: {_kind(st.st_mode)}, not a regular file; a checkpoint holds only regular files: {_FIX}")
+        raise CheckpointCorruptError(
+            f"{path}: {_kind(st.st_mode)}, not a regular file; nothing was read from it: "
+            "checkpoints and import sources hold only regular files, put the real file there"
+        )
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise CheckpointCorruptError(f"{path}: cannot be opened as a regular file ({_short(exc)}); {_FIX}") from None
+        raise CheckpointCorruptError(f"{path}: cannot be opened as a regular file ({_short(exc)}); put the real file there") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise CheckpointCorruptError(f"{path}: not a regular file; {_FIX}")
+        raise CheckpointCorruptError(f"{path}: not a regular file; put the real file there")
     return os.fdopen(fd, "rb", buffering=0)
 
 
