@@ -185,7 +185,7 @@ def load_value(data: io.BytesIO | bytes, *, where: str) -> Any:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointCorruptError(
-            f"{where}: cannot be read weights-only ({type(exc).__name__}: {_one_line(exc)}); nothing from it was "
+            f"{where}: cannot be read weights-only ({_weights_only_reason(exc)}); nothing from it was "
             "run; a value of a type weights-only loading refuses cannot come from checkpoint.save: restore the "
             "file from a copy or re-save the checkpoint"
         ) from None
@@ -213,6 +213,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def _weights_only_reason(exc: BaseException) -> str:
+    """The one informative sentence of torch's long weights-only refusal (which global it refused)."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        # drop torch's advice to allow the global: for a file from elsewhere that is the wrong fix
+        return " ".join(text.split(marker, 1)[1].split(" Please use", 1)[0].split())[:200]
+    return f"{type(exc).__name__}: {_one_line(exc)[:200]}"
+
+
 def check_weights_only(key: str, value: Any) -> None:
     """Raise ``ValueError`` naming ``key`` when ``value`` would not load back with ``torch.load(weights_only=True)``.
 
@@ -226,7 +236,7 @@ def check_weights_only(key: str, value: Any) -> None:
     except Exception as exc:
         raise ValueError(
             f"{key!r} holds a {type(value).__name__}, which torch.load(weights_only=True) cannot read back "
-            f"({_one_line(exc)[:160]}); save plain values (numbers, strings, lists, dicts, tensors) instead, "
+            f"({_weights_only_reason(exc)}); save plain values (numbers, strings, lists, dicts, tensors) instead, "
             "e.g. an object's state_dict()"
         ) from None
 
