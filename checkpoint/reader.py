@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.futures import Future
 
 from checkpoint.chunk_archive import archive_layout
@@ -171,7 +176,7 @@ class DirectReader(FileSystemReader):
         self._verified(info.relative_path, info.offset, data)
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure to parse a damaged archive is the same error
             raise CheckpointCorruptError(
                 f"{path}: the chunk at byte {info.offset} is not a tensor archive weights-only loading reads "
                 f"({type(exc).__name__}); restore the file from a copy or re-save the checkpoint"

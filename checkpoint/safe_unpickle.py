@@ -99,7 +99,7 @@ def load_metadata(path: pathlib.Path, data: bytes) -> Metadata:
     """
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
-    except Exception as exc:  # a truncated / flipped pickle raises anything from EOFError to KeyError
+    except Exception as exc:  # noqa: BLE001 - a truncated / flipped pickle raises anything from EOFError to KeyError
         raise CheckpointCorruptError(
             f"{path}: cannot be read as DCP metadata ({type(exc).__name__}: {_one_line(exc)}); "
             "nothing from it was run; restore the file from a copy or re-save the checkpoint"
@@ -183,7 +183,7 @@ def load_value(data: io.BytesIO | bytes, *, where: str) -> Any:
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a refused global or a damaged archive: one clear error
         raise CheckpointCorruptError(
             f"{where}: cannot be read weights-only ({_weights_only_reason(exc)}); nothing from it was "
             "run; a value of a type weights-only loading refuses cannot come from checkpoint.save: restore the "
@@ -233,7 +233,7 @@ def check_weights_only(key: str, value: Any) -> None:
         torch.save(value, buffer)
         buffer.seek(0)
         torch.load(buffer, weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever torch.save / weights-only loading refuses
         raise ValueError(
             f"{key!r} holds a {type(value).__name__}, which torch.load(weights_only=True) cannot read back "
             f"({_weights_only_reason(exc)}); save plain values (numbers, strings, lists, dicts, tensors) instead, "

@@ -221,7 +221,7 @@ class SafetensorsSource:
         try:
             with self._safe_open(str(file), framework="pt") as f:
                 return f.get_tensor(name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"{str(file)!r}: tensor {name!r} cannot be read ({exc}); check the file") from None
 
 

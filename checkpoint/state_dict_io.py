@@ -18,7 +18,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +30,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint.atomic import staging_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, commit_staged
 from checkpoint.convert import convert_tree, to_checkpointable
-from checkpoint.opener import CheckpointCorruptError, OpenCheckpoint, open_checkpoint, read_failure
+from checkpoint.opener import (
+    CheckpointCorruptError,
+    OpenCheckpoint,
+    open_checkpoint,
+    read_failure,
+)
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
@@ -165,7 +169,7 @@ def load_flat(
                                             allow_partial_load=True, where=str(opened.path)),
                     no_dist=True,
                 )
-        except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
+        except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
             raise read_failure(exc, opened.path) from None
         if check is not None:
             check.finish()  # raises naming the file whose bytes did not match

@@ -32,7 +32,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, CheckpointCorruptError, Manifest
+from checkpoint.manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    CheckpointCorruptError,
+    Manifest,
+)
 from checkpoint.opener import first_failure, open_checkpoint
 from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner

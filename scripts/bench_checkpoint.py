@@ -153,8 +153,8 @@ def bench_verify(root: Path, mib: int) -> None:
         load("crc", cold), load("sizes", cold)  # warm-up
         times: dict[str, list[float]] = {"crc": [], "sizes": []}
         for _ in range(3):
-            for mode in times:
-                times[mode].append(load(mode, cold))
+            for mode, runs in times.items():
+                runs.append(load(mode, cold))
         crc, sizes = min(times["crc"]), min(times["sizes"])
         print(f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s)   "
               f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s)   ratio {crc / sizes:.2f}x")

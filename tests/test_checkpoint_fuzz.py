@@ -73,8 +73,8 @@ def _load(path: Path) -> dict:
 def _same(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
-    for k in a:
-        va, vb = a[k], b[k]
+    for k, va in a.items():
+        vb = b[k]
         if isinstance(va, torch.Tensor):
             if not (isinstance(vb, torch.Tensor) and va.dtype == vb.dtype and torch.equal(va, vb)):
                 return False

@@ -122,7 +122,12 @@ def _value_payload(root: Path, marker: Path, name: str, committed: bool) -> tupl
     # written by plain DCP: checkpoint.save refuses such a value
     dcp.save({"model.0.weight": torch.ones(3, 4), "extra.x": _Payload(marker)}, checkpoint_id=str(ck), no_dist=True)
     if committed:
-        from checkpoint.manifest import KeyRecord, Manifest, checksum_file, write_manifest
+        from checkpoint.manifest import (
+            KeyRecord,
+            Manifest,
+            checksum_file,
+            write_manifest,
+        )
 
         files = {p.name: checksum_file(p) for p in ck.iterdir()}
         keys = {"model.0.weight": KeyRecord("tensor", "float32", (3, 4)), "extra.x": KeyRecord("bytes")}
@@ -263,7 +268,7 @@ def test_a_crafted_checkpoint_is_refused_naming_the_file_with_nothing_run(build,
     ck, fragment = build(good, tmp_path, marker)
     outcomes: Counter = Counter()
     for name, argv in _cli_runs(ck, good, tmp_path / "out").items():
-        code, exc = _bounded(lambda: cli_main(argv))
+        code, exc = _bounded(lambda argv=argv: cli_main(argv))
         captured = capsys.readouterr()
         assert exc is None, f"{name}: raised {exc!r}"
         lines = captured.err.strip().splitlines()
@@ -279,7 +284,7 @@ def test_a_crafted_checkpoint_is_refused_naming_the_file_with_nothing_run(build,
             assert fragment in named or (fragment == "extra.x" and str(ck) in named), f"{name}: {lines[0]}"
         assert not marker.exists(), f"{name} ran the payload"
     for name, fn in _api_runs(ck).items():
-        value, exc = _bounded(fn)
+        _, exc = _bounded(fn)
         assert not marker.exists(), f"{name} ran the payload"
         assert exc is not None, f"{name} loaded {ck} without an error"
         assert isinstance(exc, (ValueError, OSError)), f"{name}: {type(exc).__name__}: {exc}"
@@ -394,7 +399,7 @@ def test_a_crafted_import_source_is_refused_naming_the_file(build, tmp_path, cap
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     return subprocess.run([sys.executable, "-m", "checkpoint.cli", *args], capture_output=True, text=True,
-                          timeout=_TIMEOUT_S, env=env)
+                          check=False, timeout=_TIMEOUT_S, env=env)
 
 
 def test_the_cli_process_exits_2_on_a_metadata_payload_and_on_a_fifo(good, tmp_path):
