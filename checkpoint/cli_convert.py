@@ -244,7 +244,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not src.is_dir():
         from checkpoint.manifest import open_regular
 
-        open_regular(src).close()  # a FIFO or device given as the source: a clear error, never a hang
+        open_regular(src, follow_symlinks=True).close()  # a FIFO or device given as the source: a clear error, never a hang
     if src.is_dir() or src.suffix == ".safetensors":
         from checkpoint.safetensors_io import SafetensorsSource
 

@@ -214,20 +214,24 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
-def open_regular(path: str | os.PathLike):
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False):
     """Open ``path`` for reading, only if it is a regular file (never a FIFO, device or symlink).
 
     ``lstat`` first, then ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in between
-    cannot block the open) and ``fstat`` on what was opened. Raises
-    ``FileNotFoundError`` or :class:`CheckpointCorruptError` naming the path.
+    cannot block the open) and ``fstat`` on what was opened. ``follow_symlinks``
+    accepts a link to a regular file (import sources: the Hugging Face cache is
+    a farm of links). Raises ``FileNotFoundError`` or
+    :class:`CheckpointCorruptError` naming the path.
     """
-    st = os.lstat(path)
+    st = os.stat(path) if follow_symlinks else os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointCorruptError(
             f"{path}: {_kind(st.st_mode)}, not a regular file; nothing was read from it: "
             "checkpoints and import sources hold only regular files, put the real file there"
         )
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags)
     except OSError as exc:

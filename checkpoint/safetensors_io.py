@@ -174,7 +174,7 @@ class SafetensorsSource:
         self._where: dict[str, tuple[Path, str]] = {}
         self.entries: dict[str, Entry] = {}
         for file in files:
-            open_regular(file).close()  # a FIFO, device or link named here: a clear error, never a hang
+            open_regular(file, follow_symlinks=True).close()  # a FIFO or device: a clear error, never a hang
             try:
                 with safe_open(str(file), framework="pt") as f:
                     full = (f.metadata() or {}).get(KEYS_FIELD) == "full"
@@ -194,7 +194,7 @@ class SafetensorsSource:
         index = path / INDEX_NAME
         if index.exists():
             try:
-                with open_regular(index) as f:
+                with open_regular(index, follow_symlinks=True) as f:
                     data = json.loads(f.read(_MAX_INDEX_BYTES).decode("utf-8"))
                 files = sorted(set(data["weight_map"].values()))
                 self.objects = dict(data.get("metadata", {}).get(OBJECTS_KEY, {}))

@@ -377,7 +377,13 @@ def import_index_fifo(root: Path, marker: Path):
     return directory, "model.safetensors.index.json"
 
 
-IMPORT_PAYLOADS = [import_traversal, import_absolute, import_offsets_out_of_range, import_header_too_large,
+def import_link_to_device(root: Path, marker: Path):
+    path = root / "zero.safetensors"
+    os.symlink("/dev/zero", path)
+    return path, "zero.safetensors"
+
+
+IMPORT_PAYLOADS = [import_link_to_device, import_traversal, import_absolute, import_offsets_out_of_range, import_header_too_large,
                    import_header_not_json, import_torch_payload, import_fifo, import_index_fifo]
 
 
@@ -391,6 +397,19 @@ def test_a_crafted_import_source_is_refused_naming_the_file(build, tmp_path, cap
     assert err.startswith("fsdp-ckpt: error: ") and len(err.splitlines()) == 1 and fragment in err, err
     assert not marker.exists() and not (tmp_path / "out").exists()
     print(f"\n{build.__name__}: refused: {err[:160]}")
+
+
+def test_import_follows_links_to_regular_files_as_in_the_hugging_face_cache(tmp_path):
+    blob = tmp_path / "blobs" / "abc123"
+    blob.parent.mkdir()
+    _safetensors(blob)
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(blob)
+    assert cli_main(["import", str(snapshot), str(tmp_path / "out"), "-q"]) == 0
+    state = {"model": {"w": torch.zeros(4)}}
+    checkpoint.load_state_dict(state, tmp_path / "out")
+    assert torch.equal(state["model"]["w"], torch.arange(4.0))
 
 
 # --------------------------------------------------------------------------- real processes: exit codes
