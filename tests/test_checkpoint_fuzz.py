@@ -3,8 +3,8 @@
 A model + AdamW checkpoint written by 2 FSDP2 ranks is damaged one way at a
 time (a flipped byte or a truncation in each kind of file: ``manifest.json``,
 ``.metadata``, each rank's data file; deterministic seed), then read by
-``checkpoint.load`` (default ``verify``) and by ``fsdp-ckpt diff`` against the
-pristine copy. Each read must end as one documented error naming the
+``checkpoint.load`` (default ``verify``), by ``fsdp-ckpt diff`` against the
+pristine copy and by ``fsdp-ckpt verify``. Each read must end as one documented error naming the
 checkpoint, or give exactly the pristine values; never other values, a raw
 exception type, or a hang. The outcome counts are printed.
 """
@@ -144,20 +144,35 @@ def _classify_diff(case: Path, pristine: Path, capsys) -> str:
     return "clear error" if one_line and "unexpected" not in err else f"raw: {err[:200]}"
 
 
+def _classify_verify(case: Path, capsys) -> str:
+    hung, code, exc = _bounded(lambda: cli_main(["verify", str(case), "-q"]))
+    err = capsys.readouterr().err.strip()
+    if hung or exc is not None:
+        return "hang" if hung else f"raw {type(exc).__name__}"
+    if code == 0:
+        return "equal"  # it says the checkpoint is whole: the load must then give the pristine values
+    one_line = len(err.splitlines()) == 1 and err.startswith("fsdp-ckpt: error: ") and "unexpected" not in err
+    return "clear error" if code in (1, 2) and one_line else f"raw: {err[:200]}"
+
+
 def test_flipped_and_truncated_files_end_as_a_clear_error_or_the_exact_values(tmp_path, capsys):
     run_ranks(_save_two_ranks, 2, args=(str(tmp_path),))
     pristine = tmp_path / "ck"
     reference = _load(pristine)
     cases = _damages(pristine, random.Random(20261123))
-    outcomes: dict[str, Counter] = {"load": Counter(), "diff": Counter()}
+    outcomes: dict[str, Counter] = {"load": Counter(), "diff": Counter(), "verify": Counter()}
     bad: list[str] = []
     for i, (name, how, pos) in enumerate(cases):
         case = tmp_path / f"case{i}"
         _damage(pristine, case, name, how, pos)
-        for reader, outcome in (("load", _classify_load(case, reference)), ("diff", _classify_diff(case, pristine, capsys))):
+        results = {"load": _classify_load(case, reference), "diff": _classify_diff(case, pristine, capsys),
+                   "verify": _classify_verify(case, capsys)}
+        for reader, outcome in results.items():
             outcomes[reader][outcome] += 1
             if outcome not in ("equal", "clear error"):
                 bad.append(f"{reader} of {name} {how} at {pos}: {outcome}")
+        if results["verify"] == "equal" and results["load"] != "equal":
+            bad.append(f"verify passed {name} {how} at {pos}, but the load gave {results['load']}")
         shutil.rmtree(case)
     with capsys.disabled():
         print(f"\nfuzz, {len(cases)} damaged copies: " + "; ".join(f"{k}: {dict(v)}" for k, v in outcomes.items()))
