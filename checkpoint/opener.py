@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,8 +109,6 @@ def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
 
 def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> bytes:
     """``.metadata``'s bytes, CRC-checked against the manifest (unless ``verify="none"``) before anything parses them."""
-    import zlib
-
     path = src / METADATA_NAME
     try:
         with open_regular(path) as f:
