@@ -117,6 +117,14 @@ def metadata_path_traversal(good: Path, root: Path, marker: Path) -> tuple[Path,
     return ck, ".metadata"
 
 
+def manifest_checked_before_metadata(good: Path, root: Path, marker: Path) -> tuple[Path, str]:
+    """A payload .metadata behind a malformed manifest: the manifest is read, and refused, first."""
+    ck = _copy(good, root, "md_behind_bad_manifest")
+    (ck / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _rewrite_manifest(ck, lambda d: d.update(world_size=-7))
+    return ck, "manifest.json"
+
+
 def _value_payload(root: Path, marker: Path, name: str, committed: bool) -> tuple[Path, str]:
     ck = root / name
     # written by plain DCP: checkpoint.save refuses such a value
@@ -190,6 +198,7 @@ CHECKPOINT_PAYLOADS = [
     metadata_payload_nested,
     metadata_payload_plain,
     metadata_path_traversal,
+    manifest_checked_before_metadata,
     value_payload,
     value_payload_plain,
     _manifest_edit("manifest_dotdot", lambda d: _relist(d, "../secret.txt")),
