@@ -86,7 +86,7 @@ class DirectReader(FileSystemReader):
                         self._verified(relative_path, info.offset, data)
                         planner.load_bytes(item, io.BytesIO(data))
                         continue
-                    if self._read_known_archive(f, path, info, item, planner):
+                    if self._read_known_archive(f, info, item, planner):
                         continue
                     if info.offset not in tensor_locations:
                         tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
@@ -99,7 +99,7 @@ class DirectReader(FileSystemReader):
         if self._check is not None:
             self._check.add(name, offset, data)
 
-    def _read_known_archive(self, f, path: Path, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_known_archive(self, f, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
         """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
 
         Reads head, data (straight into the destination) and tail with one
