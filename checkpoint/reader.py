@@ -26,12 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from checkpoint.chunk_archive import archive_layout
@@ -169,7 +164,6 @@ class DirectReader(FileSystemReader):
         target.copy_(saved)
         planner.commit_tensor(item, target)
 
-
     def _load_whole(self, f, info: _StorageInfo, path: Path) -> torch.Tensor:
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
@@ -246,8 +240,6 @@ def _find_tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
     if local[0] != b"PK\x03\x04":
         return None
     return found[0] + _LOCAL.size + local[9] + local[10], found[1]
-
-
 
 
 def _read_exact(f, n: int, path: Path) -> bytes:
