@@ -111,7 +111,7 @@ def load(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
-    verify: str = "sizes",
+    verify: str = "crc",
     require_manifest: bool = True,
     extra: dict[str, Any] | None = None,
 ) -> LoadResult:
@@ -123,7 +123,8 @@ def load(
     refreshes the others from the loaded weights.
     ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
-    ``verify`` (``"sizes"`` | ``"full"`` | ``"none"``) and ``require_manifest``
+    ``verify`` (``"crc"``, the default: every byte read is checked against the
+    manifest's CRC-32s as it streams in | ``"full"`` | ``"sizes"`` | ``"none"``) and ``require_manifest``
     (``False`` reads a plain ``dcp.save`` directory too): see :func:`checkpoint.open_checkpoint`.
     A ``master_param`` saved by ``HybridDeviceOptimizer`` (an fp32 master of a
     bf16 weight) loading into an optimizer that keeps no masters goes into the

@@ -205,10 +205,12 @@ def async_save_state_dict(
     :func:`release_staging_buffers`).
     """
     global _executor, _in_flight
+    from checkpoint.safe_unpickle import check_saved_values
     from checkpoint.state_dict_io import write_state_dict
 
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
+    check_saved_values(state_dict)  # refused here, in the caller, not later in the background
     with _lock:
         # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
         wait_for_async_save()

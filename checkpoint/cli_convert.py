@@ -106,6 +106,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     object_values = {}
     if objects and group.rank == 0:
         object_values = {out_name(t): v for t, v in stream_targets(reader, objects)}
+        reader.finish()  # their bytes' CRC-32, before they reach the output
     specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
     dst = Path(args.dst)
@@ -247,10 +248,19 @@ OVERLAP_BYTES = 128 << 20
 
 
 def _overlapped(source: Any, targets: list[Target], cast: Callable[[Target, Any], Any] | None = None) -> Iterator[tuple[Target, Any]]:
-    """:func:`stream_targets`, read on a background thread while the caller writes."""
+    """:func:`stream_targets`, read on a background thread while the caller writes; CRC-checked before the last."""
     sizes = [t.nbytes for t in targets]
     limit = max(sizes, default=0) + OVERLAP_BYTES
-    return prefetch(stream_targets(source, targets, cast=cast), sizes, limit_bytes=limit)
+    return prefetch(_checked(source, stream_targets(source, targets, cast=cast), len(targets)), sizes, limit_bytes=limit)
+
+
+def _checked(source: Any, stream: Iterator[Any], count: int) -> Iterator[Any]:
+    """``stream``, with the source's content check (``finish``: the CRC-32 of every file read) run before
+    its last item is handed out, so a damaged file fails the command before the writer commits."""
+    for i, item in enumerate(stream):
+        if i == count - 1 and hasattr(source, "finish"):  # import sources (safetensors, torch files) have none
+            source.finish()
+        yield item
 
 
 def _renamed_values(stream: Iterator[tuple[Target, Any]], name: Callable[[Target], str]) -> Iterator[tuple[str, Any]]:
@@ -280,6 +290,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     src = Path(args.src)
     if not src.exists():
         raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
+    if not src.is_dir():
+        from checkpoint.manifest import open_regular
+
+        open_regular(src, follow_symlinks=True).close()  # a FIFO or device given as the source: a clear error, never a hang
     if src.is_dir() or src.suffix == ".safetensors":
         from checkpoint.safetensors_io import SafetensorsSource
 

@@ -41,6 +41,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             same += 1
         bar.add(a.entries[key].nbytes)
     bar.close()
+    a.finish(), b.finish()  # the CRC-32 of every file read: a difference must not come from a damaged file
     for line in differences:
         print(line)
     if differences:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from checkpoint.cli_report import PROG, CliError, human_bytes
-from checkpoint.manifest import verify_files
+from checkpoint.manifest import CheckpointCorruptError
 from checkpoint.stream import CheckpointReader
 
 __all__ = ["open_source"]
@@ -14,19 +14,22 @@ logger = logging.getLogger(__name__)
 
 
 def open_source(path: str, *, warn: bool = True, check_sizes: bool = True) -> CheckpointReader:
-    """Open a checkpoint; by default fail fast when a file's size differs from the manifest (cheap, no read)."""
+    """Open a checkpoint; by default fail fast when a file's size differs from the manifest (cheap, no read)
+    and check each file's CRC-32 as it is read (the command calls ``reader.finish()`` before it commits)."""
     from checkpoint.atomic import resolve_for_load
 
     # the format's own lookup: falls back to <path>.old after a save killed mid-swap, and names
     # an unfinished <path>.tmp when nothing else is there
-    reader = CheckpointReader(resolve_for_load(path))
+    resolved = resolve_for_load(path)
+    try:
+        reader = CheckpointReader(resolved, verify="crc" if check_sizes else "none")
+    except CheckpointCorruptError as exc:
+        if not check_sizes:
+            raise
+        raise CliError(f"{exc}; run `{PROG} verify {path}` for every problem, then restore or re-save it") from None
     if reader.note and warn:
         # stdout, like the command's other output: stderr stays for the one error line
         print(f"note: {path}: {reader.note}", flush=True)
-    if check_sizes and reader.manifest is not None:
-        problems = verify_files(reader.path, reader.manifest, checksums=False)
-        if problems:
-            raise CliError(f"{problems[0]}; run `{PROG} verify {path}` for every problem, then restore or re-save it")
     logger.info("opened %s: %d keys, %s of tensors, world size %s", path, len(reader.entries),
                 human_bytes(sum(e.nbytes for e in reader.entries.values())), reader.world_size)
     return reader

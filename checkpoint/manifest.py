@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,12 +28,15 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "METADATA_NAME",
+    "CheckpointCorruptError",
     "FileRecord",
     "KeyRecord",
     "Manifest",
     "NotACheckpointError",
+    "check_relative_name",
     "checksum_file",
     "dtype_name",
+    "open_regular",
     "read_manifest",
     "verify_files",
     "write_manifest",
@@ -44,6 +48,9 @@ MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 """DCP's own metadata file (fixed by ``FileSystemWriter``)"""
 _CHUNK_BYTES = 16 << 20
+_MAX_MANIFEST_BYTES = 1 << 30
+_MAX_WORLD_SIZE = 1 << 24
+_MAX_FILE_BYTES = 1 << 50
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,6 +60,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 class NotACheckpointError(ValueError):
     """A directory exists but holds no committed checkpoint (no manifest)."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint whose files do not match its manifest or cannot be read (truncated, corrupt, crafted)."""
 
 
 @dataclass(frozen=True)
@@ -100,25 +111,143 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "manifest") -> Manifest:
+        """Parse and check a manifest strictly: every field's type and range, every file name.
+
+        Raises :class:`CheckpointCorruptError` naming ``source`` for anything else
+        (malformed JSON, absurd sizes, names that leave the directory, deep nesting).
+        """
         try:
             data = json.loads(text)
-            if data.get("format") != FORMAT_NAME:
-                raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT_NAME!r}")
-            if data.get("version") != FORMAT_VERSION:
-                raise ValueError(
-                    f"format version {data.get('version')!r} is not supported by this release "
-                    f"(it reads version {FORMAT_VERSION}); upgrade offload-fsdp"
-                )
-            return cls(
-                world_size=int(data["world_size"]),
-                keys={k: KeyRecord(**v) for k, v in data["keys"].items()},
-                files={k: FileRecord(**v) for k, v in data["files"].items()},
-                format=data["format"],
-                version=data["version"],
-                extra_info=dict(data.get("extra_info", {})),
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge integers, deep nesting
+            raise CheckpointCorruptError(f"{source} is not valid JSON ({_short(exc)}); {_FIX}") from None
+        problem = _schema_problem(data)
+        if problem is not None:
+            raise CheckpointCorruptError(f"{source} is not a valid {FORMAT_NAME} manifest: {problem}; {_FIX}")
+        if data["version"] != FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"{source}: format version {data['version']!r} is not supported by this release "
+                f"(it reads version {FORMAT_VERSION}); upgrade offload-fsdp"
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{source} is not a valid {FORMAT_NAME} manifest: {exc!r}") from exc
+        return cls(
+            world_size=data["world_size"],
+            keys={k: KeyRecord(**v) for k, v in data["keys"].items()},
+            files={k: FileRecord(**v) for k, v in data["files"].items()},
+            format=data["format"],
+            version=data["version"],
+            extra_info=dict(data.get("extra_info", {})),
+        )
+
+
+_FIX = "restore manifest.json from a copy or re-save the checkpoint"
+
+
+def _is_int(x: object, low: int, high: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _schema_problem(data: object) -> str | None:
+    """What is wrong with parsed manifest JSON, one phrase, or ``None``."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object"
+    unknown = set(data) - {"format", "version", "world_size", "keys", "files", "extra_info"}
+    if unknown:
+        return f"unknown fields {sorted(unknown)}"
+    if data.get("format") != FORMAT_NAME:
+        return f"format is {str(data.get('format'))[:40]!r}, expected {FORMAT_NAME!r}"
+    if not _is_int(data.get("version"), 0, 1 << 20):
+        return "version is not a small integer"
+    if not _is_int(data.get("world_size"), 1, _MAX_WORLD_SIZE):
+        return f"world_size {str(data.get('world_size'))[:40]} is not an integer from 1 to {_MAX_WORLD_SIZE}"
+    if not isinstance(data.get("extra_info", {}), dict):
+        return "extra_info is not an object"
+    keys, files = data.get("keys"), data.get("files")
+    if not isinstance(keys, dict) or not isinstance(files, dict):
+        return "keys and files must be objects"
+    for key, record in keys.items():
+        problem = _key_problem(record)
+        if problem is not None:
+            return f"key {key[:200]!r}: {problem}"
+    for name, record in files.items():
+        problem = check_relative_name(name) or _file_problem(record)
+        if problem is not None:
+            return f"file {name[:200]!r}: {problem}"
+    return None
+
+
+def _key_problem(record: object) -> str | None:
+    if not isinstance(record, dict) or set(record) - {"kind", "dtype", "shape"}:
+        return "not an object of kind, dtype, shape"
+    if record.get("kind") not in ("tensor", "bytes"):
+        return "kind is not 'tensor' or 'bytes'"
+    if not isinstance(record.get("dtype", ""), (str, type(None))):
+        return "dtype is not a string"
+    shape = record.get("shape")
+    if shape is not None and not (isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s, 0, _MAX_FILE_BYTES) for s in shape)):
+        return "shape is not a list of non-negative integers"
+    return None
+
+
+def _file_problem(record: object) -> str | None:
+    if not isinstance(record, dict) or set(record) != {"size", "crc32"}:
+        return "not an object of size and crc32"
+    if not _is_int(record["size"], 0, _MAX_FILE_BYTES):
+        return f"size {str(record['size'])[:40]} is not a byte count from 0 to 2**50"
+    if not _is_int(record["crc32"], 0, 0xFFFFFFFF):
+        return "crc32 is not a 32-bit unsigned integer"
+    return None
+
+
+def check_relative_name(name: object) -> str | None:
+    """Why ``name`` is not a plain file name inside a checkpoint directory, or ``None``.
+
+    The format keeps every file directly in the directory: no separators, no
+    ``..``, no absolute paths, so nothing named by a checkpoint is read from outside it.
+    """
+    if not isinstance(name, str) or not name:
+        return "the file name is not a non-empty string"
+    if name in (".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        return f"{name[:200]!r} is not a plain file name inside the checkpoint (no paths, no '..')"
+    return None
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False):
+    """Open ``path`` for reading, only if it is a regular file (never a FIFO, device or symlink).
+
+    ``lstat`` first, then ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in between
+    cannot block the open) and ``fstat`` on what was opened. ``follow_symlinks``
+    accepts a link to a regular file (import sources: the Hugging Face cache is
+    a farm of links). Raises ``FileNotFoundError`` or
+    :class:`CheckpointCorruptError` naming the path.
+    """
+    st = os.stat(path) if follow_symlinks else os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(
+            f"{path}: {_kind(st.st_mode)}, not a regular file; nothing was read from it: "
+            "checkpoints and import sources hold only regular files, put the real file there"
+        )
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise CheckpointCorruptError(f"{path}: cannot be opened as a regular file ({_short(exc)}); put the real file there") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointCorruptError(f"{path}: not a regular file; put the real file there")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def _kind(mode: int) -> str:
+    for test, word in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return word
+    return "a special file"
 
 
 def _drop_none(d: dict) -> dict:
@@ -129,7 +258,7 @@ def checksum_file(path: str | os.PathLike) -> FileRecord:
     """Size and CRC-32 of a file, read in bounded pieces."""
     crc = 0
     size = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_CHUNK_BYTES):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
@@ -156,13 +285,21 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     if not directory.is_dir():
         raise NotACheckpointError(f"{str(directory)!r} is a file, not a checkpoint directory")
     path = directory / MANIFEST_NAME
-    if not path.exists():
+    if not os.path.lexists(path):
         raise NotACheckpointError(
             f"{str(directory)!r} has no {MANIFEST_NAME}: it is not a committed {FORMAT_NAME} "
             "checkpoint (a save that did not finish, or a plain DCP directory); "
             "re-save it, or read it with torch.distributed.checkpoint directly"
         )
-    return Manifest.from_json(path.read_text(), source=str(path))
+    with open_regular(path) as f:
+        raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise CheckpointCorruptError(f"{path} is larger than {_MAX_MANIFEST_BYTES} bytes: not a manifest; {_FIX}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointCorruptError(f"{path} is not UTF-8 text ({_short(exc)}); {_FIX}") from None
+    return Manifest.from_json(text, source=str(path))
 
 
 def verify_files(directory: str | os.PathLike, manifest: Manifest, *, checksums: bool = True) -> list[str]:
@@ -171,10 +308,15 @@ def verify_files(directory: str | os.PathLike, manifest: Manifest, *, checksums:
     problems = []
     for name, record in sorted(manifest.files.items()):
         path = directory / name
-        if not path.exists():
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             problems.append(f"{path}: missing (the manifest lists it with {record.size} bytes)")
             continue
-        size = path.stat().st_size
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{path}: {_kind(st.st_mode)}, not a regular file (a checkpoint holds only regular files)")
+            continue
+        size = st.st_size
         if size != record.size:
             problems.append(f"{path}: {size} bytes, the manifest says {record.size} (truncated or overwritten)")
         elif checksums and checksum_file(path).crc32 != record.crc32:

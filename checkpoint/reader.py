@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from checkpoint.chunk_archive import archive_layout
+from checkpoint.content_check import ContentCheck
+from checkpoint.manifest import CheckpointCorruptError, open_regular
 
 __all__ = ["DirectReader"]
 
@@ -43,33 +45,41 @@ class DirectReader(FileSystemReader):
     """Reads a checkpoint whose metadata was already read (and checked) by the caller.
 
     ``direct=False`` keeps DCP's reading path (for directories written by other tools).
+    ``check`` receives every byte range read, for the streamed CRC-32 check
+    (the caller calls its ``finish``). Every file is checked to be a regular
+    file before it is opened (never a FIFO or device that would block).
     """
 
-    def __init__(self, path: str | Path, metadata: Metadata, *, direct: bool = True) -> None:
+    def __init__(self, path: str | Path, metadata: Metadata, *, direct: bool = True, check: ContentCheck | None = None) -> None:
         super().__init__(path)
         self._metadata = metadata
         self._direct = direct
+        self._check = check
         self._layouts: dict = {}  # (dtype, chunk shape) -> ArchiveLayout | None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if not self._direct:
-            return super().read_data(plan, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path in per_file:
+            open_regular(Path(self.path) / relative_path).close()  # a FIFO / device / link: a clear error, no hang
+        if not self._direct:
+            return super().read_data(plan, planner)
         for relative_path, items in per_file.items():
             path = Path(self.path) / relative_path
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path) as f:
                 tensor_locations: dict[int, tuple[int, int] | None] = {}
                 for item in items:
                     info: _StorageInfo = self.storage_data[item.storage_index]
                     if item.type == LoadItemType.BYTE_IO:
                         f.seek(info.offset)
-                        planner.load_bytes(item, io.BytesIO(_read_exact(f, info.length, path)))
+                        data = _read_exact(f, info.length, path)
+                        self._verified(relative_path, info.offset, data)
+                        planner.load_bytes(item, io.BytesIO(data))
                         continue
                     if self._read_known_archive(f, info, item, planner):
                         continue
@@ -79,6 +89,10 @@ class DirectReader(FileSystemReader):
         future: Future = Future()
         future.set_result(None)
         return future
+
+    def _verified(self, name: str, offset: int, data) -> None:
+        if self._check is not None:
+            self._check.add(name, offset, data)
 
     def _read_known_archive(self, f, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
         """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
@@ -112,6 +126,11 @@ class DirectReader(FileSystemReader):
             return False
         if head != layout.head or tail != layout.tail(layout.data_crc(tail)):
             return False
+        if self._check is not None:
+            name = info.relative_path
+            self._check.add(name, info.offset, head)
+            self._check.add(name, info.offset + len(head), data)
+            self._check.add(name, info.offset + len(head) + len(data), tail)
         planner.commit_tensor(item, target)
         return True
 
@@ -122,23 +141,40 @@ class DirectReader(FileSystemReader):
         itemsize = torch._utils._element_size(md.properties.dtype)
         target = planner.resolve_tensor(item).detach()
         if location is None or location[1] != math.prod(chunk_sizes) * itemsize:
-            saved = _load_whole(f, info, path)  # not a plain chunk archive: DCP's way
+            saved = self._load_whole(f, info, path)  # not a plain chunk archive: DCP's way
         else:
             start, run = _contiguous_run(chunk_sizes, item.storage_offsets, item.lengths)
             # Raw bytes land in the target only when they mean the same thing there:
             # another dtype (fp32 moments into bf16 host moments) goes through copy_.
             if run is not None and target.is_contiguous() and target.dtype == md.properties.dtype:
-                f.seek(info.offset + location[0] + start * itemsize)
-                _readinto(f, target.reshape(-1).view(torch.uint8).numpy(), path)
+                at = info.offset + location[0] + start * itemsize
+                f.seek(at)
+                buffer = target.reshape(-1).view(torch.uint8).numpy()
+                _readinto(f, buffer, path)
+                self._verified(info.relative_path, at, buffer)
                 planner.commit_tensor(item, target)
                 return
             saved = torch.empty(chunk_sizes, dtype=md.properties.dtype)
             f.seek(info.offset + location[0])
-            _readinto(f, saved.reshape(-1).view(torch.uint8).numpy(), path)
+            buffer = saved.reshape(-1).view(torch.uint8).numpy()
+            _readinto(f, buffer, path)
+            self._verified(info.relative_path, info.offset + location[0], buffer)
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             saved = saved.narrow(dim, offset, length)
         target.copy_(saved)
         planner.commit_tensor(item, target)
+
+    def _load_whole(self, f, info: _StorageInfo, path: Path) -> torch.Tensor:
+        f.seek(info.offset)
+        data = _read_exact(f, info.length, path)
+        self._verified(info.relative_path, info.offset, data)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to parse a damaged archive is the same error
+            raise CheckpointCorruptError(
+                f"{path}: the chunk at byte {info.offset} is not a tensor archive weights-only loading reads "
+                f"({type(exc).__name__}); restore the file from a copy or re-save the checkpoint"
+            ) from None
 
 
 def _chunk_sizes(md: TensorStorageMetadata, item: ReadItem) -> tuple[int, ...]:
@@ -169,6 +205,13 @@ def _contiguous_run(sizes, offsets, lengths) -> tuple[int, int | None]:
 
 def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
     """(offset within the item, size) of the one data record of a torch.save archive, or None."""
+    try:
+        return _find_tensor_bytes(f, info)
+    except struct.error:  # a damaged directory: the caller's general path reports it
+        return None
+
+
+def _find_tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
     if info.length < _EOCD.size:
         return None
     f.seek(info.offset + info.length - _EOCD.size)
@@ -197,11 +240,6 @@ def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
     if local[0] != b"PK\x03\x04":
         return None
     return found[0] + _LOCAL.size + local[9] + local[10], found[1]
-
-
-def _load_whole(f, info: _StorageInfo, path: Path) -> torch.Tensor:
-    f.seek(info.offset)
-    return torch.load(io.BytesIO(_read_exact(f, info.length, path)), map_location="cpu", weights_only=True)
 
 
 def _read_exact(f, n: int, path: Path) -> bytes:

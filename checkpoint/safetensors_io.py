@@ -29,6 +29,7 @@ import torch
 
 from checkpoint.data_file import tensor_bytes
 from checkpoint.durable import disk_full_is_clear, durable_write
+from checkpoint.manifest import check_relative_name, open_regular
 from checkpoint.stream import Entry
 
 __all__ = ["INDEX_NAME", "SafetensorsSource", "is_export", "is_export_file", "plan_shards", "write_index", "write_shards"]
@@ -45,6 +46,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _ALIGN = 8
+_MAX_INDEX_BYTES = 1 << 30
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -172,6 +174,7 @@ class SafetensorsSource:
         self._where: dict[str, tuple[Path, str]] = {}
         self.entries: dict[str, Entry] = {}
         for file in files:
+            open_regular(file, follow_symlinks=True).close()  # a FIFO or device: a clear error, never a hang
             try:
                 with safe_open(str(file), framework="pt") as f:
                     full = (f.metadata() or {}).get(KEYS_FIELD) == "full"
@@ -191,11 +194,17 @@ class SafetensorsSource:
         index = path / INDEX_NAME
         if index.exists():
             try:
-                data = json.loads(index.read_text())
+                with open_regular(index, follow_symlinks=True) as f:
+                    data = json.loads(f.read(_MAX_INDEX_BYTES).decode("utf-8"))
                 files = sorted(set(data["weight_map"].values()))
                 self.objects = dict(data.get("metadata", {}).get(OBJECTS_KEY, {}))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
                 raise ValueError(f"{str(index)!r} is not a valid safetensors index ({exc}); re-export it") from exc
+            for name in files:
+                # weight_map names files beside the index: never a path that leaves the directory
+                problem = check_relative_name(name)
+                if problem is not None:
+                    raise ValueError(f"{str(index)!r}: weight_map entry {problem}; fix the index or re-export it")
             missing = [f for f in files if not (path / f).exists()]
             if missing:
                 raise FileNotFoundError(f"{str(index)!r} lists {missing} but they are not in {str(path)!r}; copy them there")
@@ -209,8 +218,11 @@ class SafetensorsSource:
         if key in self.objects:
             return self.objects[key]
         file, name = self._where[key]
-        with self._safe_open(str(file), framework="pt") as f:
-            return f.get_tensor(name)
+        try:
+            with self._safe_open(str(file), framework="pt") as f:
+                return f.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"{str(file)!r}: tensor {name!r} cannot be read ({exc}); check the file") from None
 
 
 def _from_safetensors_dtype(code: str, name: str) -> torch.dtype:

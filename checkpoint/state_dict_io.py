@@ -20,10 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,37 +30,32 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from checkpoint.atomic import (
-    check_committed,
     check_target,
-    is_committed,
     make_staging,
     remove_staging,
-    resolve_for_load,
     staging_path,
     write_lock,
 )
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
 from checkpoint.convert import convert_tree, load_stateful, resolve_stateful, to_checkpointable
-from checkpoint.manifest import METADATA_NAME, Manifest, checksum_file, read_manifest, verify_files
+from checkpoint.opener import (
+    CheckpointCorruptError,
+    OpenCheckpoint,
+    open_checkpoint,
+    read_failure,
+)
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
+from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
 from checkpoint.save_errors import raise_on_every_rank, raise_unwrapped, unwrap_dcp_error
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
 
 logger = logging.getLogger(__name__)
-
-VERIFY_MODES = ("none", "sizes", "full")
-
-
-class CheckpointCorruptError(ValueError):
-    """A committed checkpoint whose files do not match its manifest (truncated, corrupt, missing)."""
-
 
 @dataclass
 class LoadReport:
@@ -130,6 +123,7 @@ def write_state_dict(
     """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs)."""
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
+    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     rank, world_size, distributed = _dist_info(process_group)
     convert = partial(
         convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
@@ -208,63 +202,6 @@ def _commit_collective(path, world_size, info, metadata: Metadata, files) -> Non
     commit_staged(path, metadata, files, world_size, extra_info=info)
 
 
-@contextlib.contextmanager
-def _own_errors(path: Path):
-    """A single-process DCP call raising the error it hit, not DCP's ``CheckpointException`` (a ``BaseException``)."""
-    try:
-        yield
-    except CheckpointException as exc:
-        raise_unwrapped(exc, path)
-
-
-@dataclass
-class OpenCheckpoint:
-    """A committed checkpoint opened for reading: where it is, its manifest and DCP metadata."""
-
-    path: Path
-    manifest: Manifest | None
-    """None for a plain DCP directory opened with ``require_manifest=False``"""
-    metadata: Metadata
-
-
-def open_checkpoint(
-    path: str | os.PathLike, *, verify: str = "sizes", require_manifest: bool = True
-) -> OpenCheckpoint:
-    """Find, validate and read the metadata of the checkpoint at ``path`` (no communication).
-
-    ``verify``: ``"sizes"`` (default) checks every file's size and the CRC-32 of
-    ``.metadata``; ``"full"`` also the CRC-32 of every data file (reads them
-    all); ``"none"`` checks nothing. ``require_manifest=False`` also opens a
-    plain DCP directory (``.metadata``, no manifest: e.g. written by
-    ``dcp.save``), unchecked. Raises ``FileNotFoundError``,
-    :class:`~checkpoint.manifest.NotACheckpointError` or
-    :class:`CheckpointCorruptError` naming the path / file.
-    """
-    if verify not in VERIFY_MODES:
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    src = resolve_for_load(path)
-    manifest = None
-    if require_manifest or not (src / METADATA_NAME).is_file() or is_committed(src):
-        check_committed(src)
-        manifest = read_manifest(src)
-    else:
-        logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
-    if verify != "none" and manifest is not None:
-        problems = verify_files(src, manifest, checksums=verify == "full")
-        md_record = manifest.files.get(METADATA_NAME)
-        if not problems and verify == "sizes" and md_record is not None:
-            if checksum_file(src / METADATA_NAME).crc32 != md_record.crc32:
-                problems.append(f"{src / '.metadata'}: CRC-32 does not match the manifest (the file is corrupt)")
-        if problems:
-            raise CheckpointCorruptError(f"checkpoint {str(src)!r} is damaged: " + "; ".join(problems))
-    try:
-        with open(src / METADATA_NAME, "rb") as f:
-            metadata = pickle.load(f)
-    except Exception as exc:  # any unpickling failure means the file is damaged
-        raise CheckpointCorruptError(f"{src / '.metadata'}: cannot be read ({exc!r})") from exc
-    return OpenCheckpoint(src, manifest, metadata)
-
-
 def load_flat(
     opened: OpenCheckpoint,
     targets: dict[str, Any],
@@ -299,14 +236,21 @@ def load_flat(
     if strict and report:
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
-        with quiet_single_process(), _own_errors(opened.path):
-            dcp.load(
-            loadable,
-                # Our own files are read straight into place; a plain DCP directory the DCP way.
-                storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None),
-                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True),
-                no_dist=True,
-            )
+        check = opened.content_check()
+        try:
+            with quiet_single_process():
+                dcp.load(
+                    loadable,
+                    # Our own files are read straight into place; a plain DCP directory the DCP way.
+                    storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None, check=check),
+                    planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
+                                            allow_partial_load=True, where=str(opened.path)),
+                    no_dist=True,
+                )
+        except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            raise read_failure(exc, opened.path) from None
+        if check is not None:
+            check.finish()  # raises naming the file whose bytes did not match
     values = {k: v for k, v in loadable.items() if not isinstance(v, torch.Tensor)}
     return report, values
 
@@ -326,7 +270,7 @@ def load_state_dict(
     path: str | os.PathLike,
     *,
     strict: bool = True,
-    verify: str = "sizes",
+    verify: str = "crc",
     require_manifest: bool = True,
 ) -> LoadReport:
     """Fill ``state_dict`` from the checkpoint at ``path``: tensors in place, other values replaced.

@@ -32,8 +32,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, Manifest, read_manifest
+from checkpoint.manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    CheckpointCorruptError,
+    Manifest,
+)
+from checkpoint.opener import first_failure, open_checkpoint
 from checkpoint.reader import DirectReader
+from checkpoint.safe_unpickle import SafeLoadPlanner
 
 __all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
@@ -92,11 +99,14 @@ class CheckpointReader:
     """A DCP checkpoint directory opened for streaming reads.
 
     Raises ``FileNotFoundError`` when ``path`` does not exist and ``ValueError``
-    when it is not a DCP directory or its manifest is unreadable. Opening reads
-    only ``.metadata`` and ``manifest.json``.
+    when it is not a DCP directory or its manifest or ``.metadata`` is
+    unreadable (:class:`~checkpoint.manifest.CheckpointCorruptError`). Opening
+    reads only ``.metadata`` and ``manifest.json`` (see
+    :func:`checkpoint.opener.open_checkpoint` for ``verify``); with the default
+    ``verify="crc"``, :meth:`finish` checks the CRC-32 of every file read from.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, verify: str = "crc") -> None:
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"checkpoint path {str(self.path)!r} does not exist; check the path")
@@ -111,22 +121,17 @@ class CheckpointReader:
                 "(an unfinished save, or the wrong directory); pass a directory written by "
                 "checkpoint.save or torch.distributed.checkpoint.save"
             )
-        self.manifest: Manifest | None = None
+        # the one opener: manifest first (strictly checked), then .metadata through the restricted unpickler
+        self.opened = open_checkpoint(self.path, verify=verify, require_manifest=False, quiet=True)
+        self.manifest: Manifest | None = self.opened.manifest
+        self.metadata: Metadata = self.opened.metadata
         self.note: str | None = None
-        if (self.path / MANIFEST_NAME).exists():
-            self.manifest = read_manifest(self.path)
-        else:
+        if self.manifest is None:
             self.note = (
                 f"no {MANIFEST_NAME}: a plain DCP directory (or an uncommitted save); "
                 "manifest checks (file sizes, checksums, commit) are skipped"
             )
-        try:
-            self.metadata: Metadata = dcp.FileSystemReader(self.path).read_metadata()
-        except Exception as exc:  # a truncated pickle raises anything from EOFError to UnpicklingError
-            raise ValueError(
-                f"{str(self.path / METADATA_NAME)!r} cannot be read ({type(exc).__name__}: {exc}); "
-                "the checkpoint is damaged: re-save it or restore the file"
-            ) from exc
+        self._check = self.opened.content_check()
         self.entries: dict[str, Entry] = {
             key: _entry(key, md) for key, md in sorted(self.metadata.state_dict_metadata.items())
         }
@@ -173,14 +178,31 @@ class CheckpointReader:
             with warnings.catch_warnings():
                 # no_dist=True is deliberate: a reader process needs no process group
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                dcp.load(state, storage_reader=DirectReader(self.path, self.metadata, direct=False), no_dist=True)
+                dcp.load(
+                    state,
+                    storage_reader=DirectReader(self.path, self.metadata, direct=self.committed, check=self._check),
+                    planner=SafeLoadPlanner(where=str(self.path)),
+                    no_dist=True,
+                )
         except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
             files = sorted({f for key in keys for f in self.files_of(key)})
+            cause = first_failure(exc)
+            if isinstance(cause, CheckpointCorruptError):
+                raise cause from None  # names the file and the fix already
             raise ValueError(
                 f"reading {_short(keys)} from {str(self.path)!r} failed (files {files}): "
                 f"{_one_line(exc)}; run `fsdp-ckpt verify` on it, then restore or re-save the damaged file"
             ) from exc
         return state
+
+    def finish(self) -> None:
+        """Check the CRC-32 of every file read from so far (``verify="crc"``); raises naming a damaged file.
+
+        Call it once the values read are used, before committing anything made
+        from them; it reads only the bytes of those files no one read.
+        """
+        if self._check is not None:
+            self._check.finish()
 
     def batches(self, keys: Iterable[str], *, batch_bytes: int = 64 << 20) -> Iterator[list[str]]:
         """``keys`` in order, grouped into runs of about ``batch_bytes`` (a larger tensor alone)."""
@@ -229,11 +251,7 @@ def _short(keys: list[str]) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
-    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: the exception that rank raised}
-    if isinstance(failures, dict) and failures:
-        exc = next(iter(failures.values()))
-        if isinstance(exc, tuple) and exc:  # (exception, traceback) in torch 2.x
-            exc = exc[0]
+    exc = first_failure(exc)
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:200]}"
 

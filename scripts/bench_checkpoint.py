@@ -27,6 +27,9 @@ Parts (``--parts`` picks a subset):
   (``--scaling-params``; 100 and 1,000 by default), with AdamW over ``named_parameters()``: ours
   (``checkpoint.save`` / ``load``) vs plain ``get_state_dict`` + ``dcp.save`` /
   ``dcp.load``. Flat per-parameter cost means the state grows linearly.
+* ``verify``: ``checkpoint.load_state_dict`` of the ``--mib`` state with the
+  default content check (``verify="crc"``: each file's CRC-32 computed as it
+  is read) vs without (``verify="sizes"``), cold and warm page cache, as a ratio.
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -135,6 +138,33 @@ def bench_throughput(root: Path, mib: int) -> None:
         f"ours vs plain dcp: save {results['dcp'][0] / results['ours'][0]:.2f}x faster, "
         f"load {results['dcp'][1] / results['ours'][1]:.2f}x faster"
     )
+
+
+def bench_verify(root: Path, mib: int) -> None:
+    """Load with the streamed CRC-32 check (the default) vs without, same files, alternating runs."""
+    state = _state(mib << 20)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    path = root / "verify"
+    checkpoint.save_state_dict({"model": state}, path)
+    targets = {"model": {k: torch.empty_like(v) for k, v in state.items()}}
+
+    def load(mode: str, cold: bool) -> float:
+        if cold:
+            _drop_cache(path)
+        return _timed(lambda: checkpoint.load_state_dict(targets, path, verify=mode))
+
+    print(f"\n== verify: load of {nbytes / 2**20:.0f} MiB with CRC-32 checked as it is read (default) vs sizes only; "
+          "best of 3, alternating, after a warm-up")
+    for cold in (True, False):
+        load("crc", cold), load("sizes", cold)  # warm-up
+        times: dict[str, list[float]] = {"crc": [], "sizes": []}
+        for _ in range(3):
+            for mode, runs in times.items():
+                runs.append(load(mode, cold))
+        crc, sizes = min(times["crc"]), min(times["sizes"])
+        print(f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s)   "
+              f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s)   ratio {crc / sizes:.2f}x")
+    shutil.rmtree(path)
 
 
 def bench_async(root: Path, mib: int) -> None:
@@ -443,7 +473,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
     parser.add_argument("--scaling-params", type=int, nargs="+", default=[100, 1000],
                         help="parameter counts the scaling part cuts that state into (the issue's row: 100 1000 10000)")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "async", "staging", "collectives", "ranks", "merge", "scaling"])
+    parser.add_argument("--parts", nargs="+", default=["throughput", "verify", "async", "staging", "collectives", "ranks", "merge", "scaling"])
     args = parser.parse_args(argv)
     if args.saves < 2:
         parser.error(f"--saves must be at least 2 (the 1st save allocates either way), got {args.saves}")
@@ -455,6 +485,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"torch {torch.__version__}, {os.cpu_count()} cores, writing under {root}")
         if "throughput" in args.parts:
             bench_throughput(root, args.mib)
+        if "verify" in args.parts:
+            bench_verify(root, args.mib)
         if "async" in args.parts:
             bench_async(root, args.mib)
         if "staging" in args.parts:

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
-from checkpoint.shard_spec import ShardSpec, attach_shard_spec
+from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec
 from tests.distributed import run_ranks
 
 BAD_RANK = 2

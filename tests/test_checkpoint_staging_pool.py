@@ -286,7 +286,7 @@ def test_bounded_async_staging_waits_for_every_accelerator_its_shards_live_on(mo
     """Not only CUDA: the device of each shard is synchronised through torch.accelerator (meta stands in for one)."""
     from checkpoint.async_save import _synchronize_devices
     from checkpoint.shard import CheckpointShard
-    from checkpoint.shard_spec import ShardSpec
+    from offload_fsdp.shard_spec import ShardSpec
 
     synced = []
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: synced.append(device))

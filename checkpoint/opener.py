@@ -1,0 +1,149 @@
+"""Opening a checkpoint for reading: the one place that reads ``manifest.json`` and ``.metadata``.
+
+Every reader (``checkpoint.load``, ``load_state_dict``, the streaming
+:class:`~checkpoint.stream.CheckpointReader` behind every ``fsdp-ckpt``
+command) opens through :func:`open_checkpoint`, in this order: the manifest
+(strictly checked, :mod:`checkpoint.manifest`), the files it lists (regular
+files of the recorded sizes), ``.metadata``'s CRC-32, and only then
+``.metadata`` itself, through the restricted unpickler of
+:mod:`checkpoint.safe_unpickle`. The returned :class:`OpenCheckpoint` hands
+readers a :class:`~checkpoint.content_check.ContentCheck` that verifies the
+CRC-32 of every file as it is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from checkpoint.atomic import check_committed, is_committed, resolve_for_load
+from checkpoint.content_check import ContentCheck
+from checkpoint.manifest import (
+    METADATA_NAME,
+    CheckpointCorruptError,
+    Manifest,
+    open_regular,
+    read_manifest,
+    verify_files,
+)
+from checkpoint.safe_unpickle import load_metadata
+
+__all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "first_failure", "open_checkpoint", "read_failure"]
+
+logger = logging.getLogger(__name__)
+
+VERIFY_MODES = ("none", "sizes", "crc", "full")
+_MAX_METADATA_BYTES = 1 << 32
+
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint opened for reading: where it is, its manifest and DCP metadata."""
+
+    path: Path
+    manifest: Manifest | None
+    """None for a plain DCP directory opened with ``require_manifest=False``"""
+    metadata: Metadata
+    verify: str = "crc"
+    """the ``verify`` mode it was opened with"""
+
+    def content_check(self) -> ContentCheck | None:
+        """A fresh streamed CRC-32 check for the bytes a reader reads, or ``None`` when not asked for / no manifest."""
+        if self.manifest is None or self.verify != "crc":
+            return None
+        return ContentCheck(self.path, self.manifest.files)
+
+
+def open_checkpoint(
+    path: str | os.PathLike, *, verify: str = "crc", require_manifest: bool = True, quiet: bool = False
+) -> OpenCheckpoint:
+    """Find, validate and read the metadata of the checkpoint at ``path`` (no communication).
+
+    ``verify``: ``"crc"`` (default) checks every file's size and the CRC-32 of
+    ``.metadata`` here, and the CRC-32 of every data file as a reader reads
+    it (streamed with the read, see :meth:`OpenCheckpoint.content_check`);
+    ``"full"`` checks every file's CRC-32 here, before anything is read (one
+    extra pass); ``"sizes"`` only sizes and ``.metadata``'s CRC-32 (the
+    opt-out: damaged data bytes then load silently); ``"none"`` checks no
+    file. ``.metadata`` is always read with a restricted unpickler: nothing
+    in a checkpoint runs code. ``require_manifest=False`` also opens a plain
+    DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
+    without file checks (logged unless ``quiet``). Raises ``FileNotFoundError``,
+    :class:`~checkpoint.manifest.NotACheckpointError` or
+    :class:`CheckpointCorruptError` naming the path / file.
+    """
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    src = resolve_for_load(path)
+    manifest = None
+    if require_manifest or not os.path.lexists(src / METADATA_NAME) or is_committed(src):
+        check_committed(src)
+        manifest = read_manifest(src)
+    elif not quiet:
+        logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
+    if manifest is not None and verify != "none":
+        _check_files(src, manifest, checksums=verify == "full")
+    metadata = load_metadata(src / METADATA_NAME, _read_metadata_bytes(src, manifest, verify))
+    if manifest is not None:
+        unlisted = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - set(manifest.files))
+        if unlisted:
+            raise CheckpointCorruptError(
+                f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
+                "restore the checkpoint from a copy or re-save it"
+            )
+    return OpenCheckpoint(src, manifest, metadata, verify)
+
+
+def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
+    if METADATA_NAME not in manifest.files:
+        raise CheckpointCorruptError(f"{src / 'manifest.json'} does not list {METADATA_NAME}; re-save the checkpoint")
+    problems = verify_files(src, manifest, checksums=checksums)
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {str(src)!r} is damaged: " + "; ".join(problems))
+
+
+def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> bytes:
+    """``.metadata``'s bytes, CRC-checked against the manifest (unless ``verify="none"``) before anything parses them."""
+    path = src / METADATA_NAME
+    try:
+        with open_regular(path) as f:
+            data = f.read(_MAX_METADATA_BYTES + 1)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; restore it from a copy") from None
+    if len(data) > _MAX_METADATA_BYTES:
+        raise CheckpointCorruptError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes, not DCP metadata")
+    record = manifest.files.get(METADATA_NAME) if manifest is not None else None
+    if verify != "none" and record is not None and (len(data) != record.size or zlib.crc32(data) != record.crc32):
+        raise CheckpointCorruptError(
+            f"{path}: CRC-32 does not match the manifest (the file is corrupt); "
+            "restore it from a copy or re-save the checkpoint"
+        )
+    return data
+
+
+def first_failure(exc: BaseException) -> BaseException:
+    """The exception a rank raised inside ``dcp.load`` (DCP wraps it in a ``CheckpointException``, a ``BaseException``)."""
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: the exception that rank raised}
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))
+        if isinstance(exc, tuple) and exc:  # (exception, traceback) in torch 2.x
+            exc = exc[0]
+    return exc
+
+
+def read_failure(exc: BaseException, where: Path) -> Exception:
+    """What to raise for a failed read of checkpoint ``where``: our own errors as they are, anything else as
+    :class:`CheckpointCorruptError` (an ``Exception``, never DCP's ``BaseException``)."""
+    cause = first_failure(exc)
+    if isinstance(cause, (ValueError, OSError)):
+        return cause  # raised by our reader / opener: they name the file and the fix
+    text = " ".join(str(cause).split())[:200]
+    return CheckpointCorruptError(
+        f"reading {str(where)!r} failed ({type(cause).__name__}: {text}); run `fsdp-ckpt verify {where}`, "
+        "then restore the damaged file from a copy or re-save the checkpoint"
+    )

@@ -1,0 +1,260 @@
+"""Reading pickled bytes from a checkpoint without running code from it.
+
+A checkpoint is data from wherever it came from, so nothing read from one may
+import or call anything but what DCP itself writes:
+
+* ``.metadata`` (a pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`)
+  goes through :class:`MetadataUnpickler`, which admits only DCP's metadata
+  dataclasses and the plain and torch types they hold (the idea of
+  ``torch.load(weights_only=True)``, for DCP's metadata), and is then checked
+  field by field (:func:`check_metadata`), so a crafted file is one
+  ``CheckpointCorruptError`` naming it, not an ``AttributeError`` later;
+* non-tensor values (``extra`` entries, hyper-parameters) are ``torch.save``
+  archives; :class:`SafeLoadPlanner` reads them with ``weights_only=True``
+  (DCP's default planner uses ``weights_only=False``), and
+  :func:`check_weights_only` makes ``save`` refuse a value that could not be
+  read back that way.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pathlib
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,  # private, but it is what TensorProperties pickles; admitted by name only
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
+
+from checkpoint.manifest import CheckpointCorruptError, check_relative_name
+
+__all__ = [
+    "MetadataUnpickler",
+    "SafeLoadPlanner",
+    "check_metadata",
+    "check_saved_values",
+    "check_weights_only",
+    "load_metadata",
+    "load_value",
+]
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: dict[tuple[str, str], Any] = {
+    (_DCP_METADATA, cls.__name__): cls
+    for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+                TensorProperties, MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING)
+}
+_ALLOWED[("torch", "Size")] = torch.Size
+# DCP pickles a layout as a call of this function on its name (it only looks the name up)
+_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+# plain dcp.save records the checkpoint id, often a Path (constructing one only stores a string)
+_ALLOWED.update({("pathlib", c.__name__): c for c in (pathlib.PosixPath, pathlib.PurePosixPath,
+                                                       pathlib.WindowsPath, pathlib.PureWindowsPath)})
+_ALLOWED.update({("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)})
+_ALLOWED.update({("torch", str(m).removeprefix("torch.")): m for m in vars(torch).values()
+                 if isinstance(m, (torch.layout, torch.memory_format))})
+_ALLOWED[("builtins", "set")] = set
+_ALLOWED[("builtins", "frozenset")] = frozenset
+try:  # where DCP's filesystem writer keeps each item's place; absent in other storage layers
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+except ImportError:  # pragma: no cover - torch without the filesystem layer
+    _StorageInfo = None  # type: ignore[assignment,misc]
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only DCP's metadata classes and the types they hold."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"refused to load {module}.{name}: .metadata may hold only DCP's metadata classes"
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refused a persistent id: .metadata holds no external references")
+
+
+def load_metadata(path: pathlib.Path, data: bytes) -> Metadata:
+    """``data`` (the bytes of ``path``, a ``.metadata`` file) as checked DCP metadata; nothing is executed.
+
+    Raises :class:`~checkpoint.manifest.CheckpointCorruptError` naming ``path``
+    for anything else: a class outside DCP's metadata (a crafted payload), a
+    truncated or damaged pickle, fields of the wrong type.
+    """
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # noqa: BLE001 - a truncated / flipped pickle raises anything from EOFError to KeyError
+        raise CheckpointCorruptError(
+            f"{path}: cannot be read as DCP metadata ({type(exc).__name__}: {_one_line(exc)}); "
+            "nothing from it was run; restore the file from a copy or re-save the checkpoint"
+        ) from None
+    problem = check_metadata(metadata)
+    if problem is not None:
+        raise CheckpointCorruptError(f"{path}: {problem}; restore the file from a copy or re-save the checkpoint")
+    return metadata
+
+
+def check_metadata(md: Any) -> str | None:
+    """What makes ``md`` not the metadata DCP writes (wrong types, negative sizes, paths), or ``None``."""
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        return "does not hold DCP metadata"
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            return f"has a key of type {type(key).__name__}"
+        problem = _item_problem(item)
+        if problem is not None:
+            return f"key {key!r}: {problem}"
+    if md.planner_data is not None and not (isinstance(md.planner_data, dict) and all(
+        isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p) for p in md.planner_data.values()
+    )):
+        return "planner_data is not a dict of key paths"
+    storage = md.storage_data
+    if storage is None:
+        return None
+    if not isinstance(storage, dict):
+        return "storage_data is not a dict"
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            return "storage_data has a key that is not a MetadataIndex"
+        problem = _storage_problem(info)
+        if problem is not None:
+            return f"storage of {index.fqn!r}: {problem}"
+    return None
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
+def _item_problem(item: Any) -> str | None:
+    if isinstance(item, BytesStorageMetadata):
+        return None
+    if not isinstance(item, TensorStorageMetadata):
+        return f"storage metadata of type {type(item).__name__}"
+    props = item.properties
+    if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        return "tensor properties without a dtype"
+    if not isinstance(item.size, tuple) or not all(_is_count(s) for s in item.size):
+        return f"shape {item.size!r} is not a tuple of sizes"
+    if math.prod(item.size) * props.dtype.itemsize >= 1 << 62 or not isinstance(item.chunks, list):
+        return f"shape {list(item.size)} is out of range"
+    for chunk in item.chunks:
+        if not isinstance(chunk, ChunkStorageMetadata):
+            return "a chunk that is not ChunkStorageMetadata"
+        for field in (chunk.offsets, chunk.sizes):
+            if not isinstance(field, tuple) or len(field) != len(item.size) or not all(_is_count(x) for x in field):
+                return f"chunk {chunk.offsets!r} / {chunk.sizes!r} does not match shape {list(item.size)}"
+    return None
+
+
+def _storage_problem(info: Any) -> str | None:
+    if _StorageInfo is None or not isinstance(info, _StorageInfo):
+        return f"record of type {type(info).__name__}"
+    if not (_is_count(info.offset) and _is_count(info.length)):
+        return f"offset {info.offset!r} / length {info.length!r} are not byte counts"
+    problem = check_relative_name(info.relative_path)
+    if problem is not None:
+        return problem
+    if info.transform_descriptors is not None and not (
+        isinstance(info.transform_descriptors, (list, tuple)) and all(isinstance(t, str) for t in info.transform_descriptors)
+    ):
+        return "transform_descriptors is not a list of names"
+    return None
+
+
+def load_value(data: io.BytesIO | bytes, *, where: str) -> Any:
+    """A non-tensor value stored by DCP (a ``torch.save`` archive), read weights-only."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        return torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a refused global or a damaged archive: one clear error
+        raise CheckpointCorruptError(
+            f"{where}: cannot be read weights-only ({_weights_only_reason(exc)}); nothing from it was "
+            "run; a value of a type weights-only loading refuses cannot come from checkpoint.save: restore the "
+            "file from a copy or re-save the checkpoint"
+        ) from None
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor values weights-only (DCP's own uses ``weights_only=False``).
+
+    ``where`` names the checkpoint in errors.
+    """
+
+    def __init__(self, *args: Any, where: str = "checkpoint", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.where = where
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = load_value(value, where=f"{self.where}: value {fqn!r}")
+        # the same placement DefaultLoadPlanner.load_bytes does, with the safely loaded value
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def _weights_only_reason(exc: BaseException) -> str:
+    """The one informative sentence of torch's long weights-only refusal (which global it refused)."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:
+        # drop torch's advice to allow the global: for a file from elsewhere that is the wrong fix
+        return " ".join(text.split(marker, 1)[1].split(" Please use", 1)[0].split())[:200]
+    return f"{type(exc).__name__}: {_one_line(exc)[:200]}"
+
+
+def check_weights_only(key: str, value: Any) -> None:
+    """Raise ``ValueError`` naming ``key`` when ``value`` would not load back with ``torch.load(weights_only=True)``.
+
+    Called by ``save`` for every non-tensor value, so a checkpoint it writes always loads safely.
+    """
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever torch.save / weights-only loading refuses
+        raise ValueError(
+            f"{key!r} holds a {type(value).__name__}, which torch.load(weights_only=True) cannot read back "
+            f"({_weights_only_reason(exc)}); save plain values (numbers, strings, lists, dicts, tensors) instead, "
+            "e.g. an object's state_dict()"
+        ) from None
+
+
+_PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+
+
+def check_saved_values(tree: Any, prefix: str = "") -> None:
+    """:func:`check_weights_only` on every non-tensor leaf of a state dict about to be saved (walked as ``convert_tree`` does)."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            check_saved_values(v, f"{prefix}{k}.")
+    elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
+        for i, v in enumerate(tree):
+            check_saved_values(v, f"{prefix}{i}.")
+    elif not isinstance(tree, _PLAIN):  # plain scalars and tensors always load weights-only
+        check_weights_only(prefix.rstrip("."), tree)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
