@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
 
@@ -249,6 +250,8 @@ def check_saved_values(tree: Any, prefix: str = "") -> None:
     if isinstance(tree, dict):
         for k, v in tree.items():
             check_saved_values(v, f"{prefix}{k}.")
+    elif not isinstance(tree, torch.Tensor) and isinstance(tree, Stateful):
+        check_saved_values(tree.state_dict(), prefix)  # saved as its state dict (checkpoint.convert)
     elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
         for i, v in enumerate(tree):
             check_saved_values(v, f"{prefix}{i}.")
