@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from concurrent.futures import Future
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
-from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
+from checkpoint.state_dict_io import LoadReport, OpenCheckpoint, load_flat, open_checkpoint, save_state_dict
 from checkpoint.training_state import (
     MASTER_PARAM,
     TIED_SECTION,
@@ -141,7 +142,7 @@ def load(
                 optional.add(f"model.{alias}")  # the same tensor: filled through its twin (HF leaves it out)
     opt_plan = None
     if optimizer is not None:
-        opt_plan = _OptimizerLoad(optimizer, model, saved)
+        opt_plan = _OptimizerLoad(optimizer, model, opened)
         targets.update(opt_plan.targets)
         optional |= opt_plan.optional
         ignored = set(opt_plan.unheld_masters)
@@ -179,7 +180,8 @@ def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict:
 class _OptimizerLoad:
     """The optimizer's share of a load: targets before reading, ``load_state_dict`` after."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, opened: OpenCheckpoint) -> None:
+        saved = opened.metadata.state_dict_metadata
         self.optimizer = optimizer
         self.saved_keys = set(saved)
         fqns = param_fqns(model)
@@ -215,12 +217,19 @@ class _OptimizerLoad:
             if MASTER_PARAM not in entry and f"optimizer.state.{fqn}.{MASTER_PARAM}" in saved
         }
         self.group_keys: list[tuple[int, str, str]] = []
+        numbers: dict[str, str] | None = None  # torch's unflattened layout: fqn -> its saved group's number
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
+            if not names:
+                continue
+            if numbers is None and not any(k.startswith(f"optimizer.param_groups.{names[0]}.") for k in saved):
+                numbers = _saved_group_numbers(opened)  # read once, only where the flattened keys are absent
+            # the saved group that held this parameter, not the one at this position (groups may be reordered)
+            number = numbers.get(names[0]) if numbers else str(g_index)
             for hyper in osd_group:
-                if hyper == "params" or not names:
+                if hyper == "params":
                     continue
                 # Ours / flattened torch layout first, then torch's unflattened one.
-                for key in (f"optimizer.param_groups.{names[0]}.{hyper}", f"optimizer.param_groups.{g_index}.{hyper}"):
+                for key in (f"optimizer.param_groups.{names[0]}.{hyper}", f"optimizer.param_groups.{number}.{hyper}"):
                     if key in saved:
                         self.targets[key] = None
                         self.optional.add(key)
@@ -270,6 +279,16 @@ def _masters_into_weights(opened, masters: dict[str, str], targets: dict[str, An
     if into:
         sub_report, _ = load_flat(opened, into, strict=strict, scope=())
         report.mismatched_keys += sub_report.mismatched_keys
+
+
+_GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.([0-9]+)\.params\Z")
+
+
+def _saved_group_numbers(opened: OpenCheckpoint) -> dict[str, str]:
+    """fqn -> the number of its saved group, from torch's unflattened layout (``param_groups.<n>.params``)."""
+    lists = {k: None for k in opened.metadata.state_dict_metadata if _GROUP_PARAMS.match(k)}
+    _, values = load_flat(opened, lists, strict=False, scope=()) if lists else (None, {})
+    return {fqn: _GROUP_PARAMS.match(key).group(1) for key, names in values.items() for fqn in names or ()}
 
 
 def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:

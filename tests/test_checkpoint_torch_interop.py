@@ -84,3 +84,25 @@ def test_saved_group_options_grow_linearly_with_named_parameters(tmp_path):
     opt2 = torch.optim.AdamW(model2.named_parameters())
     checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
     assert opt2.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+
+
+def _grouped(seed: int, reverse: bool):
+    model = _model(seed)
+    groups = [{"params": list(model[0].parameters()), "lr": 0.1}, {"params": list(model[2].parameters()), "lr": 0.3}]
+    return model, torch.optim.AdamW(groups[::-1] if reverse else groups)
+
+
+def _lr_by_name(model, opt) -> dict[str, float]:
+    group_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    return {name: group_of[id(p)] for name, p in model.named_parameters()}
+
+
+def test_our_load_of_torch_default_layout_gives_each_parameter_its_own_groups_options_in_any_group_order(tmp_path):
+    model, opt = _grouped(0, reverse=False)
+    msd, osd = get_state_dict(model, opt)  # unflattened: options under param_groups.<number>
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    model2, opt2 = _grouped(1, reverse=True)
+    for group in opt2.param_groups:
+        group["lr"] = 0.9
+    checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2, require_manifest=False)
+    assert _lr_by_name(model2, opt2) == _lr_by_name(model, opt)
