@@ -11,8 +11,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from checkpoint.async_save import async_save_state_dict
+from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import LoadReport, OpenCheckpoint, load_flat, open_checkpoint, save_state_dict
 from checkpoint.training_state import (
     MASTER_PARAM,
@@ -134,12 +136,12 @@ def load(
     ignored: set[str] = set()
     if optimizer is not None and model is None:
         raise ValueError("loading an optimizer needs its model too (state is keyed by parameter names)")
+    ties: dict[str, tuple[str, torch.Tensor]] = {}
     if model is not None:
         targets.update({f"model.{k}": v for k, v in model_entries(model).items()})
         scope.append("model.")
-        for alias, twin in tied_aliases(model).items():
-            if f"model.{twin}" in saved:
-                optional.add(f"model.{alias}")  # the same tensor: filled through its twin (HF leaves it out)
+        tied_optional, ties = _tied_targets(tied_aliases(model), targets, saved)
+        optional |= tied_optional
     opt_plan = None
     if optimizer is not None:
         opt_plan = _OptimizerLoad(optimizer, model, opened)
@@ -151,6 +153,7 @@ def load(
     targets.update(extra_targets)
     try:
         report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored)
+        _check_ties(ties, targets, strict, report)
         if opt_plan is not None:
             _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report)
     except BaseException:
@@ -162,6 +165,58 @@ def load(
     saved_extra = _unflatten_extra(opened.metadata, extra_targets, values)
     _load_stateful_extra(saved_extra, extra or {}, strict, report)
     return LoadResult(saved_extra, report)
+
+
+def _tied_targets(
+    aliases: dict[str, str], targets: dict[str, Any], saved
+) -> tuple[set[str], dict[str, tuple[str, torch.Tensor]]]:
+    """Load the names of one tied tensor through one stored name; the others into scratch, to compare.
+
+    Any stored name satisfies the tie (HF stores the twin only). Where the
+    checkpoint stores several, they were maybe not tied when saved: loading
+    both into the one tensor would keep whichever came last, silently.
+    Changes ``targets``; returns the keys that may be absent and
+    ``scratch key -> (loaded key, scratch tensor)``.
+    """
+    names: dict[str, list[str]] = {}
+    for alias, twin in aliases.items():
+        names.setdefault(twin, [twin]).append(alias)
+    optional: set[str] = set()
+    scratch: dict[str, tuple[str, torch.Tensor]] = {}
+    for group in names.values():
+        stored = [f"model.{n}" for n in group if f"model.{n}" in saved]
+        # none stored: the first name is reported missing, once
+        optional |= {f"model.{n}" for n in (group if stored else group[1:])}
+        for key in stored[1:]:
+            target = targets[key]
+            if isinstance(target, CheckpointShard):
+                copy = CheckpointShard(torch.empty_like(target.local), target.spec)
+            else:
+                copy = torch.empty_like(target)  # a DTensor stays one, with its placements
+            targets[key] = copy
+            scratch[key] = (stored[0], copy)
+    return optional, scratch
+
+
+def _check_ties(ties: dict[str, tuple[str, torch.Tensor]], targets: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    """Saved values of one tied tensor must agree; otherwise the checkpoint's weights were not tied."""
+    for key, (loaded, copy) in ties.items():
+        if key in report.missing_keys or _skipped(key, report):
+            continue
+        if not torch.equal(_local_part(copy), _local_part(targets[loaded])):
+            problem = (
+                f"{key}: differs from {loaded}, which this model ties to it (one tensor); the checkpoint's "
+                "weights were not tied: load into a model with untied weights (e.g. tie_word_embeddings=False)"
+            )
+            if strict:
+                raise ValueError(f"{problem}, or pass strict=False to keep {loaded}")
+            report.mismatched_keys.append(problem)
+
+
+def _local_part(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, CheckpointShard):
+        return t.local
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:
