@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+# set_element: DCP's own way to rebuild a nested dict from planner_data paths (no public name)
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from checkpoint.async_save import async_save_state_dict
+from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import LoadReport, OpenCheckpoint, load_flat, open_checkpoint, save_state_dict
 from checkpoint.training_state import (
@@ -220,16 +223,37 @@ def _local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    """Hand each Stateful in ``objects`` (at any depth of dicts and lists) its state saved at the same place."""
     for name, obj in objects.items():
-        if not isinstance(obj, Stateful):
+        if not isinstance(obj, (Stateful, dict, list)):
             raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place")
-        if name not in saved:
+    _, found = resolve_stateful(objects)
+    present = []
+    for path, obj in found:
+        if _element_at(saved, path) is _ABSENT:
+            key = ".".join(["extra", *map(str, path)])
             if strict:
-                raise ValueError(f"the checkpoint has no extra.{name} to load into {type(obj).__name__}; pass strict=False to skip it")
-            report.missing_keys.append(f"extra.{name}")
-            continue
-        obj.load_state_dict(saved[name])
-        saved[name] = obj
+                raise ValueError(f"the checkpoint has no {key} to load into {type(obj).__name__}; pass strict=False to skip it")
+            report.missing_keys.append(key)
+        else:
+            present.append((path, obj))
+    load_stateful(saved, present)
+    for path, obj in reversed(present):  # innermost first: an outer object then replaces its whole subtree
+        set_element(saved, path, obj)
+
+
+_ABSENT = object()
+
+
+def _element_at(tree: Any, path: StatefulPath) -> Any:
+    for part in path:
+        if isinstance(tree, dict) and part in tree:
+            tree = tree[part]
+        elif isinstance(tree, list) and isinstance(part, int) and part < len(tree):
+            tree = tree[part]
+        else:
+            return _ABSENT
+    return tree
 
 
 class _OptimizerLoad:
@@ -384,8 +408,6 @@ def _extra_placeholders(metadata) -> dict[str, Any]:
 
 def _unflatten_extra(metadata, targets: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     """The nested ``extra`` dict as saved (DCP's planner data maps each dotted key back to its path)."""
-    from torch.distributed.checkpoint._traverse import set_element
-
     paths = metadata.planner_data or {}
     nested: dict[str, Any] = {}
     for key, target in targets.items():

@@ -217,3 +217,16 @@ def test_reshard_with_a_rename_renames_the_per_group_parameter_lists_plain_dcp_r
     assert osd["param_groups"][0]["params"] == [f"net.{n}" for n, _ in model.named_parameters()]
     set_state_dict(renamed, opt2, model_state_dict=msd, optim_state_dict=osd)
     assert torch.equal(opt2.state[renamed.net[2].bias]["exp_avg"], opt.state[model[2].bias]["exp_avg"])
+
+
+def test_stateful_values_in_lists_and_nested_dicts_save_their_state_and_load_in_place(tmp_path):
+    checkpoint.save(tmp_path / "c", model=_model(), extra={"loaders": [_Loader(3), _Loader(4)], "data": {"loader": _Loader(5)}})
+    first, second, inner = _Loader(), _Loader(), _Loader()
+    got = checkpoint.load(tmp_path / "c", model=_model(1), extra={"loaders": [first, second], "data": {"loader": inner}})
+    assert (first.position, second.position, inner.position) == (3, 4, 5)
+    assert got["loaders"][1] is second and got["data"]["loader"] is inner
+    a, b, c = _Loader(), _Loader(), _Loader()
+    checkpoint.load_state_dict({"extra": {"loaders": [a, b], "data": {"loader": c}}}, tmp_path / "c")
+    assert (a.position, b.position, c.position) == (3, 4, 5)
+    with pytest.raises(TypeError, match=r"extra\.t: a tuple holding a Stateful _Loader; pass a list"):
+        checkpoint.save(tmp_path / "t", model=_model(), extra={"t": (_Loader(1),)})
