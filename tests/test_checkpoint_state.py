@@ -230,3 +230,11 @@ def test_stateful_values_in_lists_and_nested_dicts_save_their_state_and_load_in_
     assert (a.position, b.position, c.position) == (3, 4, 5)
     with pytest.raises(TypeError, match=r"extra\.t: a tuple holding a Stateful _Loader; pass a list"):
         checkpoint.save(tmp_path / "t", model=_model(), extra={"t": (_Loader(1),)})
+
+
+def test_export_to_a_torch_file_writes_the_tensors_inside_an_extra_value(tmp_path):
+    rng = (torch.arange(4, dtype=torch.uint8), 42)  # a tuple is one value: saved whole
+    checkpoint.save(tmp_path / "c", model=_model(), extra={"rng": rng})
+    assert fsdp_ckpt(["export", str(tmp_path / "c"), str(tmp_path / "full.pt"), "--format", "torch", "-q"]) == 0
+    state, seed = torch.load(tmp_path / "full.pt", weights_only=True)["extra.rng"]
+    assert torch.equal(state, rng[0]) and seed == 42
