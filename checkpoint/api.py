@@ -274,7 +274,8 @@ class _OptimizerLoad:
         self.targets: dict[str, Any] = {}
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
-        known = _params_known_to_saved_optimizer(saved, fqns)
+        numbers = _saved_group_numbers(opened)  # torch's unflattened layout: fqn -> its saved group's number
+        known = _params_known_to_saved_optimizer(saved, numbers, fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
@@ -296,12 +297,9 @@ class _OptimizerLoad:
             if MASTER_PARAM not in entry and f"optimizer.state.{fqn}.{MASTER_PARAM}" in saved
         }
         self.group_keys: list[tuple[int, str, str]] = []
-        numbers: dict[str, str] | None = None  # torch's unflattened layout: fqn -> its saved group's number
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
             if not names:
                 continue
-            if numbers is None and not any(k.startswith(f"optimizer.param_groups.{names[0]}.") for k in saved):
-                numbers = _saved_group_numbers(opened)  # read once, only where the flattened keys are absent
             # the saved group that held this parameter, not the one at this position (groups may be reordered)
             number = numbers.get(names[0]) if numbers else str(g_index)
             for hyper in osd_group:
@@ -375,19 +373,19 @@ def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:
     return {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
 
 
-def _params_known_to_saved_optimizer(saved: dict[str, Any], fqns: dict[int, str]) -> set[str]:
+def _params_known_to_saved_optimizer(saved: dict[str, Any], numbers: dict[str, str], fqns: dict[int, str]) -> set[str]:
     """The FQNs the saved optimizer held: with state, or in a saved param group.
 
     A parameter in a saved group but without state never had a gradient (lazy
-    state): it loads as "no state". Torch's unflattened layout
-    (``optimizer.param_groups.<index>.<option>``) names no parameter, so there
-    every parameter counts as known once any group was saved.
+    state): it loads as "no state". Torch's unflattened layout names a group's
+    parameters in ``param_groups.<number>.params`` (``numbers``); a layout with
+    group numbers but no such lists names none, so every parameter counts as known.
     """
     grouped = _fqns_under("optimizer.param_groups.", saved)
     named = {name for name in grouped if not name.isdigit()}
-    if grouped and not named:
+    if grouped and not named and not numbers:
         return set(fqns.values())
-    return _fqns_under("optimizer.state.", saved) | named
+    return _fqns_under("optimizer.state.", saved) | named | set(numbers)
 
 
 def _skipped(key: str, report: LoadReport) -> bool:

@@ -106,3 +106,15 @@ def test_our_load_of_torch_default_layout_gives_each_parameter_its_own_groups_op
         group["lr"] = 0.9
     checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2, require_manifest=False)
     assert _lr_by_name(model2, opt2) == _lr_by_name(model, opt)
+
+
+def test_strict_load_of_torch_default_layout_names_the_params_its_optimizer_did_not_hold(tmp_path):
+    model = _model(0)
+    head_only = torch.optim.AdamW(model[2].parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    head_only.step()
+    msd, osd = get_state_dict(model, head_only)  # param_groups.0.params lists the head only
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    model2 = _model(1)
+    with pytest.raises(ValueError, match=r"missing: optimizer\.state\.0\.weight\."):
+        checkpoint.load(tmp_path / "plain", model=model2, optimizer=torch.optim.AdamW(model2.parameters()), require_manifest=False)
