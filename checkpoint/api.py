@@ -301,7 +301,8 @@ class _OptimizerLoad:
             if not names:
                 continue
             # the saved group that held this parameter, not the one at this position (groups may be reordered)
-            number = numbers.get(names[0]) if numbers else str(g_index)
+            # (position only where no saved list names any of them: stale after --stack / --split)
+            number = next((numbers[n] for n in names if n in numbers), str(g_index))
             for hyper in osd_group:
                 if hyper == "params":
                     continue
