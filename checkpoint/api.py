@@ -9,16 +9,23 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 # set_element: DCP's own way to rebuild a nested dict from planner_data paths (no public name)
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
 from checkpoint.shard import CheckpointShard
-from checkpoint.state_dict_io import LoadReport, OpenCheckpoint, load_flat, open_checkpoint, save_state_dict
+from checkpoint.state_dict_io import (
+    LoadReport,
+    OpenCheckpoint,
+    load_flat,
+    open_checkpoint,
+    save_state_dict,
+)
 from checkpoint.training_state import (
     MASTER_PARAM,
     TIED_SECTION,
@@ -247,12 +254,10 @@ _ABSENT = object()
 
 def _element_at(tree: Any, path: StatefulPath) -> Any:
     for part in path:
-        if isinstance(tree, dict) and part in tree:
-            tree = tree[part]
-        elif isinstance(tree, list) and isinstance(part, int) and part < len(tree):
-            tree = tree[part]
-        else:
+        in_list = isinstance(tree, list) and isinstance(part, int) and part < len(tree)
+        if not (in_list or (isinstance(tree, dict) and part in tree)):
             return _ABSENT
+        tree = tree[part]
     return tree
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 # skip_data's documented way to lay out storages without allocating them (meta tensors would
 # be saved as meta tensors); FakeTensorMode has no public import path yet
 from torch._subclasses.fake_tensor import FakeTensorMode
