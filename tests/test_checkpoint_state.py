@@ -238,3 +238,22 @@ def test_export_to_a_torch_file_writes_the_tensors_inside_an_extra_value(tmp_pat
     assert fsdp_ckpt(["export", str(tmp_path / "c"), str(tmp_path / "full.pt"), "--format", "torch", "-q"]) == 0
     state, seed = torch.load(tmp_path / "full.pt", weights_only=True)["extra.rng"]
     assert torch.equal(state, rng[0]) and seed == 42
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_reshard_with_a_rename_renames_the_tied_weight_record_so_export_still_writes_it_once(tmp_path):
+    from safetensors import safe_open
+
+    checkpoint.save(tmp_path / "c", model=_Tied())
+    assert fsdp_ckpt(["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--world-size", "1", "-q", "--rename", "^", "net."]) == 0
+    assert fsdp_ckpt(["export", str(tmp_path / "r"), str(tmp_path / "st"), "--format", "safetensors", "--model-only", "-q"]) == 0
+    [shard] = (tmp_path / "st").glob("*.safetensors")
+    with safe_open(shard, "pt") as st:
+        assert set(st.keys()) == {"net.emb.weight"}
