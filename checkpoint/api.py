@@ -322,8 +322,8 @@ class _OptimizerLoad:
     def abort(self) -> None:
         """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""
         if self.fresh:
-            index_of = self.entries.index_of
-            state = {i: v for i, v in self.osd["state"].items() if i not in {index_of[f] for f in self.fresh}}
+            created = {self.entries.index_of[f] for f in self.fresh}
+            state = {i: v for i, v in self.osd["state"].items() if i not in created}
             self.optimizer.load_state_dict({**self.osd, "state": state})
 
     def finish(self, values: dict[str, Any], report: LoadReport) -> None:
