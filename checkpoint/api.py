@@ -199,10 +199,11 @@ def _tied_targets(
         optional |= {f"model.{n}" for n in (group if stored else group[1:])}
         for key in stored[1:]:
             target = targets[key]
-            if isinstance(target, CheckpointShard):
-                copy = CheckpointShard(torch.empty_like(target.local), target.spec)
-            else:
-                copy = torch.empty_like(target)  # a DTensor stays one, with its placements
+            copy: torch.Tensor = (
+                CheckpointShard(torch.empty_like(target.local), target.spec)
+                if isinstance(target, CheckpointShard)
+                else torch.empty_like(target)  # a DTensor stays one, with its placements
+            )
             targets[key] = copy
             scratch[key] = (stored[0], copy)
     return optional, scratch
@@ -369,9 +370,11 @@ _GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.([0-9]+)\.params\Z")
 
 def _saved_group_numbers(opened: OpenCheckpoint) -> dict[str, str]:
     """fqn -> the number of its saved group, from torch's unflattened layout (``param_groups.<n>.params``)."""
-    lists = {k: None for k in opened.metadata.state_dict_metadata if _GROUP_PARAMS.match(k)}
-    _, values = load_flat(opened, lists, strict=False, scope=()) if lists else (None, {})
-    return {fqn: _GROUP_PARAMS.match(key).group(1) for key, names in values.items() for fqn in names or ()}
+    numbers = {k: m.group(1) for k in opened.metadata.state_dict_metadata if (m := _GROUP_PARAMS.match(k))}
+    if not numbers:
+        return {}
+    _, values = load_flat(opened, dict.fromkeys(numbers), strict=False, scope=())
+    return {fqn: numbers[key] for key, names in values.items() for fqn in names or ()}
 
 
 def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:

@@ -124,8 +124,8 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
     each object its loaded state (:func:`load_stateful`), as ``dcp.load`` does.
     """
     if _is_stateful(tree):
-        inner, found = resolve_stateful(tree.state_dict(), path)
-        return inner, [(path, tree), *found]
+        inner, below = resolve_stateful(tree.state_dict(), path)
+        return inner, [(path, tree), *below]
     found: list[tuple[StatefulPath, Any]] = []
     if isinstance(tree, dict):
         out = {}
