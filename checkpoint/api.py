@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+# set_element: DCP's own way to rebuild a nested dict from planner_data paths (no public name)
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from checkpoint.async_save import async_save_state_dict
-from checkpoint.state_dict_io import LoadReport, load_flat, open_checkpoint, save_state_dict
+from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
+from checkpoint.shard import CheckpointShard
+from checkpoint.state_dict_io import (
+    LoadReport,
+    OpenCheckpoint,
+    load_flat,
+    open_checkpoint,
+    save_state_dict,
+)
 from checkpoint.training_state import (
     MASTER_PARAM,
     TIED_SECTION,
@@ -141,15 +154,15 @@ def load(
     ignored: set[str] = set()
     if optimizer is not None and model is None:
         raise ValueError("loading an optimizer needs its model too (state is keyed by parameter names)")
+    ties: dict[str, tuple[str, torch.Tensor]] = {}
     if model is not None:
         targets.update({f"model.{k}": v for k, v in model_entries(model).items()})
         scope.append("model.")
-        for alias, twin in tied_aliases(model).items():
-            if f"model.{twin}" in saved:
-                optional.add(f"model.{alias}")  # the same tensor: filled through its twin (HF leaves it out)
+        tied_optional, ties = _tied_targets(tied_aliases(model), targets, saved)
+        optional |= tied_optional
     opt_plan = None
     if optimizer is not None:
-        opt_plan = _OptimizerLoad(optimizer, model, saved)
+        opt_plan = _OptimizerLoad(optimizer, model, opened)
         targets.update(opt_plan.targets)
         optional |= opt_plan.optional
         ignored = set(opt_plan.unheld_masters)
@@ -158,6 +171,7 @@ def load(
     targets.update(extra_targets)
     try:
         report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored)
+        _check_ties(ties, targets, strict, report)
         if opt_plan is not None:
             _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report)
     except BaseException:
@@ -171,23 +185,96 @@ def load(
     return LoadResult(saved_extra, report)
 
 
-def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:
-    for name, obj in objects.items():
-        if not isinstance(obj, Stateful):
-            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place")
-        if name not in saved:
-            if strict:
-                raise ValueError(f"the checkpoint has no extra.{name} to load into {type(obj).__name__}; pass strict=False to skip it")
-            report.missing_keys.append(f"extra.{name}")
+def _tied_targets(
+    aliases: dict[str, str], targets: dict[str, Any], saved
+) -> tuple[set[str], dict[str, tuple[str, torch.Tensor]]]:
+    """Load the names of one tied tensor through one stored name; the others into scratch, to compare.
+
+    Any stored name satisfies the tie (HF stores the twin only). Where the
+    checkpoint stores several, they were maybe not tied when saved: loading
+    both into the one tensor would keep whichever came last, silently.
+    Changes ``targets``; returns the keys that may be absent and
+    ``scratch key -> (loaded key, scratch tensor)``.
+    """
+    names: dict[str, list[str]] = {}
+    for alias, twin in aliases.items():
+        names.setdefault(twin, [twin]).append(alias)
+    optional: set[str] = set()
+    scratch: dict[str, tuple[str, torch.Tensor]] = {}
+    for group in names.values():
+        stored = [f"model.{n}" for n in group if f"model.{n}" in saved]
+        # none stored: the first name is reported missing, once
+        optional |= {f"model.{n}" for n in (group if stored else group[1:])}
+        for key in stored[1:]:
+            target = targets[key]
+            copy: torch.Tensor = (
+                CheckpointShard(torch.empty_like(target.local), target.spec)
+                if isinstance(target, CheckpointShard)
+                else torch.empty_like(target)  # a DTensor stays one, with its placements
+            )
+            targets[key] = copy
+            scratch[key] = (stored[0], copy)
+    return optional, scratch
+
+
+def _check_ties(ties: dict[str, tuple[str, torch.Tensor]], targets: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    """Saved values of one tied tensor must agree; otherwise the checkpoint's weights were not tied."""
+    for key, (loaded, copy) in ties.items():
+        if key in report.missing_keys or _skipped(key, report):
             continue
-        obj.load_state_dict(saved[name])
-        saved[name] = obj
+        if not torch.equal(_local_part(copy), _local_part(targets[loaded])):
+            problem = (
+                f"{key}: differs from {loaded}, which this model ties to it (one tensor); the checkpoint's "
+                "weights were not tied: load into a model with untied weights (e.g. tie_word_embeddings=False)"
+            )
+            if strict:
+                raise ValueError(f"{problem}, or pass strict=False to keep {loaded}")
+            report.mismatched_keys.append(problem)
+
+
+def _local_part(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, CheckpointShard):
+        return t.local
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:
+    """Hand each Stateful in ``objects`` (at any depth of dicts and lists) its state saved at the same place."""
+    for name, obj in objects.items():
+        if not isinstance(obj, (Stateful, dict, list)):
+            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place")
+    _, found = resolve_stateful(objects)
+    present = []
+    for path, obj in found:
+        if _element_at(saved, path) is _ABSENT:
+            key = ".".join(["extra", *map(str, path)])
+            if strict:
+                raise ValueError(f"the checkpoint has no {key} to load into {type(obj).__name__}; pass strict=False to skip it")
+            report.missing_keys.append(key)
+        else:
+            present.append((path, obj))
+    load_stateful(saved, present)
+    for path, obj in reversed(present):  # innermost first: an outer object then replaces its whole subtree
+        set_element(saved, path, obj)
+
+
+_ABSENT = object()
+
+
+def _element_at(tree: Any, path: StatefulPath) -> Any:
+    for part in path:
+        in_list = isinstance(tree, list) and isinstance(part, int) and part < len(tree)
+        if not (in_list or (isinstance(tree, dict) and part in tree)):
+            return _ABSENT
+        tree = tree[part]
+    return tree
 
 
 class _OptimizerLoad:
     """The optimizer's share of a load: targets before reading, ``load_state_dict`` after."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, opened: OpenCheckpoint) -> None:
+        saved = opened.metadata.state_dict_metadata
         self.optimizer = optimizer
         self.saved_keys = set(saved)
         fqns = param_fqns(model)
@@ -201,7 +288,8 @@ class _OptimizerLoad:
         self.targets: dict[str, Any] = {}
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
-        known = _params_known_to_saved_optimizer(saved, fqns)
+        numbers = _saved_group_numbers(opened)  # torch's unflattened layout: fqn -> its saved group's number
+        known = _params_known_to_saved_optimizer(saved, numbers, fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
@@ -224,11 +312,16 @@ class _OptimizerLoad:
         }
         self.group_keys: list[tuple[int, str, str]] = []
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
+            if not names:
+                continue
+            # the saved group that held this parameter, not the one at this position (groups may be reordered)
+            # (position only where no saved list names any of them: stale after --stack / --split)
+            number = next((numbers[n] for n in names if n in numbers), str(g_index))
             for hyper in osd_group:
-                if hyper == "params" or not names:
+                if hyper == "params":
                     continue
                 # Ours / flattened torch layout first, then torch's unflattened one.
-                for key in (f"optimizer.param_groups.{names[0]}.{hyper}", f"optimizer.param_groups.{g_index}.{hyper}"):
+                for key in (f"optimizer.param_groups.{names[0]}.{hyper}", f"optimizer.param_groups.{number}.{hyper}"):
                     if key in saved:
                         self.targets[key] = None
                         self.optional.add(key)
@@ -238,8 +331,8 @@ class _OptimizerLoad:
     def abort(self) -> None:
         """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""
         if self.fresh:
-            index_of = self.entries.index_of
-            state = {i: v for i, v in self.osd["state"].items() if i not in {index_of[f] for f in self.fresh}}
+            created = {self.entries.index_of[f] for f in self.fresh}
+            state = {i: v for i, v in self.osd["state"].items() if i not in created}
             self.optimizer.load_state_dict({**self.osd, "state": state})
 
     def finish(self, values: dict[str, Any], report: LoadReport) -> None:
@@ -280,24 +373,36 @@ def _masters_into_weights(opened, masters: dict[str, str], targets: dict[str, An
         report.mismatched_keys += sub_report.mismatched_keys
 
 
+_GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.([0-9]+)\.params\Z")
+
+
+def _saved_group_numbers(opened: OpenCheckpoint) -> dict[str, str]:
+    """fqn -> the number of its saved group, from torch's unflattened layout (``param_groups.<n>.params``)."""
+    numbers = {k: m.group(1) for k in opened.metadata.state_dict_metadata if (m := _GROUP_PARAMS.match(k))}
+    if not numbers:
+        return {}
+    _, values = load_flat(opened, dict.fromkeys(numbers), strict=False, scope=())
+    return {fqn: numbers[key] for key, names in values.items() for fqn in names or ()}
+
+
 def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:
     """The parameter names of the keys ``<prefix><fqn>.<name>`` in ``saved``."""
     return {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
 
 
-def _params_known_to_saved_optimizer(saved: dict[str, Any], fqns: dict[int, str]) -> set[str]:
+def _params_known_to_saved_optimizer(saved: dict[str, Any], numbers: dict[str, str], fqns: dict[int, str]) -> set[str]:
     """The FQNs the saved optimizer held: with state, or in a saved param group.
 
     A parameter in a saved group but without state never had a gradient (lazy
-    state): it loads as "no state". Torch's unflattened layout
-    (``optimizer.param_groups.<index>.<option>``) names no parameter, so there
-    every parameter counts as known once any group was saved.
+    state): it loads as "no state". Torch's unflattened layout names a group's
+    parameters in ``param_groups.<number>.params`` (``numbers``); a layout with
+    group numbers but no such lists names none, so every parameter counts as known.
     """
     grouped = _fqns_under("optimizer.param_groups.", saved)
     named = {name for name in grouped if not name.isdigit()}
-    if grouped and not named:
+    if grouped and not named and not numbers:
         return set(fqns.values())
-    return _fqns_under("optimizer.state.", saved) | named
+    return _fqns_under("optimizer.state.", saved) | named | set(numbers)
 
 
 def _skipped(key: str, report: LoadReport) -> bool:
@@ -318,8 +423,6 @@ def _extra_placeholders(metadata) -> dict[str, Any]:
 
 def _unflatten_extra(metadata, targets: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     """The nested ``extra`` dict as saved (DCP's planner data maps each dotted key back to its path)."""
-    from torch.distributed.checkpoint._traverse import set_element
-
     paths = metadata.planner_data or {}
     nested: dict[str, Any] = {}
     for key, target in targets.items():

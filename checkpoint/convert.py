@@ -17,7 +17,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from checkpoint.shard import CheckpointShard
 from offload_fsdp.shard_spec import ShardSpec, shard_spec_of
 
-__all__ = ["convert_tree", "load_stateful", "resolve_stateful", "to_checkpointable"]
+__all__ = ["StatefulPath", "convert_tree", "load_stateful", "resolve_stateful", "to_checkpointable"]
 
 
 def to_checkpointable(
@@ -115,26 +115,38 @@ def _is_stateful(value: Any) -> bool:
     return not isinstance(value, (torch.Tensor, dict)) and isinstance(value, Stateful)
 
 
-def resolve_stateful(tree: Any, path: tuple[str, ...] = ()) -> tuple[Any, list[tuple[tuple[str, ...], Any]]]:
+StatefulPath = tuple[str | int, ...]
+"""Where a Stateful sits: dict keys (as strings, as DCP flattens them) and list indices."""
+
+
+def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tuple[StatefulPath, Any]]]:
     """``tree`` with every Stateful value (``state_dict()`` / ``load_state_dict()``) replaced by its state dict.
 
-    Returns the new tree (dicts copied, leaves shared) and ``(path, object)`` for
-    each Stateful found, outermost first, so a load can hand each object its
-    loaded state (:func:`load_stateful`), as ``dcp.load`` does.
+    Returns the new tree (dicts and lists copied, leaves shared) and ``(path, object)``
+    for each Stateful found in dicts and lists, outermost first, so a load can hand
+    each object its loaded state (:func:`load_stateful`), as ``dcp.load`` does.
     """
     if _is_stateful(tree):
-        inner, found = resolve_stateful(tree.state_dict(), path)
-        return inner, [(path, tree), *found]
+        inner, below = resolve_stateful(tree.state_dict(), path)
+        return inner, [(path, tree), *below]
+    found: list[tuple[StatefulPath, Any]] = []
     if isinstance(tree, dict):
-        out, found = {}, []
+        out = {}
         for k, v in tree.items():
             out[k], more = resolve_stateful(v, (*path, str(k)))
             found += more
         return out, found
+    if isinstance(tree, list):
+        items = []
+        for i, v in enumerate(tree):
+            value, more = resolve_stateful(v, (*path, i))
+            items.append(value)
+            found += more
+        return items, found
     return tree, []
 
 
-def load_stateful(tree: dict[str, Any], found: list[tuple[tuple[str, ...], Any]]) -> None:
+def load_stateful(tree: dict[str, Any], found: list[tuple[StatefulPath, Any]]) -> None:
     """Call ``load_state_dict`` on each object :func:`resolve_stateful` found, innermost first."""
     for path, obj in reversed(found):
         node: Any = tree
@@ -152,6 +164,10 @@ def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
         return convert_tree(tree.state_dict(), prefix, **kwargs)
     if isinstance(tree, dict):
         return {k: convert_tree(v, f"{prefix}{k}.", **kwargs) for k, v in tree.items()}
-    if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
+    if isinstance(tree, tuple) and any(_is_stateful(v) for v in tree):
+        # a tuple is one pickled value (as in DCP): its objects would be pickled whole and never loaded into
+        raise TypeError(f"{prefix.rstrip('.')}: a tuple holding a Stateful {type(next(v for v in tree if _is_stateful(v))).__name__}; "
+                        "pass a list (or dict) so it is saved as its state_dict() and loaded in place")
+    if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) or _is_stateful(v) for v in tree):
         return [convert_tree(v, f"{prefix}{i}.", **kwargs) for i, v in enumerate(tree)]
     return to_checkpointable(tree, name=prefix.rstrip("."), **kwargs)

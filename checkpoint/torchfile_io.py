@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 # skip_data's documented way to lay out storages without allocating them (meta tensors would
 # be saved as meta tensors); FakeTensorMode has no public import path yet
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -48,6 +49,26 @@ def write_skeleton(tmp: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...
     skeleton.update(objects)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(skeleton, tmp)
+    # skip_data left out the bytes of tensors inside object values too (a tuple (rng_state, seed)): fill them
+    held = {name: _tensors_in(value) for name, value in objects.items()}
+    if any(held.values()):
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            mapped = torch.load(tmp, mmap=True, weights_only=True)
+        for name, tensors in held.items():
+            for dst, src in zip(_tensors_in(mapped[name]), tensors):
+                dst.copy_(src)
+        del mapped
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors inside a value of lists, tuples and dicts, in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
 
 
 def reserve_space(tmp: Path) -> None:

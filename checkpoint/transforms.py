@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from checkpoint.stream import Entry
+from checkpoint.training_state import TIED_SECTION
 
 __all__ = [
     "Merge", "Rename", "Reshape", "Rules", "Split", "Stack", "Target", "materialize", "parse_part_list", "plan",
@@ -322,7 +323,7 @@ class Target:
     op: str = "copy"
     """"copy" (one source), "slice" (``sources[0]`` narrowed), "cat" (sources concatenated), "first",
     "stack" (per index, ``length`` sources concatenated along ``dim``, the results stacked along a new
-    dim 0), "unstack" (``sources[0][index]`` narrowed), "rename_names" (a list of parameter names, renamed)"""
+    dim 0), "unstack" (``sources[0][index]`` narrowed), "rename_names" (a parameter name or a list of them, renamed)"""
     dim: int = 0
     start: int = 0
     length: int = 0
@@ -376,19 +377,25 @@ def plan(entries: dict[str, Entry], rules: Rules) -> list[Target]:
     return renamed
 
 
+# values that are parameter names: torch's per-group lists, and checkpoint.save's record of tied
+# weights (model_tied.<alias> -> its twin's name)
 _GROUP_NAME_LISTS = re.compile(r"optimizer\.param_groups\.[0-9]+\.(params|param_names)\Z")
+_TIED_PREFIX = f"{TIED_SECTION}."
 
 
 def _copy_target(key: str, entry: Entry) -> Target:
-    if entry.kind == "object" and _GROUP_NAME_LISTS.match(key):
-        # torch's per-group layout lists parameter names: renames must reach them too
+    if entry.kind == "object" and (_GROUP_NAME_LISTS.match(key) or key.startswith(_TIED_PREFIX)):
+        # renames must reach these names too
         return Target(key, entry.kind, entry.dtype, entry.shape, (key,), "rename_names")
     return Target(key, entry.kind, entry.dtype, entry.shape, (key,))
 
 
 def _renamed(target: Target, rules: Rules) -> Target:
     if target.op == "rename_names":
-        return dataclasses.replace(target, renames=rules.renames)
+        name = target.name
+        if name.startswith(_TIED_PREFIX):
+            name = _TIED_PREFIX + rules.rename(name[len(_TIED_PREFIX) :])
+        return dataclasses.replace(target, name=name, renames=rules.renames)
     parts = split_key(target.name)
     if parts is None or not rules.renames or (parts[0] == "optimizer.param_groups." and parts[1].isdigit()):
         return target  # torch's per-group layout: the number is a group's, not a parameter name
@@ -558,7 +565,8 @@ def materialize(target: Target, fetch: Callable[[str], Any]) -> Any:
 
 def _built(target: Target, fetch: Callable[[str], Any]) -> Any:
     if target.op == "rename_names":
-        return [Rules(renames=target.renames).rename(name) for name in fetch(target.sources[0])]
+        names, rules = fetch(target.sources[0]), Rules(renames=target.renames)
+        return rules.rename(names) if isinstance(names, str) else [rules.rename(name) for name in names]
     if target.op == "stack":
         groups = [target.sources[i : i + target.length] for i in range(0, len(target.sources), target.length)]
         return torch.stack([torch.cat([fetch(s) for s in group], dim=target.dim) for group in groups])

@@ -345,9 +345,11 @@ MARKER = ".offload_fsdp_demo"
 def _demo_files(name: str) -> bool:
     """Whether ``name`` (an entry of the output folder) is something the demo writes."""
     runs = {f"{r}{suffix}" for r in "ABC" for suffix in (".jsonl", ".setup.json", ".saves.jsonl", ".final.json", ".held")}
-    fixed = {MARKER, "summary.json", "loss_curve.png", "ckpt", "export"}
-    # ckpt / export and their .tmp / .old siblings left by a save or export cut short
-    return name in runs or name in fixed or name.split(".")[0] in ("ckpt", "export")
+    from checkpoint.atomic import OLD_SUFFIX, TMP_SUFFIX
+
+    # ckpt / export and their .tmp / .old siblings left by a save or export cut short (not export.tar.gz)
+    folders = {f"{d}{suffix}" for d in ("ckpt", "export") for suffix in ("", TMP_SUFFIX, OLD_SUFFIX)}
+    return name in runs or name in folders or name in {MARKER, "summary.json", "loss_curve.png"}
 
 
 def prepare_out(out: Path) -> None:

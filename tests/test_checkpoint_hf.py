@@ -98,3 +98,33 @@ def test_a_per_expert_moe_checkpoint_imports_into_the_fused_experts_and_exports_
     hf.config.save_pretrained(tmp_path / "out")
     loaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert torch.equal(_logits(loaded), _logits(hf))
+
+
+def _gpt2_untied(seed: int):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16, tie_word_embeddings=False)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_an_untied_checkpoint_is_refused_by_a_tied_model_strictly_and_keeps_the_first_name_otherwise(tmp_path):
+    untied = _gpt2_untied(0)
+    checkpoint.save(tmp_path / "c", model=untied)
+    tied = _gpt2(1)
+    with pytest.raises(ValueError, match=r"model\.lm_head\.weight: differs from model\.transformer\.wte\.weight.*untied"):
+        checkpoint.load(tmp_path / "c", model=tied)
+    result = checkpoint.load(tmp_path / "c", model=tied, strict=False)
+    assert torch.equal(tied.transformer.wte.weight, untied.transformer.wte.weight)  # not overwritten by lm_head
+    assert [m.split(":")[0] for m in result.mismatched_keys] == ["model.lm_head.weight"]
+
+
+def test_a_checkpoint_storing_a_tied_weight_under_its_second_name_only_loads_strictly(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = _gpt2(0)
+    weights = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "transformer.wte.weight"}
+    (tmp_path / "hf").mkdir()
+    save_file(weights, tmp_path / "hf" / "model.safetensors")
+    assert fsdp_ckpt(["import", str(tmp_path / "hf"), str(tmp_path / "c"), "-q"]) == 0
+    model = _gpt2(1)
+    checkpoint.load(tmp_path / "c", model=model)
+    assert torch.equal(_logits(model), _logits(hf))

@@ -217,3 +217,43 @@ def test_reshard_with_a_rename_renames_the_per_group_parameter_lists_plain_dcp_r
     assert osd["param_groups"][0]["params"] == [f"net.{n}" for n, _ in model.named_parameters()]
     set_state_dict(renamed, opt2, model_state_dict=msd, optim_state_dict=osd)
     assert torch.equal(opt2.state[renamed.net[2].bias]["exp_avg"], opt.state[model[2].bias]["exp_avg"])
+
+
+def test_stateful_values_in_lists_and_nested_dicts_save_their_state_and_load_in_place(tmp_path):
+    checkpoint.save(tmp_path / "c", model=_model(), extra={"loaders": [_Loader(3), _Loader(4)], "data": {"loader": _Loader(5)}})
+    first, second, inner = _Loader(), _Loader(), _Loader()
+    got = checkpoint.load(tmp_path / "c", model=_model(1), extra={"loaders": [first, second], "data": {"loader": inner}})
+    assert (first.position, second.position, inner.position) == (3, 4, 5)
+    assert got["loaders"][1] is second and got["data"]["loader"] is inner
+    a, b, c = _Loader(), _Loader(), _Loader()
+    checkpoint.load_state_dict({"extra": {"loaders": [a, b], "data": {"loader": c}}}, tmp_path / "c")
+    assert (a.position, b.position, c.position) == (3, 4, 5)
+    with pytest.raises(TypeError, match=r"extra\.t: a tuple holding a Stateful _Loader; pass a list"):
+        checkpoint.save(tmp_path / "t", model=_model(), extra={"t": (_Loader(1),)})
+
+
+def test_export_to_a_torch_file_writes_the_tensors_inside_an_extra_value(tmp_path):
+    rng = (torch.arange(4, dtype=torch.uint8), 42)  # a tuple is one value: saved whole
+    checkpoint.save(tmp_path / "c", model=_model(), extra={"rng": rng})
+    assert fsdp_ckpt(["export", str(tmp_path / "c"), str(tmp_path / "full.pt"), "--format", "torch", "-q"]) == 0
+    state, seed = torch.load(tmp_path / "full.pt", weights_only=True)["extra.rng"]
+    assert torch.equal(state, rng[0]) and seed == 42
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_reshard_with_a_rename_renames_the_tied_weight_record_so_export_still_writes_it_once(tmp_path):
+    from safetensors import safe_open
+
+    checkpoint.save(tmp_path / "c", model=_Tied())
+    assert fsdp_ckpt(["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--world-size", "1", "-q", "--rename", "^", "net."]) == 0
+    assert fsdp_ckpt(["export", str(tmp_path / "r"), str(tmp_path / "st"), "--format", "safetensors", "--model-only", "-q"]) == 0
+    [shard] = (tmp_path / "st").glob("*.safetensors")
+    with safe_open(shard, "pt") as st:
+        assert set(st.keys()) == {"net.emb.weight"}

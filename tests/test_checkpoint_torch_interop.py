@@ -84,3 +84,37 @@ def test_saved_group_options_grow_linearly_with_named_parameters(tmp_path):
     opt2 = torch.optim.AdamW(model2.named_parameters())
     checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
     assert opt2.param_groups[0]["param_names"] == [n for n, _ in model.named_parameters()]
+
+
+def _grouped(seed: int, reverse: bool):
+    model = _model(seed)
+    groups = [{"params": list(model[0].parameters()), "lr": 0.1}, {"params": list(model[2].parameters()), "lr": 0.3}]
+    return model, torch.optim.AdamW(groups[::-1] if reverse else groups)
+
+
+def _lr_by_name(model, opt) -> dict[str, float]:
+    group_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    return {name: group_of[id(p)] for name, p in model.named_parameters()}
+
+
+def test_our_load_of_torch_default_layout_gives_each_parameter_its_own_groups_options_in_any_group_order(tmp_path):
+    model, opt = _grouped(0, reverse=False)
+    msd, osd = get_state_dict(model, opt)  # unflattened: options under param_groups.<number>
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    model2, opt2 = _grouped(1, reverse=True)
+    for group in opt2.param_groups:
+        group["lr"] = 0.9
+    checkpoint.load(tmp_path / "plain", model=model2, optimizer=opt2, require_manifest=False)
+    assert _lr_by_name(model2, opt2) == _lr_by_name(model, opt)
+
+
+def test_strict_load_of_torch_default_layout_names_the_params_its_optimizer_did_not_hold(tmp_path):
+    model = _model(0)
+    head_only = torch.optim.AdamW(model[2].parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    head_only.step()
+    msd, osd = get_state_dict(model, head_only)  # param_groups.0.params lists the head only
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
+    model2 = _model(1)
+    with pytest.raises(ValueError, match=r"missing: optimizer\.state\.0\.weight\."):
+        checkpoint.load(tmp_path / "plain", model=model2, optimizer=torch.optim.AdamW(model2.parameters()), require_manifest=False)

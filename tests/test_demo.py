@@ -65,6 +65,7 @@ def test_demo_out_refuses_a_folder_it_did_not_write_and_keeps_a_users_file_in_it
     for name in ("A.jsonl", "summary.json", "ckpt/A/step_6/x", "export.tmp/y"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("old run")
-    (out / "notes.txt").write_text("keep me")
+    for name in ("notes.txt", "export.tar.gz", "ckpt.backup"):  # the user's, though named like the demo's
+        (out / name).write_text("keep me")
     demo.prepare_out(out)
-    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, "notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, "notes.txt", "export.tar.gz", "ckpt.backup"])
