@@ -129,6 +129,11 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
     if _is_stateful(tree):
         inner, below = resolve_stateful(tree.state_dict(), path)
         return inner, [(path, tree), *below]
+    if isinstance(tree, tuple) and any(_is_stateful(v) for v in tree):
+        # a tuple is one pickled value (as in DCP): its objects would be pickled whole and never loaded into
+        stateful = next(v for v in tree if _is_stateful(v))
+        raise TypeError(f"{'.'.join(map(str, path))}: a tuple holding a Stateful {type(stateful).__name__}; "
+                        "pass a list (or dict) so it is saved as its state_dict() and loaded in place")
     found: list[tuple[StatefulPath, Any]] = []
     if isinstance(tree, dict):
         out = {}
@@ -164,10 +169,6 @@ def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
         return convert_tree(tree.state_dict(), prefix, **kwargs)
     if isinstance(tree, dict):
         return {k: convert_tree(v, f"{prefix}{k}.", **kwargs) for k, v in tree.items()}
-    if isinstance(tree, tuple) and any(_is_stateful(v) for v in tree):
-        # a tuple is one pickled value (as in DCP): its objects would be pickled whole and never loaded into
-        raise TypeError(f"{prefix.rstrip('.')}: a tuple holding a Stateful {type(next(v for v in tree if _is_stateful(v))).__name__}; "
-                        "pass a list (or dict) so it is saved as its state_dict() and loaded in place")
     if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) or _is_stateful(v) for v in tree):
         return [convert_tree(v, f"{prefix}{i}.", **kwargs) for i, v in enumerate(tree)]
     return to_checkpointable(tree, name=prefix.rstrip("."), **kwargs)

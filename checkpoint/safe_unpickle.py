@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.stateful import Stateful
 
+from checkpoint.convert import resolve_stateful
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
 
 __all__ = [
@@ -245,16 +245,22 @@ def check_weights_only(key: str, value: Any) -> None:
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 
 
-def check_saved_values(tree: Any, prefix: str = "") -> None:
-    """:func:`check_weights_only` on every non-tensor leaf of a state dict about to be saved (walked as ``convert_tree`` does)."""
+def check_saved_values(state_dict: dict[str, Any]) -> None:
+    """:func:`check_weights_only` on every non-tensor leaf of a state dict about to be saved.
+
+    Checks what is written: Stateful values as their ``state_dict()``
+    (:func:`~checkpoint.convert.resolve_stateful`), walked as ``convert_tree`` walks.
+    """
+    _check_leaves(resolve_stateful(state_dict)[0])
+
+
+def _check_leaves(tree: Any, prefix: str = "") -> None:
     if isinstance(tree, dict):
         for k, v in tree.items():
-            check_saved_values(v, f"{prefix}{k}.")
-    elif not isinstance(tree, torch.Tensor) and isinstance(tree, Stateful):
-        check_saved_values(tree.state_dict(), prefix)  # saved as its state dict (checkpoint.convert)
+            _check_leaves(v, f"{prefix}{k}.")
     elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
         for i, v in enumerate(tree):
-            check_saved_values(v, f"{prefix}{i}.")
+            _check_leaves(v, f"{prefix}{i}.")
     elif not isinstance(tree, _PLAIN):  # plain scalars and tensors always load weights-only
         check_weights_only(prefix.rstrip("."), tree)
 
