@@ -345,10 +345,10 @@ MARKER = ".offload_fsdp_demo"
 def _demo_files(name: str) -> bool:
     """Whether ``name`` (an entry of the output folder) is something the demo writes."""
     runs = {f"{r}{suffix}" for r in "ABC" for suffix in (".jsonl", ".setup.json", ".saves.jsonl", ".final.json", ".held")}
-    from checkpoint.atomic import OLD_SUFFIX, TMP_SUFFIX
+    from checkpoint.atomic import lock_path, old_path, staging_path
 
-    # ckpt / export and their .tmp / .old siblings left by a save or export cut short (not export.tar.gz)
-    folders = {f"{d}{suffix}" for d in ("ckpt", "export") for suffix in ("", TMP_SUFFIX, OLD_SUFFIX)}
+    # ckpt / export and the staging / swap / lock siblings a save or export cut short leaves (not export.tar.gz)
+    folders = {f(Path(d)).name for d in ("ckpt", "export") for f in (Path, staging_path, old_path, lock_path)}
     return name in runs or name in folders or name in {MARKER, "summary.json", "loss_curve.png"}
 
 

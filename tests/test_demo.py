@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint.atomic import staging_path
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -62,10 +64,11 @@ def test_demo_out_refuses_a_folder_it_did_not_write_and_keeps_a_users_file_in_it
 
     out = tmp_path / "demo"
     demo.prepare_out(out)  # new: created and marked
-    for name in ("A.jsonl", "summary.json", "ckpt/A/step_6/x", "export.tmp/y"):
+    leftover = staging_path(Path("export")).name  # an export cut short
+    for name in ("A.jsonl", "summary.json", "ckpt/A/step_6/x", f"{leftover}/y"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("old run")
-    for name in ("notes.txt", "export.tar.gz", "ckpt.backup"):  # the user's, though named like the demo's
+    for name in ("notes.txt", "export.tar.gz", "ckpt.backup", "export.tmp"):  # the user's, though named like the demo's
         (out / name).write_text("keep me")
     demo.prepare_out(out)
-    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, "notes.txt", "export.tar.gz", "ckpt.backup"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, "notes.txt", "export.tar.gz", "ckpt.backup", "export.tmp"])
