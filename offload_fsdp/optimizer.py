@@ -40,7 +40,7 @@ from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngin
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
-from offload_fsdp.per_element import check_per_element
+from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.records import ParamShard, build_records, param_name, partition
 from offload_fsdp.state_io import check_groups_match, check_record_state, load_record_state
 from optim.grad import get_grad, local_tensor
@@ -111,6 +111,7 @@ def _check_optimizer_cls(cls: Any, arg: str) -> None:
         raise TypeError(f"{arg} must be a torch.optim.Optimizer subclass, got {cls!r}")
     if issubclass(cls, HybridDeviceOptimizer):
         raise TypeError(f"{arg} cannot be HybridDeviceOptimizer itself; pass the class it should run")
+    check_steps_without_closure(cls, arg)
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
