@@ -219,6 +219,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._built = True
         # A scheduler attached to the wrapped optimizer before wrapping checks that *it* was stepped.
         self._wrapped = weakref.ref(wrapped) if wrapped is not None else None
+        if wrapped is not None:
+            # One list of groups for both: a group added through either is seen by a scheduler
+            # on the wrapped optimizer (as torch's would be), and step() refuses one added behind
+            # this optimizer's back (through the wrapped one) instead of never updating it.
+            wrapped.param_groups = self.param_groups
+        self._groups_placed = len(self.param_groups)
         # Weights loaded between construction (or a state-dict load) and the first step
         # must not be reverted by masters copied earlier: step() refreshes them once.
         self._refresh_masters_before_step = True
@@ -455,6 +461,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._device_defaults.add_group(index, self.param_groups[index], explicit)
             records = build_records([self.param_groups[index]], first_group_index=index)
             self._later_host_buffers.append(self._place(records, f"param group {index} added"))
+            self._groups_placed = len(self.param_groups)
         except BaseException:
             self.param_groups.pop()
             raise
@@ -580,6 +587,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket: wait for its grads, update on the host, queue its H2D. When this
         returns the host work is done and the main stream is ordered after the H2D.
         """
+        self._check_groups_placed()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -614,6 +622,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._publish(r)
         self._mark_wrapped_stepped()
         return loss
+
+    def _check_groups_placed(self) -> None:
+        """``ValueError`` for a param group that got no update space (added to the wrapped optimizer)."""
+        if len(self.param_groups) > self._groups_placed:
+            wrapped = self._wrapped() if self._wrapped is not None else None
+            raise ValueError(
+                f"param group {self._groups_placed} was added to the wrapped "
+                f"{type(wrapped).__name__ if wrapped is not None else 'optimizer'} after it was wrapped, so "
+                "HybridDeviceOptimizer made no update space for its params and would never update them; "
+                "call add_param_group on the HybridDeviceOptimizer instead"
+            )
 
     def _mark_wrapped_stepped(self) -> None:
         """Tell a scheduler attached to the wrapped optimizer that its optimizer stepped.

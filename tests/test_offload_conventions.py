@@ -56,6 +56,39 @@ def test_a_scheduler_attached_before_wrapping_drives_the_real_hyperparameters(ki
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_a_group_added_through_the_wrapper_is_driven_by_a_scheduler_built_on_the_wrapped_optimizer(fraction):
+    ours, ref = _params(), _params()
+    inner = torch.optim.AdamW([{"params": ours[:1], "lr": 0.02}, {"params": ours[1:2]}], lr=0.01, fused=True)
+    opt = HybridDeviceOptimizer(inner, fraction)
+    opt.add_param_group({"params": ours[2:], "lr": 0.05})
+    ref_opt = torch.optim.AdamW([{"params": ref[:1], "lr": 0.02}, {"params": ref[1:2]}], lr=0.01, fused=True)
+    ref_opt.add_param_group({"params": ref[2:], "lr": 0.05})
+    lambdas = [lambda s: 0.5**s, lambda s: 0.9**s, lambda s: 1.0 / (s + 1)]
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambdas)  # the user's handle: the wrapped optimizer
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambdas)
+    for step in range(4):
+        _set_grads([ours, ref], step)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_a_group_added_to_the_wrapped_optimizer_after_wrapping_is_refused_at_step():
+    params = _params()
+    inner = torch.optim.AdamW(params[:2], lr=0.01)
+    opt = HybridDeviceOptimizer(inner, 1.0)
+    inner.add_param_group({"params": params[2:]})  # behind the wrapper's back: no update space exists
+    _set_grads([params], 0)
+    with pytest.raises(ValueError, match=r"param group 1 was added to the wrapped AdamW.*add_param_group on the "
+                                         r"HybridDeviceOptimizer"):  # fmt: skip
+        opt.step()
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_a_param_frozen_at_construction_and_unfrozen_later_is_refused_by_name(fraction):
     params = _params()
