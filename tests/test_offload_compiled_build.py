@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -94,3 +96,26 @@ def test_a_private_build_for_an_unwritable_cache_is_announced_with_the_fix(tmp_p
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "for this process only" in messages[0], messages
     assert "OFFLOAD_FSDP_CACHE_DIR" in messages[0] and str(blocker / "cache") in messages[0]
+
+
+def test_a_builder_killed_with_sigkill_leaves_no_lock_behind(tmp_path):
+    lock = tmp_path / "host_adam-test.so.lock"
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the builder: takes the lock, says so, and is killed holding it
+        with compiled_step._exclusive(lock):
+            os.write(ready_w, b"x")
+            signal.pause()
+        os._exit(0)
+    os.read(ready_r, 1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+    def take() -> None:
+        with compiled_step._exclusive(lock):
+            pass
+
+    taker = threading.Thread(target=take, daemon=True)  # a stale lock would block it: fail, never hang
+    taker.start()
+    taker.join(60)
+    assert not taker.is_alive(), "the lock outlived the killed builder"
