@@ -93,9 +93,12 @@ def _adopt_written(master: torch.Tensor, written: torch.Tensor) -> None:
     master.copy_(torch.where(changed, written.to(master.dtype), master))
 
 
-def _refuse_repeated_params(groups: list[dict[str, Any]]) -> None:
-    """``ValueError`` naming a param listed twice in one group (torch only warns; it would get two records)."""
-    for index, group in enumerate(groups):
+def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
+    """``ValueError`` naming a param listed twice in one group (torch only warns; it would get two records).
+
+    ``first_index``: the index in ``param_groups`` of ``groups[0]`` (for the message).
+    """
+    for index, group in enumerate(groups, start=first_index):
         first: dict[int, int] = {}
         for position, p in enumerate(group["params"]):
             if id(p) in first:
@@ -478,20 +481,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return  # torch failed before normalising the group; its error stands
         owner = {id(p): g for g, built in enumerate(self.param_groups[:existing]) for p in built["params"]}
         names = {id(r.param): r.name for r in self._records}
-        seen: set[int] = set()
         for position, p in enumerate(params):
-            name = names.get(id(p)) or param_name(group, existing, position)
             if id(p) in owner:
+                name = names.get(id(p)) or param_name(group, existing, position)
                 raise ValueError(
                     f"parameter {name!r} of the new param group is already in param group {owner[id(p)]} (some "
                     "parameters appear in more than one parameter group); add each parameter to one group only"
                 )
-            if id(p) in seen:
-                raise ValueError(
-                    f"the new param group lists parameter {name!r} twice (again at position {position}); "
-                    "list each parameter once"
-                )
-            seen.add(id(p))
+        _refuse_repeated_params([group], first_index=existing)
 
     # ------------------------------------------------------------------ step
 
