@@ -65,7 +65,8 @@ def _step_owner(cls: type) -> str:
     ``step`` the class never wrote.
     """
     step = inspect.unwrap(cls.step)
-    return f"{step.__module__}.{step.__qualname__.rpartition('.')[0]}"
+    # A callable object (no __qualname__) as step names no class: never registered.
+    return f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', '').rpartition('.')[0]}"
 
 
 def is_per_element(cls: type) -> bool:
