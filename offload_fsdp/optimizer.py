@@ -109,6 +109,15 @@ def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) 
             first[id(p)] = position
 
 
+def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook on a wrapped optimizer: ``ValueError`` instead of a second, divergent update."""
+    raise ValueError(
+        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
+        "updates its params; call step() on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
+        "wrapped optimizer, to your trainer)"
+    )
+
+
 def _check_optimizer_cls(cls: Any, arg: str) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"{arg} must be a torch.optim.Optimizer subclass, got {cls!r}")
@@ -227,6 +236,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # on the wrapped optimizer (as torch's would be), and step() refuses one added behind
             # this optimizer's back (through the wrapped one) instead of never updating it.
             wrapped.param_groups = self.param_groups
+            # Its own step would update the params from its own (stale or empty) state.
+            wrapped.register_step_pre_hook(_refuse_wrapped_step)
         self._groups_placed = len(self.param_groups)
         # Weights loaded between construction (or a state-dict load) and the first step
         # must not be reverted by masters copied earlier: step() refreshes them once.

@@ -78,6 +78,18 @@ def test_a_group_added_through_the_wrapper_is_driven_by_a_scheduler_built_on_the
         assert torch.equal(a, b)
 
 
+def test_stepping_the_wrapped_optimizer_itself_is_refused_and_changes_nothing():
+    params = _params()
+    inner = torch.optim.AdamW(params, lr=0.01)
+    opt = HybridDeviceOptimizer(inner, 0.5)
+    _set_grads([params], 0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"this AdamW is wrapped by a HybridDeviceOptimizer.*call step\(\) on the"):
+        inner.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not inner.state
+    opt.step()  # the wrapper itself still steps
+
+
 def test_a_group_added_to_the_wrapped_optimizer_after_wrapping_is_refused_at_step():
     params = _params()
     inner = torch.optim.AdamW(params[:2], lr=0.01)
