@@ -197,6 +197,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
         _refuse_repeated_params(groups)
         super().__init__(groups, opt_defaults)
+        if wrapped is not None:
+            # One list of groups for both: a group added through either is seen by a scheduler
+            # on the wrapped optimizer (as torch's would be), and step() refuses one added behind
+            # this optimizer's back (through the wrapped one) instead of never updating it.
+            try:
+                wrapped.param_groups = self.param_groups
+            except AttributeError as exc:  # a read-only property (an optimizer wrapping another)
+                raise TypeError(
+                    f"cannot take over the param groups of {type(wrapped).__name__} ({exc}); wrap the optimizer "
+                    "it wraps, or pass the params and cpu_optimizer_cls= instead"
+                ) from exc
         # Keys the user set, per group and at constructor level (those also fill groups added later).
         group_keys, self._explicit_defaults = explicit
         self._device_defaults: DeviceDefaults | None = None
@@ -231,11 +242,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._built = True
         # A scheduler attached to the wrapped optimizer before wrapping checks that *it* was stepped.
         self._wrapped = weakref.ref(wrapped) if wrapped is not None else None
-        if wrapped is not None:
-            # One list of groups for both: a group added through either is seen by a scheduler
-            # on the wrapped optimizer (as torch's would be), and step() refuses one added behind
-            # this optimizer's back (through the wrapped one) instead of never updating it.
-            wrapped.param_groups = self.param_groups
+        if wrapped is not None:  # only once built: a failed wrap leaves it usable on its own
             # Its own step would update the params from its own (stale or empty) state.
             wrapped.register_step_pre_hook(_refuse_wrapped_step)
         self._groups_placed = len(self.param_groups)

@@ -90,6 +90,26 @@ def test_stepping_the_wrapped_optimizer_itself_is_refused_and_changes_nothing():
     opt.step()  # the wrapper itself still steps
 
 
+class _ReadOnlyGroups(torch.optim.SGD):
+    """An optimizer whose param_groups cannot be replaced once set (as some optimizer wrappers do)."""
+
+    @property
+    def param_groups(self):
+        return self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, value):
+        if "_groups" in self.__dict__:
+            raise AttributeError("param_groups is read-only")
+        self.__dict__["_groups"] = value
+
+
+def test_wrapping_an_optimizer_whose_groups_cannot_be_taken_over_is_refused_with_the_way_out():
+    inner = _ReadOnlyGroups(_params(), lr=0.1)
+    with pytest.raises(TypeError, match=r"cannot take over the param groups of _ReadOnlyGroups.*cpu_optimizer_cls="):
+        HybridDeviceOptimizer(inner, 1.0)
+
+
 def test_a_group_added_to_the_wrapped_optimizer_after_wrapping_is_refused_at_step():
     params = _params()
     inner = torch.optim.AdamW(params[:2], lr=0.01)
