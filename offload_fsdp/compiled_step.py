@@ -195,7 +195,13 @@ def _compile_and_load() -> ctypes.CDLL:
     if not path.exists():
         try:
             _ensure_built(compiler, path)
-        except OSError:  # cache not writable: build a private copy for this process only
+        except OSError as exc:  # cache not writable: build a private copy for this process only
+            logger.warning(
+                "building the host Adam step for this process only (~5-20 s, %s): the cache %s is not writable "
+                "(%s), so every process pays this again; set OFFLOAD_FSDP_CACHE_DIR to a writable directory "
+                "and run `python -m offload_fsdp.compiled_step --build` once",
+                compiler, path.parent, exc,
+            )  # fmt: skip
             with tempfile.TemporaryDirectory(prefix="offload_fsdp_step_") as tmp:
                 private = Path(tmp, "host_adam.so")
                 _compile(compiler, private)

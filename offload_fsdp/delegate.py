@@ -95,8 +95,16 @@ class DelegatedOptimizer:
             inner_group.update(self.view(g, groups[g]))
 
     def step(self, groups: list[dict[str, Any]]) -> None:
-        """Run the inner step with the wrapper's hyper-parameters, then expose any new state."""
+        """Run the inner step with the wrapper's hyper-parameters, then expose any new state.
+
+        A record with placeholder state that is stepped now (has a grad) first drops it,
+        so the class creates its first-step state itself, exactly as torch's would.
+        """
         self.sync_hyperparameters(groups)
+        for r in self.records:
+            if r.placeholder_state and r.working.grad is not None:
+                self.inner.state.pop(r.working, None)
+                r.placeholder_state = False
         self.step_inner_only()
         self.expose(self.records)
 
@@ -120,9 +128,13 @@ class DelegatedOptimizer:
         """Drop ``record``'s state, so its next step starts fresh as in torch."""
         self.inner.state.pop(record.working, None)
         record.state = record.inner_state = None
+        record.placeholder_state = False
 
     def materialize(self, records: list[ParamShard], groups: list[dict[str, Any]]) -> None:
         """Create the inner state of ``records`` without changing them: a zero-grad step at lr=0, state zeroed.
+
+        The zeros are a placeholder to load into (``placeholder_state``); stepped without a
+        load, a record starts from the class's own fresh state (:meth:`step`).
 
         The working tensors are snapshotted and restored, so even a class that moves
         params at lr=0 (or decays them) leaves them bit-identical; all state values
@@ -154,6 +166,7 @@ class DelegatedOptimizer:
                     v.zero_()
                 elif isinstance(v, (int, float)):
                     inner[k] = type(v)(0)
+            r.placeholder_state = True
         self.expose(records)
 
     def step_inner_only(self) -> None:

@@ -44,7 +44,7 @@ from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
     zero_grad as zero_grads,  # both slots: .grad and decoupled_grad
 )
-from offload_fsdp.per_element import check_per_element
+from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, param_name, partition
 from offload_fsdp.state_io import (
@@ -99,9 +99,12 @@ def _adopt_written(master: torch.Tensor, written: torch.Tensor) -> None:
     master.copy_(torch.where(changed, written.to(master.dtype), master))
 
 
-def _refuse_repeated_params(groups: list[dict[str, Any]]) -> None:
-    """``ValueError`` naming a param listed twice in one group (torch only warns; it would get two records)."""
-    for index, group in enumerate(groups):
+def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
+    """``ValueError`` naming a param listed twice in one group (torch only warns; it would get two records).
+
+    ``first_index``: the index in ``param_groups`` of ``groups[0]`` (for the message).
+    """
+    for index, group in enumerate(groups, start=first_index):
         first: dict[int, int] = {}
         for position, p in enumerate(group["params"]):
             if id(p) in first:
@@ -112,11 +115,21 @@ def _refuse_repeated_params(groups: list[dict[str, Any]]) -> None:
             first[id(p)] = position
 
 
+def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook on a wrapped optimizer: ``ValueError`` instead of a second, divergent update."""
+    raise ValueError(
+        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
+        "updates its params; call step() on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
+        "wrapped optimizer, to your trainer)"
+    )
+
+
 def _check_optimizer_cls(cls: Any, arg: str) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"{arg} must be a torch.optim.Optimizer subclass, got {cls!r}")
     if issubclass(cls, HybridDeviceOptimizer):
         raise TypeError(f"{arg} cannot be HybridDeviceOptimizer itself; pass the class it should run")
+    check_steps_without_closure(cls, arg)
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -190,6 +203,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
         _refuse_repeated_params(groups)
         super().__init__(groups, opt_defaults)
+        if wrapped is not None:
+            # One list of groups for both: a group added through either is seen by a scheduler
+            # on the wrapped optimizer (as torch's would be), and step() refuses one added behind
+            # this optimizer's back (through the wrapped one) instead of never updating it.
+            try:
+                wrapped.param_groups = self.param_groups
+            except AttributeError as exc:  # a read-only property (an optimizer wrapping another)
+                raise TypeError(
+                    f"cannot take over the param groups of {type(wrapped).__name__} ({exc}); wrap the optimizer "
+                    "it wraps, or pass the params and cpu_optimizer_cls= instead"
+                ) from exc
         # Keys the user set, per group and at constructor level (those also fill groups added later).
         group_keys, self._explicit_defaults = explicit
         self._device_defaults: DeviceDefaults | None = None
@@ -224,6 +248,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._built = True
         # A scheduler attached to the wrapped optimizer before wrapping checks that *it* was stepped.
         self._wrapped = weakref.ref(wrapped) if wrapped is not None else None
+        if wrapped is not None:  # only once built: a failed wrap leaves it usable on its own
+            # Its own step would update the params from its own (stale or empty) state.
+            wrapped.register_step_pre_hook(_refuse_wrapped_step)
+        self._groups_placed = len(self.param_groups)
         # Weights loaded between construction (or a state-dict load) and the first step
         # must not be reverted by masters copied earlier: step() refreshes them once.
         self._refresh_masters_before_step = True
@@ -460,6 +488,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._device_defaults.add_group(index, self.param_groups[index], explicit)
             records = build_records([self.param_groups[index]], first_group_index=index)
             self._later_host_buffers.append(self._place(records, f"param group {index} added"))
+            self._groups_placed = len(self.param_groups)
         except BaseException:
             self.param_groups.pop()
             raise
@@ -476,20 +505,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return  # torch failed before normalising the group; its error stands
         owner = {id(p): g for g, built in enumerate(self.param_groups[:existing]) for p in built["params"]}
         names = {id(r.param): r.name for r in self._records}
-        seen: set[int] = set()
         for position, p in enumerate(params):
-            name = names.get(id(p)) or param_name(group, existing, position)
             if id(p) in owner:
+                name = names.get(id(p)) or param_name(group, existing, position)
                 raise ValueError(
                     f"parameter {name!r} of the new param group is already in param group {owner[id(p)]} (some "
                     "parameters appear in more than one parameter group); add each parameter to one group only"
                 )
-            if id(p) in seen:
-                raise ValueError(
-                    f"the new param group lists parameter {name!r} twice (again at position {position}); "
-                    "list each parameter once"
-                )
-            seen.add(id(p))
+        _refuse_repeated_params([group], first_index=existing)
 
     # ------------------------------------------------------------------ step
 
@@ -585,6 +608,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket: wait for its grads, update on the host, queue its H2D. When this
         returns the host work is done and the main stream is ordered after the H2D.
         """
+        self._check_groups_placed()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -619,6 +643,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._publish(r)
         self._mark_wrapped_stepped()
         return loss
+
+    def _check_groups_placed(self) -> None:
+        """``ValueError`` for a param group that got no update space (added to the wrapped optimizer)."""
+        if len(self.param_groups) > self._groups_placed:
+            wrapped = self._wrapped() if self._wrapped is not None else None
+            raise ValueError(
+                f"param group {self._groups_placed} was added to the wrapped "
+                f"{type(wrapped).__name__ if wrapped is not None else 'optimizer'} after it was wrapped, so "
+                "HybridDeviceOptimizer made no update space for its params and would never update them; "
+                "call add_param_group on the HybridDeviceOptimizer instead"
+            )
 
     def _mark_wrapped_stepped(self) -> None:
         """Tell a scheduler attached to the wrapped optimizer that its optimizer stepped.

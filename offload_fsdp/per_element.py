@@ -8,16 +8,26 @@ factors, LAMB/LARS trust ratios, Shampoo/Muon matrix updates) would silently
 compute them over the piece; such a class on a sharded parameter is refused
 (:func:`check_per_element`).
 
-Classes are matched by qualified name over their MRO, so a subclass of a
-registered class (e.g. a ``FusedAdam`` adapter) counts as registered and
-optional backends need not be imported to be listed.
+Classes are matched by the qualified name of the class that implements their
+``step``, so a subclass of a registered class that keeps its ``step`` (e.g. one
+that only adds logging to ``__init__``) counts as registered, while one that
+overrides ``step`` (a LAMB-style trust ratio on top of ``AdamW``) must be
+registered itself; optional backends need not be imported to be listed.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-__all__ = ["PER_ELEMENT_OPTIMIZERS", "check_per_element", "is_per_element", "register_per_element"]
+__all__ = [
+    "PER_ELEMENT_OPTIMIZERS",
+    "check_per_element",
+    "check_steps_without_closure",
+    "is_per_element",
+    "register_per_element",
+]
 
 PER_ELEMENT_OPTIMIZERS: set[str] = {
     "torch.optim.sgd.SGD",
@@ -47,9 +57,36 @@ def register_per_element(cls: type[torch.optim.Optimizer]) -> type[torch.optim.O
     return cls
 
 
+def _step_owner(cls: type) -> str:
+    """Qualified name of the class whose ``step`` ``cls`` runs.
+
+    Unwrapped first: torch's ``Optimizer.__init__`` stores a profiling wrapper of the
+    inherited ``step`` on the first class instantiated, so ``vars(cls)`` may hold a
+    ``step`` the class never wrote.
+    """
+    step = inspect.unwrap(cls.step)
+    # A callable object (no __qualname__) as step names no class: never registered.
+    return f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', '').rpartition('.')[0]}"
+
+
 def is_per_element(cls: type) -> bool:
-    """True when ``cls`` or one of its bases is registered as elementwise."""
-    return any(_qualified(base) in PER_ELEMENT_OPTIMIZERS for base in cls.__mro__)
+    """True when the class implementing ``cls.step`` (``cls`` or a base) is registered as elementwise."""
+    return _qualified(cls) in PER_ELEMENT_OPTIMIZERS or _step_owner(cls) in PER_ELEMENT_OPTIMIZERS
+
+
+def check_steps_without_closure(cls: type, arg: str) -> None:
+    """Raise ``ValueError`` when ``cls.step`` requires a closure (``torch.optim.LBFGS``).
+
+    The delegated instances are stepped per bucket without one; such a class also
+    re-evaluates the model and couples all its parameters, which no per-bucket run reproduces.
+    """
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{arg}={cls.__name__} needs a closure at every step (it re-evaluates the loss and its update "
+            "spans all parameters together), which HybridDeviceOptimizer cannot run per bucket; use "
+            f"{cls.__name__} directly, without HybridDeviceOptimizer"
+        )
 
 
 def check_per_element(cls: type, param_name: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...]) -> None:

@@ -70,6 +70,10 @@ class ParamShard:
     """the dict exposed as ``optimizer.state[param]`` once state exists (None before)"""
     inner_state: dict[str, Any] | None = field(default=None, repr=False)
     """the delegated optimizer's own state dict for ``working`` (delegated records only)"""
+    placeholder_state: bool = False
+    """delegated state made by ``materialize_state`` (zeros) and not loaded since: its next
+    update starts from the class's own fresh state instead, as in torch (a first step may need
+    non-zero initial values: Rprop's step sizes and ASGD's ``eta`` start at ``lr``)"""
 
     @property
     def local(self) -> torch.Tensor:

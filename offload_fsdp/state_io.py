@@ -73,6 +73,7 @@ def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> 
     (when a ``master_param`` is loaded) the param itself, set to the master's cast.
     """
     check_record_state(r, saved, class_name)
+    r.placeholder_state = False  # loaded: the state is real from here on
     for key, value in saved.items():
         if key != "master_param":
             _load_value(r, key, value)

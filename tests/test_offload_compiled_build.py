@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from offload_fsdp import compiled_step
 
@@ -72,3 +76,46 @@ def test_the_build_command_builds_into_the_cache_the_optimizer_loads_from():
     proc = _build_command(dict(os.environ))  # the user's cache: a second run (and the fast-path tests) only load
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("compiled host step ready: ") and Path(proc.stdout.split(": ")[1].split(" (")[0]).exists()
+
+
+def test_a_private_build_for_an_unwritable_cache_is_announced_with_the_fix(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(blocker / "cache"))  # under a file: cannot be created
+    monkeypatch.setenv("CC", sys.executable)  # any program that exists and answers --version
+    built: list[Path] = []
+
+    def fake_compile(compiler: str, out: Path) -> None:
+        built.append(out)
+        raise RuntimeError("stop after the build starts")
+
+    monkeypatch.setattr(compiled_step, "_compile", fake_compile)
+    with caplog.at_level("WARNING", logger="offload_fsdp.compiled_step"), pytest.raises(RuntimeError, match="stop"):
+        compiled_step._compile_and_load()
+    assert len(built) == 1 and blocker not in built[0].parents, "a private build, outside the cache"
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "for this process only" in messages[0], messages
+    assert "OFFLOAD_FSDP_CACHE_DIR" in messages[0] and str(blocker / "cache") in messages[0]
+
+
+def test_a_builder_killed_with_sigkill_leaves_no_lock_behind(tmp_path):
+    lock = tmp_path / "host_adam-test.so.lock"
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the builder: takes the lock, says so, and is killed holding it
+        with compiled_step._exclusive(lock):
+            os.write(ready_w, b"x")
+            signal.pause()
+        os._exit(0)
+    os.read(ready_r, 1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+    def take() -> None:
+        with compiled_step._exclusive(lock):
+            pass
+
+    taker = threading.Thread(target=take, daemon=True)  # a stale lock would block it: fail, never hang
+    taker.start()
+    taker.join(60)
+    assert not taker.is_alive(), "the lock outlived the killed builder"

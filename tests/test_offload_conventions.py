@@ -56,6 +56,71 @@ def test_a_scheduler_attached_before_wrapping_drives_the_real_hyperparameters(ki
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_a_group_added_through_the_wrapper_is_driven_by_a_scheduler_built_on_the_wrapped_optimizer(fraction):
+    ours, ref = _params(), _params()
+    inner = torch.optim.AdamW([{"params": ours[:1], "lr": 0.02}, {"params": ours[1:2]}], lr=0.01, fused=True)
+    opt = HybridDeviceOptimizer(inner, fraction)
+    opt.add_param_group({"params": ours[2:], "lr": 0.05})
+    ref_opt = torch.optim.AdamW([{"params": ref[:1], "lr": 0.02}, {"params": ref[1:2]}], lr=0.01, fused=True)
+    ref_opt.add_param_group({"params": ref[2:], "lr": 0.05})
+    lambdas = [lambda s: 0.5**s, lambda s: 0.9**s, lambda s: 1.0 / (s + 1)]
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambdas)  # the user's handle: the wrapped optimizer
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambdas)
+    for step in range(4):
+        _set_grads([ours, ref], step)
+        opt.step()
+        ref_opt.step()
+        sched.step()
+        ref_sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_stepping_the_wrapped_optimizer_itself_is_refused_and_changes_nothing():
+    params = _params()
+    inner = torch.optim.AdamW(params, lr=0.01)
+    opt = HybridDeviceOptimizer(inner, 0.5)
+    _set_grads([params], 0)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"this AdamW is wrapped by a HybridDeviceOptimizer.*call step\(\) on the"):
+        inner.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not inner.state
+    opt.step()  # the wrapper itself still steps
+
+
+class _ReadOnlyGroups(torch.optim.SGD):
+    """An optimizer whose param_groups cannot be replaced once set (as some optimizer wrappers do)."""
+
+    @property
+    def param_groups(self):
+        return self.__dict__["_groups"]
+
+    @param_groups.setter
+    def param_groups(self, value):
+        if "_groups" in self.__dict__:
+            raise AttributeError("param_groups is read-only")
+        self.__dict__["_groups"] = value
+
+
+def test_wrapping_an_optimizer_whose_groups_cannot_be_taken_over_is_refused_with_the_way_out():
+    inner = _ReadOnlyGroups(_params(), lr=0.1)
+    with pytest.raises(TypeError, match=r"cannot take over the param groups of _ReadOnlyGroups.*cpu_optimizer_cls="):
+        HybridDeviceOptimizer(inner, 1.0)
+
+
+def test_a_group_added_to_the_wrapped_optimizer_after_wrapping_is_refused_at_step():
+    params = _params()
+    inner = torch.optim.AdamW(params[:2], lr=0.01)
+    opt = HybridDeviceOptimizer(inner, 1.0)
+    inner.add_param_group({"params": params[2:]})  # behind the wrapper's back: no update space exists
+    _set_grads([params], 0)
+    with pytest.raises(ValueError, match=r"param group 1 was added to the wrapped AdamW.*add_param_group on the "
+                                         r"HybridDeviceOptimizer"):  # fmt: skip
+        opt.step()
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_a_param_frozen_at_construction_and_unfrozen_later_is_refused_by_name(fraction):
     params = _params()

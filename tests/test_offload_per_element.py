@@ -30,8 +30,10 @@ def test_adafactor_on_a_sharded_param_is_refused_naming_class_param_and_way_out(
 
 
 def test_wrapping_adafactor_over_a_sharded_param_is_refused_and_a_later_group_too():
+    inner = torch.optim.Adafactor([_row_shard()], lr=0.01)
     with pytest.raises(ValueError, match="Adafactor"):
-        HybridDeviceOptimizer(torch.optim.Adafactor([_row_shard()], lr=0.01), 1.0)
+        HybridDeviceOptimizer(inner, 1.0)
+    inner.step()  # a failed wrap leaves the optimizer usable on its own
     opt = HybridDeviceOptimizer([torch.randn(6, 4, requires_grad=True)], 1.0, cpu_optimizer_cls=torch.optim.Adafactor)
     with pytest.raises(ValueError, match=r"Adafactor .*param_groups\[1\]\['params'\]\[0\]. is sharded"):
         opt.add_param_group({"params": [_row_shard()]})
@@ -98,3 +100,41 @@ def _fsdp_body(rank: int, world_size: int) -> str:
 def test_adafactor_on_fsdp2_row_shards_is_refused_on_every_rank():
     for message in run_ranks(_fsdp_body, world_size=2):
         assert "Adafactor" in message and "'weight' is sharded (local shape (3, 4) of (6, 4))" in message, message
+
+
+class _TrustRatioAdamW(torch.optim.AdamW):
+    """LAMB-style: AdamW's update rescaled by a per-tensor norm ratio (not elementwise)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        before = [p.clone() for p in params]
+        super().step(closure)
+        for p, b in zip(params, before):
+            update = p - b
+            p.copy_(b + update * (b.norm() / (update.norm() + 1e-12)))
+
+
+def test_a_subclass_that_overrides_step_of_an_elementwise_class_is_refused_on_a_sharded_param():
+    assert not is_per_element(_TrustRatioAdamW)
+    with pytest.raises(ValueError, match=r"_TrustRatioAdamW .*is sharded.*register_per_element"):
+        HybridDeviceOptimizer([_row_shard()], 1.0, cpu_optimizer_cls=_TrustRatioAdamW)
+
+
+def test_a_subclass_keeping_its_base_step_stays_elementwise_after_torch_wraps_its_step():
+    class QuietAdamW(torch.optim.AdamW):
+        pass
+
+    # torch's Optimizer.__init__ may store a profiling wrapper of the inherited step on the class itself.
+    QuietAdamW([torch.zeros(2, requires_grad=True)])
+    assert is_per_element(QuietAdamW)
+    HybridDeviceOptimizer([_row_shard()], 1.0, cpu_optimizer_cls=QuietAdamW)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_lbfgs_is_refused_at_construction_naming_the_class_and_the_way_out(fraction):
+    params = [torch.randn(3, 2, requires_grad=True)]
+    with pytest.raises(ValueError, match=r"LBFGS needs a closure.*use LBFGS directly"):
+        HybridDeviceOptimizer(torch.optim.LBFGS(params), fraction)
+    with pytest.raises(ValueError, match=r"LBFGS needs a closure"):
+        HybridDeviceOptimizer(params, fraction, cpu_optimizer_cls=torch.optim.LBFGS)

@@ -17,7 +17,7 @@ from offload_fsdp import HybridDeviceOptimizer
 from tests.distributed import run_ranks
 
 WRITES = ["load_state_dict", "copy_", "mul_", "ema_swap"]
-HYPER = {"lr": 0.01, "betas": (0.8, 0.95), "weight_decay": 0.1}
+HYPER = {"lr": 0.01, "betas": (0.8, 0.95), "weight_decay": 0.1, "fused": True}  # both shares: torch's fused kernel
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:
@@ -56,6 +56,15 @@ def _as_master_reference(ref: torch.nn.Module, ours: torch.nn.Module) -> None:
         r_local.copy_(torch.where(r_local.to(p.dtype) != p_local, p_local.float(), r_local))
 
 
+def _write_like_torch(kind: str, ours: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """The user's write into ``ours``, and what it does to the fp32 reference ``ref`` (the params, or the master)."""
+    _write(kind, ours)
+    if next(ours.parameters()).dtype == torch.float32:
+        _write(kind, ref)
+    else:
+        _as_master_reference(ref, ours)
+
+
 def _set_grads(models: list[torch.nn.Module], step: int) -> None:
     gen = torch.Generator().manual_seed(100 + step)
     for params in zip(*(m.parameters() for m in models)):
@@ -74,17 +83,12 @@ def test_a_weight_written_between_steps_is_kept_like_torch(kind, fraction, dtype
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
     for step in range(4):
         if step == 2:
-            _write(kind, ours)
-            if dtype == torch.float32:
-                _write(kind, ref)
-            else:
-                _as_master_reference(ref, ours)
+            _write_like_torch(kind, ours, ref)
         _set_grads([ours, ref], step)
         opt.step()
         ref_opt.step()
     for p, r in zip(ours.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.float() if dtype == torch.float32 else opt.state[p]["master_param"], r,
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        assert torch.equal(p if dtype == torch.float32 else opt.state[p]["master_param"], r), "bit for bit"
         if dtype != torch.float32:
             assert torch.equal(p, opt.state[p]["master_param"].to(dtype)), "the param is its master's cast"
 
@@ -141,11 +145,7 @@ def _fsdp_case(mesh, rank: int, dtype: torch.dtype, kind: str, fraction: float) 
     refreshes_without_writes = 0
     for step in range(4):
         if step == 2:
-            _write(kind, ours)
-            if dtype == torch.float32:
-                _write(kind, ref)
-            else:
-                _as_master_reference(ref, ours)
+            _write_like_torch(kind, ours, ref)
         calls.clear()
         gen = torch.Generator().manual_seed(100 * step + rank)
         ours(torch.randn(4, 6, generator=gen).to(dtype)).float().square().mean().backward()
@@ -176,5 +176,5 @@ def _fsdp_body(rank: int, world_size: int, kinds: list[str]) -> dict:
 
 def test_fsdp2_local_shards_written_between_steps_are_kept_like_torch():
     for cases in run_ranks(_fsdp_body, world_size=2, args=(WRITES,)):
-        assert max(diff for diff, _ in cases.values()) < 1e-5, cases
+        assert max(diff for diff, _ in cases.values()) == 0.0, cases  # bit for bit
         assert all(refreshes == 0 for _, refreshes in cases.values()), "FSDP2's own work must not count as a user write"
