@@ -32,8 +32,9 @@ from checkpoint.manifest import (
     verify_files,
 )
 from checkpoint.safe_unpickle import load_metadata
+from checkpoint.save_errors import first_failure
 
-__all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "first_failure", "open_checkpoint", "read_failure"]
+__all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "open_checkpoint", "read_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,16 +125,6 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
             "restore it from a copy or re-save the checkpoint"
         )
     return data
-
-
-def first_failure(exc: BaseException) -> BaseException:
-    """The exception a rank raised inside ``dcp.load`` (DCP wraps it in a ``CheckpointException``, a ``BaseException``)."""
-    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: the exception that rank raised}
-    if isinstance(failures, dict) and failures:
-        exc = next(iter(failures.values()))
-        if isinstance(exc, tuple) and exc:  # (exception, traceback) in torch 2.x
-            exc = exc[0]
-    return exc
 
 
 def read_failure(exc: BaseException, where: Path) -> Exception:

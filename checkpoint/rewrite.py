@@ -118,14 +118,14 @@ def write_checkpoint(
                 error = exc
         group.agree(error)  # staging exists (and is empty) before anyone writes into it
         try:
-            _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group)
+            _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths)
         except BaseException:
             if group.rank == 0:  # every process has stopped writing: agree() raised on all of them
                 remove_staging(dst)
             raise
 
 
-def _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group) -> None:
+def _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths) -> None:
     files = {r: CrcStream.create(staging / _file_name(r)) for r in range(world_size) if group.mine(r)}
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}

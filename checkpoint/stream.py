@@ -38,9 +38,10 @@ from checkpoint.manifest import (
     CheckpointCorruptError,
     Manifest,
 )
-from checkpoint.opener import first_failure, open_checkpoint
+from checkpoint.opener import open_checkpoint
 from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner
+from checkpoint.save_errors import first_failure
 
 __all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
