@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
 
@@ -252,6 +253,8 @@ def check_saved_values(tree: Any, prefix: str = "") -> None:
     elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
         for i, v in enumerate(tree):
             check_saved_values(v, f"{prefix}{i}.")
+    elif isinstance(tree, Stateful) and not isinstance(tree, torch.Tensor):
+        check_saved_values(tree.state_dict(), prefix)  # saved as its state_dict() (convert_tree), so checked as that
     elif not isinstance(tree, _PLAIN):  # plain scalars and tensors always load weights-only
         check_weights_only(prefix.rstrip("."), tree)
 
