@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = [
+    "CheckpointLoadError",
     "CheckpointSaveError",
     "agree_on_failure",
     "dcp_failures",
@@ -30,6 +31,14 @@ __all__ = [
 ]
 
 
+def _rank_failures_message(doing: str, path: str | os.PathLike, failures: dict[int, str]) -> str:
+    ranks = ", ".join(str(r) for r in sorted(failures))
+    first = failures[min(failures)]
+    more = "" if len(set(failures.values())) == 1 else f" (and {len(failures) - 1} other rank(s) failed too)"
+    plural = "s" if len(failures) > 1 else ""
+    return f"{doing} checkpoint {str(path)!r} failed on rank{plural} {ranks}: {first}{more}"
+
+
 class CheckpointSaveError(RuntimeError):
     """A save failed on one or more ranks; nothing at the target path changed.
 
@@ -38,11 +47,19 @@ class CheckpointSaveError(RuntimeError):
     """
 
     def __init__(self, path: str | os.PathLike, failures: dict[int, str]) -> None:
-        ranks = ", ".join(str(r) for r in sorted(failures))
-        first = failures[min(failures)]
-        more = "" if len(set(failures.values())) == 1 else f" (and {len(failures) - 1} other rank(s) failed too)"
-        plural = "s" if len(failures) > 1 else ""
-        super().__init__(f"saving checkpoint {str(path)!r} failed on rank{plural} {ranks}: {first}{more}")
+        super().__init__(_rank_failures_message("saving", path, failures))
+        self.failures = failures
+
+
+class CheckpointLoadError(RuntimeError):
+    """A collective load failed on other ranks (this rank read its part fine, which may now be in place).
+
+    ``failures`` maps each failing rank to its error message; those ranks
+    raised their own error (naming the damaged file and the fix).
+    """
+
+    def __init__(self, path: str | os.PathLike, failures: dict[int, str]) -> None:
+        super().__init__(_rank_failures_message("loading", path, failures))
         self.failures = failures
 
 
