@@ -268,22 +268,28 @@ def load_flat(
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
         check = opened.content_check()
-        try:
-            with quiet_single_process():
-                dcp.load(
-                    loadable,
-                    # Our own files are read straight into place; a plain DCP directory the DCP way.
-                    storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None, check=check),
-                    planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
-                                            allow_partial_load=True, where=str(opened.path)),
-                    no_dist=True,
-                )
-        except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-            raise read_failure(exc, opened.path) from None
-        if check is not None:
-            check.finish()  # raises naming the file whose bytes did not match
+        with opened.reading():
+            _read_flat(opened, loadable, check)
     values = {k: v for k, v in loadable.items() if not isinstance(v, torch.Tensor)}
     return report, values
+
+
+def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check) -> None:
+    """One DCP load of ``loadable`` from ``opened``, then the streamed CRC-32 check of the files it read."""
+    try:
+        with quiet_single_process():
+            dcp.load(
+                loadable,
+                # Our own files are read straight into place; a plain DCP directory the DCP way.
+                storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None, check=check),
+                planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
+                                        allow_partial_load=True, where=str(opened.path)),
+                no_dist=True,
+            )
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise read_failure(exc, opened.path) from None
+    if check is not None:
+        check.finish()  # raises naming the file whose bytes did not match
 
 
 def _mismatch(key: str, saved, value) -> str | None:
