@@ -302,3 +302,20 @@ def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_at_exi
     last = done.stderr.strip().splitlines()[-1]
     assert "process exits" in last and "did not commit" in last and str(tmp_path / "ck") in last, done.stderr
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["notes.txt"]
+
+
+def test_a_save_or_export_to_a_symbolic_link_is_refused_and_leaves_link_and_target_alone(tmp_path):
+    from checkpoint.cli import main as cli_main
+
+    real = tmp_path / "runs" / "step1"
+    checkpoint.save_state_dict(_state(1), real)
+    before = sorted(p.name for p in real.iterdir())
+    (tmp_path / "latest").symlink_to(real)
+    for attempt in range(2):  # the first refusal leaves nothing that changes the second
+        with pytest.raises(FileExistsError, match="symbolic link") as raised:
+            checkpoint.save_state_dict(_state(2 + attempt), tmp_path / "latest")
+        assert str(real) in str(raised.value)
+    assert cli_main(["export", str(real), str(tmp_path / "latest"), "--format", "safetensors", "--force", "-q"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "runs"]  # no staging, no swap dir, no lock
+    assert (tmp_path / "latest").is_symlink() and sorted(p.name for p in real.iterdir()) == before  # no marker inside
+    assert _which_state(tmp_path / "latest") == 1
