@@ -13,7 +13,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
-from checkpoint.state_dict_io import LoadReport, load_flat, load_on_every_rank, open_checkpoint, save_state_dict
+from checkpoint.state_dict_io import (
+    LoadReport,
+    load_flat,
+    load_on_every_rank,
+    open_checkpoint,
+    save_state_dict,
+)
 from checkpoint.training_state import (
     MASTER_PARAM,
     TIED_SECTION,

@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -43,7 +43,12 @@ from checkpoint.atomic import (
     write_lock,
 )
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
-from checkpoint.convert import convert_tree, load_stateful, resolve_stateful, to_checkpointable
+from checkpoint.convert import (
+    convert_tree,
+    load_stateful,
+    resolve_stateful,
+    to_checkpointable,
+)
 from checkpoint.opener import (
     CheckpointCorruptError,
     OpenCheckpoint,

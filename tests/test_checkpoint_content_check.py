@@ -116,7 +116,7 @@ def _full(v: float) -> dict:
 
 
 def test_a_load_racing_a_save_to_the_same_path_says_it_was_replaced_not_damaged(tmp_path, monkeypatch):
-    import checkpoint.state_dict_io as state_dict_io
+    from checkpoint import state_dict_io
     from checkpoint.stream import CheckpointReader
 
     path = tmp_path / "ck"

@@ -1,4 +1,7 @@
-"""A bad input on one rank of 4 makes every rank raise (never a hang), blocking and async saves alike."""
+"""A bad input on one rank of 4 makes every rank raise (never a hang), blocking and async saves alike; so does a
+damaged file one rank of 3 reads in a load."""
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -107,9 +110,10 @@ def _load_with_one_damaged_file(rank: int, world_size: int, root: str) -> dict:
     if rank == 0:
         damaged = f"__{BAD_RANK}_0.distcp"  # only BAD_RANK reads its rows from this file
         assert damaged in read_manifest(f"{root}/ck").files
-        raw = bytearray(open(f"{root}/ck/{damaged}", "rb").read())
+        data_file = Path(root) / "ck" / damaged
+        raw = bytearray(data_file.read_bytes())
         raw[len(raw) // 2] ^= 0x10
-        open(f"{root}/ck/{damaged}", "wb").write(bytes(raw))
+        data_file.write_bytes(bytes(raw))
     dist.barrier()
     outcomes = {}
     target = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [torch.distributed.tensor.Shard(0)])}
