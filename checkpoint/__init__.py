@@ -28,7 +28,7 @@ from checkpoint.atomic import resolve_for_load
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
 from checkpoint.durable import DiskFullError
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
-from checkpoint.save_errors import CheckpointSaveError
+from checkpoint.save_errors import CheckpointLoadError, CheckpointSaveError
 from checkpoint.shard import CheckpointShard, shard
 from checkpoint.state_dict_io import (
     CheckpointCorruptError,
@@ -44,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "AsyncSaveError",
     "CheckpointCorruptError",
+    "CheckpointLoadError",
     "CheckpointSaveError",
     "CheckpointShard",
     "DiskFullError",

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from checkpoint.state_dict_io import (
     LoadReport,
     OpenCheckpoint,
     load_flat,
+    load_on_every_rank,
     open_checkpoint,
     save_state_dict,
 )
@@ -127,10 +129,17 @@ def load(
     verify: str = "crc",
     require_manifest: bool = True,
     extra: dict[str, Any] | None = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
+    no_dist: bool = False,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
-    Any world size and layout; no communication. The optimizer's lazy state
+    Any world size and layout. Each rank reads its own part; under an
+    initialised process group every rank of ``process_group`` calls it and
+    they agree at the end (one small gather): an error on one rank (a damaged
+    file only it read) raises on every rank, the others raising
+    :class:`~checkpoint.save_errors.CheckpointLoadError`. ``no_dist=True``: a
+    rank-local load (one rank alone), no communication. The optimizer's lazy state
     is created first (so parameters that never had a gradient load fine); a
     ``HybridDeviceOptimizer`` keeps the masters saved in the checkpoint and
     refreshes the others from the loaded weights.
@@ -146,6 +155,11 @@ def load(
     ``dcp.load`` does: each Stateful one (``load_state_dict()``: a dataloader,
     a module) is given its saved state; the returned dict holds the object.
     """
+    load = partial(_load, path, model, optimizer, strict, verify, require_manifest, extra)
+    return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
+
+
+def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> LoadResult:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     saved = opened.metadata.state_dict_metadata
     targets: dict[str, Any] = {}

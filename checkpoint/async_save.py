@@ -129,14 +129,23 @@ def wait_for_async_save() -> None:
 
 
 def _finish_at_exit() -> None:
-    """Interpreter exit with a save in flight: finish it, or say loudly that it did not commit."""
+    """Interpreter exit with a save in flight: finish it; say loudly when the last save did not commit.
+
+    A failure nobody asked the future about is said again here: its first
+    ERROR line may be far up the log, and the process is about to exit 0.
+    """
     future = _in_flight
-    if future is None or future.done():
+    if future is None:
         return
-    logger.warning("waiting for the async checkpoint save to %s to finish before the process exits", future.path)
-    wait([future])
-    if super(_SaveFuture, future).exception() is not None:
-        logger.error("the async checkpoint save to %s did not commit before exit", future.path)
+    if not future.done():
+        logger.warning("waiting for the async checkpoint save to %s to finish before the process exits", future.path)
+        wait([future])
+    error = super(_SaveFuture, future).exception()
+    if error is not None and not future.observed:
+        logger.error(
+            "the process exits, and its last async checkpoint save, to %s, did not commit (%s: %s)",
+            future.path, type(error).__name__, error,
+        )
 
 
 # A private hook, and deliberately so: it runs before concurrent.futures' own exit hook stops every

@@ -135,9 +135,16 @@ def make_staging(path: str | os.PathLike, *, fresh: bool = True) -> Path:
 
     A staging directory left by an unfinished save is removed first (``fresh``)
     or reused as is (``fresh=False``: ranks written one by one, :func:`checkpoint.write_rank`).
-    Raises ``FileExistsError`` when something not made by a save sits at the staging name.
+    Raises ``FileExistsError`` when something not made by a save sits at the staging name, or ``path``
+    is a symbolic link (a save replaces what sits at ``path``: the link, not its target).
     """
     path = Path(path)
+    if path.is_symlink():
+        # The swap renames whatever sits at ``path``: it would move the link aside, not replace what it points to.
+        raise FileExistsError(
+            f"cannot save to {str(path)!r}: it is a symbolic link (to {os.readlink(path)!r}), which a save would "
+            f"replace by a directory; save to {os.path.realpath(path)!r} itself, or to another path"
+        )
     staged = staging_path(path)
     if fresh or not is_ours(staged):
         _remove_ours(staged, "unfinished saves", path)

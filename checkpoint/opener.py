@@ -13,9 +13,11 @@ CRC-32 of every file as it is read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from checkpoint.atomic import check_committed, is_committed, resolve_for_load
 from checkpoint.content_check import ContentCheck
 from checkpoint.manifest import (
+    MANIFEST_NAME,
     METADATA_NAME,
     CheckpointCorruptError,
     Manifest,
@@ -32,8 +35,9 @@ from checkpoint.manifest import (
     verify_files,
 )
 from checkpoint.safe_unpickle import load_metadata
+from checkpoint.save_errors import first_failure
 
-__all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "first_failure", "open_checkpoint", "read_failure"]
+__all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "open_checkpoint", "read_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +55,36 @@ class OpenCheckpoint:
     metadata: Metadata
     verify: str = "crc"
     """the ``verify`` mode it was opened with"""
+    stamp: tuple[int, int] | None = None
+    """``manifest.json``'s (device, inode) when opened: a save to the same path swaps in a new one"""
 
     def content_check(self) -> ContentCheck | None:
         """A fresh streamed CRC-32 check for the bytes a reader reads, or ``None`` when not asked for / no manifest."""
         if self.manifest is None or self.verify != "crc":
             return None
         return ContentCheck(self.path, self.manifest.files)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Reads of this checkpoint's files: a failure because a save replaced it meanwhile says so.
+
+        A save to the same path swaps a new directory in while this one is read
+        (loads take no lock); its files then fail the CRC-32 / size checks of
+        the manifest read at open, which would read as damage. Nothing is damaged:
+        the caller should load again. Without the streamed check (``verify`` other
+        than ``"crc"``) a read that raced a save may have mixed both: refused too.
+        """
+        try:
+            yield
+        except (ValueError, OSError) as exc:
+            if not self._replaced():
+                raise
+            raise _replaced_error(self.path) from exc
+        if self.verify != "crc" and self._replaced():
+            raise _replaced_error(self.path)
+
+    def _replaced(self) -> bool:
+        return self.stamp is not None and _stamp(self.path) != self.stamp
 
 
 def open_checkpoint(
@@ -80,23 +108,44 @@ def open_checkpoint(
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
     src = resolve_for_load(path)
-    manifest = None
-    if require_manifest or not os.path.lexists(src / METADATA_NAME) or is_committed(src):
-        check_committed(src)
-        manifest = read_manifest(src)
-    elif not quiet:
-        logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
-    if manifest is not None and verify != "none":
-        _check_files(src, manifest, checksums=verify == "full")
-    metadata = load_metadata(src / METADATA_NAME, _read_metadata_bytes(src, manifest, verify))
-    if manifest is not None:
-        unlisted = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - set(manifest.files))
-        if unlisted:
-            raise CheckpointCorruptError(
-                f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
-                "restore the checkpoint from a copy or re-save it"
-            )
-    return OpenCheckpoint(src, manifest, metadata, verify)
+    stamp = _stamp(src)  # before the manifest is read: a save swapping in meanwhile shows as a change
+    try:
+        manifest = None
+        if require_manifest or not os.path.lexists(src / METADATA_NAME) or is_committed(src):
+            check_committed(src)
+            manifest = read_manifest(src)
+        elif not quiet:
+            logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
+        if manifest is not None and verify != "none":
+            _check_files(src, manifest, checksums=verify == "full")
+        metadata = load_metadata(src / METADATA_NAME, _read_metadata_bytes(src, manifest, verify))
+        if manifest is not None:
+            unlisted = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - set(manifest.files))
+            if unlisted:
+                raise CheckpointCorruptError(
+                    f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
+                    "restore the checkpoint from a copy or re-save it"
+                )
+    except (ValueError, OSError) as exc:
+        if stamp is not None and _stamp(src) != stamp:
+            raise _replaced_error(src) from exc  # a save swapped a new checkpoint in while this one was opened
+        raise
+    return OpenCheckpoint(src, manifest, metadata, verify, stamp if manifest is not None else None)
+
+
+def _replaced_error(path: Path) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"checkpoint {str(path)!r} was replaced by another save while it was being read "
+        f"({MANIFEST_NAME} changed); its files are not damaged: load it again, once that save finished"
+    )
+
+
+def _stamp(src: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(src / MANIFEST_NAME)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
@@ -124,16 +173,6 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
             "restore it from a copy or re-save the checkpoint"
         )
     return data
-
-
-def first_failure(exc: BaseException) -> BaseException:
-    """The exception a rank raised inside ``dcp.load`` (DCP wraps it in a ``CheckpointException``, a ``BaseException``)."""
-    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: the exception that rank raised}
-    if isinstance(failures, dict) and failures:
-        exc = next(iter(failures.values()))
-        if isinstance(exc, tuple) and exc:  # (exception, traceback) in torch 2.x
-            exc = exc[0]
-    return exc
 
 
 def read_failure(exc: BaseException, where: Path) -> Exception:

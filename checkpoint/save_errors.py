@@ -1,5 +1,8 @@
 """How a save fails: on every rank at once, as one ``Exception`` with one message.
 
+Also the one place that takes DCP's ``CheckpointException`` apart
+(:func:`dcp_failures`), for saves and loads alike.
+
 DCP raises ``CheckpointException``, a ``BaseException`` that ``except
 Exception`` does not catch, and only from inside its own collectives: an
 error a rank hits before or outside them (converting its state dict,
@@ -16,7 +19,24 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointSaveError", "agree_on_failure", "raise_on_every_rank", "raise_unwrapped", "unwrap_dcp_error"]
+__all__ = [
+    "CheckpointLoadError",
+    "CheckpointSaveError",
+    "agree_on_failure",
+    "dcp_failures",
+    "first_failure",
+    "raise_on_every_rank",
+    "raise_unwrapped",
+    "unwrap_dcp_error",
+]
+
+
+def _rank_failures_message(doing: str, path: str | os.PathLike, failures: dict[int, str]) -> str:
+    ranks = ", ".join(str(r) for r in sorted(failures))
+    first = failures[min(failures)]
+    more = "" if len(set(failures.values())) == 1 else f" (and {len(failures) - 1} other rank(s) failed too)"
+    plural = "s" if len(failures) > 1 else ""
+    return f"{doing} checkpoint {str(path)!r} failed on rank{plural} {ranks}: {first}{more}"
 
 
 class CheckpointSaveError(RuntimeError):
@@ -27,12 +47,34 @@ class CheckpointSaveError(RuntimeError):
     """
 
     def __init__(self, path: str | os.PathLike, failures: dict[int, str]) -> None:
-        ranks = ", ".join(str(r) for r in sorted(failures))
-        first = failures[min(failures)]
-        more = "" if len(set(failures.values())) == 1 else f" (and {len(failures) - 1} other rank(s) failed too)"
-        plural = "s" if len(failures) > 1 else ""
-        super().__init__(f"saving checkpoint {str(path)!r} failed on rank{plural} {ranks}: {first}{more}")
+        super().__init__(_rank_failures_message("saving", path, failures))
         self.failures = failures
+
+
+class CheckpointLoadError(RuntimeError):
+    """A collective load failed on other ranks (this rank read its part fine, which may now be in place).
+
+    ``failures`` maps each failing rank to its error message; those ranks
+    raised their own error (naming the damaged file and the fix).
+    """
+
+    def __init__(self, path: str | os.PathLike, failures: dict[int, str]) -> None:
+        super().__init__(_rank_failures_message("loading", path, failures))
+        self.failures = failures
+
+
+def dcp_failures(exc: BaseException) -> dict[int, BaseException]:
+    """``{rank: the exception that rank raised}`` inside DCP, from its ``CheckpointException``; ``{}`` for any other exception."""
+    failures = getattr(exc, "failures", None) if isinstance(exc, CheckpointException) else None
+    if not isinstance(failures, dict):
+        return {}
+    # torch 2.x stores (exception, traceback) per rank
+    return {rank: f[0] if isinstance(f, tuple) and f else f for rank, f in failures.items()}
+
+
+def first_failure(exc: BaseException) -> BaseException:
+    """The exception the first failing rank raised inside DCP (a rank-local ``no_dist`` load: this rank's); else ``exc``."""
+    return next(iter(dcp_failures(exc).values()), exc)
 
 
 def _describe(exc: BaseException) -> str:
@@ -74,11 +116,10 @@ def unwrap_dcp_error(exc: CheckpointException, path: str | os.PathLike, rank: in
     As :func:`raise_on_every_rank`: the failing rank gets its own error back
     (already clear: it names the key or file), the others a :class:`CheckpointSaveError`.
     """
-    own = exc.failures.get(rank)
-    if own is not None:
-        return own[0]
-    failures = {r: _describe(failure[0]) for r, failure in exc.failures.items()}
-    return CheckpointSaveError(path, failures or {0: str(exc)})
+    failures = dcp_failures(exc)
+    if rank in failures:
+        return failures[rank]
+    return CheckpointSaveError(path, {r: _describe(f) for r, f in failures.items()} or {0: str(exc)})
 
 
 def raise_unwrapped(exc: CheckpointException, path: str | os.PathLike, rank: int = 0) -> None:

@@ -12,7 +12,9 @@ state dict included, are gathered there and raised on every rank);
 ``mode="scale"`` costs three small gathers, each agreeing on whether a step
 failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
 the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
-costs nothing: every rank reads the merged ``.metadata`` and its own chunks.
+reads no more than each rank's own chunks and the merged ``.metadata``; under
+an initialised process group it ends with one small gather agreeing on
+success, so a damaged file one rank read raises on every rank.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,7 +43,12 @@ from checkpoint.atomic import (
     write_lock,
 )
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
-from checkpoint.convert import convert_tree, load_stateful, resolve_stateful, to_checkpointable
+from checkpoint.convert import (
+    convert_tree,
+    load_stateful,
+    resolve_stateful,
+    to_checkpointable,
+)
 from checkpoint.opener import (
     CheckpointCorruptError,
     OpenCheckpoint,
@@ -50,12 +58,21 @@ from checkpoint.opener import (
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
-from checkpoint.save_errors import raise_on_every_rank, raise_unwrapped, unwrap_dcp_error
+from checkpoint.save_errors import (
+    CheckpointLoadError,
+    agree_on_failure,
+    raise_on_every_rank,
+    raise_unwrapped,
+    unwrap_dcp_error,
+)
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
 
 @dataclass
 class LoadReport:
@@ -84,6 +101,25 @@ def _dist_info(process_group) -> tuple[int, int, bool]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(process_group), dist.get_world_size(process_group), True
     return 0, 1, False
+
+
+def load_on_every_rank(
+    load: Callable[[], T], path: str | os.PathLike, *, process_group: dist.ProcessGroup | None, no_dist: bool
+) -> T:
+    """``load()`` (rank-local reads), then one small gather agreeing on its success (unless ``no_dist`` or no
+    process group is initialised): a rank whose read failed raises its own error, every other rank
+    :class:`~checkpoint.save_errors.CheckpointLoadError`, so no rank goes on to train alone and wait forever.
+    """
+    distributed = not no_dist and dist.is_available() and dist.is_initialized()
+    result = error = None
+    try:
+        result = load()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
+        error = exc
+    failures = agree_on_failure(error, group=process_group, distributed=distributed)
+    if failures:
+        raise CheckpointLoadError(path, failures)
+    return result
 
 
 def save_state_dict(
@@ -237,22 +273,28 @@ def load_flat(
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
         check = opened.content_check()
-        try:
-            with quiet_single_process():
-                dcp.load(
-                    loadable,
-                    # Our own files are read straight into place; a plain DCP directory the DCP way.
-                    storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None, check=check),
-                    planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
-                                            allow_partial_load=True, where=str(opened.path)),
-                    no_dist=True,
-                )
-        except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-            raise read_failure(exc, opened.path) from None
-        if check is not None:
-            check.finish()  # raises naming the file whose bytes did not match
+        with opened.reading():
+            _read_flat(opened, loadable, check)
     values = {k: v for k, v in loadable.items() if not isinstance(v, torch.Tensor)}
     return report, values
+
+
+def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check) -> None:
+    """One DCP load of ``loadable`` from ``opened``, then the streamed CRC-32 check of the files it read."""
+    try:
+        with quiet_single_process():
+            dcp.load(
+                loadable,
+                # Our own files are read straight into place; a plain DCP directory the DCP way.
+                storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None, check=check),
+                planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
+                                        allow_partial_load=True, where=str(opened.path)),
+                no_dist=True,
+            )
+    except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        raise read_failure(exc, opened.path) from None
+    if check is not None:
+        check.finish()  # raises naming the file whose bytes did not match
 
 
 def _mismatch(key: str, saved, value) -> str | None:
@@ -272,10 +314,16 @@ def load_state_dict(
     strict: bool = True,
     verify: str = "crc",
     require_manifest: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
 ) -> LoadReport:
     """Fill ``state_dict`` from the checkpoint at ``path``: tensors in place, other values replaced.
 
-    Works at any world size and layout; no communication. Keys are the dotted
+    Works at any world size and layout. Each rank reads its own part; when a
+    process group is initialised, all ranks of ``process_group`` call it and
+    agree at the end (one small gather): an error on one rank raises on every
+    rank (:class:`~checkpoint.save_errors.CheckpointLoadError` on the others).
+    ``no_dist=True``: a rank-local load with no communication (one rank alone reading). Keys are the dotted
     paths of the nested dict (``{"model": {"w": t}}`` is ``model.w``).
     ``strict`` raises ``ValueError`` naming missing / unexpected (within the
     top-level sections given) / mis-shaped keys; otherwise they are skipped and
@@ -284,6 +332,11 @@ def load_state_dict(
     dataloader), as ``dcp.load`` accepts, is filled through its ``state_dict()``
     and then given it by ``load_state_dict()``.
     """
+    load = partial(_load_state_dict, state_dict, path, strict=strict, verify=verify, require_manifest=require_manifest)
+    return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
+
+
+def _load_state_dict(state_dict, path, *, strict: bool, verify: str, require_manifest: bool) -> LoadReport:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     resolved, stateful = resolve_stateful(state_dict)  # Stateful values load through their state dicts
     flat, mappings = flatten_state_dict(resolved)

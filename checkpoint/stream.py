@@ -38,9 +38,10 @@ from checkpoint.manifest import (
     CheckpointCorruptError,
     Manifest,
 )
-from checkpoint.opener import first_failure, open_checkpoint
+from checkpoint.opener import open_checkpoint
 from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner
+from checkpoint.save_errors import first_failure
 
 __all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
@@ -174,6 +175,11 @@ class CheckpointReader:
             # Tensors are allocated at their global shape and filled in place;
             # a non-tensor placeholder is replaced by the unpickled object.
             state[key] = torch.empty(entry.shape, dtype=entry.dtype) if entry.kind == "tensor" else None
+        with self.opened.reading():  # a save replacing the checkpoint meanwhile is said so, not called damage
+            self._load_into(state, keys)
+        return state
+
+    def _load_into(self, state: dict[str, Any], keys: list[str]) -> None:
         try:
             with warnings.catch_warnings():
                 # no_dist=True is deliberate: a reader process needs no process group
@@ -193,7 +199,6 @@ class CheckpointReader:
                 f"reading {_short(keys)} from {str(self.path)!r} failed (files {files}): "
                 f"{_one_line(exc)}; run `fsdp-ckpt verify` on it, then restore or re-save the damaged file"
             ) from exc
-        return state
 
     def finish(self) -> None:
         """Check the CRC-32 of every file read from so far (``verify="crc"``); raises naming a damaged file.
@@ -202,7 +207,8 @@ class CheckpointReader:
         from them; it reads only the bytes of those files no one read.
         """
         if self._check is not None:
-            self._check.finish()
+            with self.opened.reading():
+                self._check.finish()
 
     def batches(self, keys: Iterable[str], *, batch_bytes: int = 64 << 20) -> Iterator[list[str]]:
         """``keys`` in order, grouped into runs of about ``batch_bytes`` (a larger tensor alone)."""

@@ -109,3 +109,37 @@ def test_pieces_read_in_any_order_with_gaps_and_overlaps_add_up_to_the_file_crc(
     bad.add("f", 0, raw[:100])
     with pytest.raises(checkpoint.CheckpointCorruptError, match="CRC-32 does not match"):
         bad.finish()
+
+
+def _full(v: float) -> dict:
+    return {"w": torch.full((64, 16), v), "step": int(v)}
+
+
+def test_a_load_racing_a_save_to_the_same_path_says_it_was_replaced_not_damaged(tmp_path, monkeypatch):
+    from checkpoint import state_dict_io
+    from checkpoint.stream import CheckpointReader
+
+    path = tmp_path / "ck"
+    checkpoint.save_state_dict(_full(1.0), path)
+    reader = CheckpointReader(path)  # opened: manifest and .metadata of save 1
+    checkpoint.save_state_dict(_full(2.0), path)  # another save swaps in same-sized files
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="replaced by another save") as raised:
+        reader.read("w")
+        reader.finish()
+    assert "not damaged" in str(raised.value)
+
+    opened_then_saved = state_dict_io.open_checkpoint
+
+    def open_then_save(*args, **kwargs):
+        opened = opened_then_saved(*args, **kwargs)
+        checkpoint.save_state_dict(_full(3.0), path)  # lands between the open and the reads of the load
+        return opened
+
+    monkeypatch.setattr(state_dict_io, "open_checkpoint", open_then_save)
+    for verify in ("crc", "sizes"):  # without the streamed check the values could be a mix of both saves
+        with pytest.raises(checkpoint.CheckpointCorruptError, match="replaced by another save"):
+            checkpoint.load_state_dict({"w": torch.zeros(64, 16), "step": None}, path, verify=verify)
+    monkeypatch.undo()
+    loaded = {"w": torch.zeros(64, 16), "step": None}
+    checkpoint.load_state_dict(loaded, path)  # loading again gives the newest save, whole
+    assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((64, 16), 3.0))

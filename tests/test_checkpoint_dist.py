@@ -336,7 +336,8 @@ def test_checkpoints_move_between_fsdp2_flat_shards_and_world_sizes(tmp_path):
     assert counts["collective8"] == counts["collective200"] and sum(counts["collective8"].values()) <= 4
     # scale mode: agree on the prepared target, on every rank's writes, on rank 0's commit (errors reach every rank)
     assert counts["scale8"] == counts["scale200"] == Counter(all_gather_object=3)
-    assert counts["load8"] == counts["load200"] == Counter()
+    # a load: one small gather agreeing on success (a damaged file one rank read raises on every rank)
+    assert counts["load8"] == counts["load200"] == Counter(all_gather_object=1)
 
     four = run_ranks(_four_rank_body, 4, args=(root, ref_a))
     assert all(r["flat_from_fsdp"] == [] for r in four)

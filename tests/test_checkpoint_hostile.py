@@ -231,6 +231,7 @@ def _cli_runs(ck: Path, good: Path, out: Path) -> dict[str, list[str]]:
         "export-safetensors": ["export", str(ck), str(out / "hf"), "--format", "safetensors", "-q"],
         "export-torch": ["export", str(ck), str(out / "full.pt"), "--format", "torch", "-q"],
         "diff": ["diff", str(ck), str(good), "-q"],
+        "diff (hostile second)": ["diff", str(good), str(ck), "-q"],
     }
 
 
@@ -244,6 +245,8 @@ def _api_runs(ck: Path) -> dict:
         "load+optimizer": load_full,
         "load(require_manifest=False)": lambda: checkpoint.load(ck, model=_model(), strict=False, require_manifest=False),
         "load(verify='full')": lambda: checkpoint.load(ck, model=_model(), strict=False, verify="full"),
+        "load(verify='none', require_manifest=False)": lambda: checkpoint.load(
+            ck, model=_model(), strict=False, verify="none", require_manifest=False),
         "load_state_dict": lambda: checkpoint.load_state_dict({"extra": {"x": None, "step": None}}, ck, strict=False,
                                                                require_manifest=False),
     }

@@ -1,4 +1,7 @@
-"""A bad input on one rank of 4 makes every rank raise (never a hang), blocking and async saves alike."""
+"""A bad input on one rank of 4 makes every rank raise (never a hang), blocking and async saves alike; so does a
+damaged file one rank of 3 reads in a load."""
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,3 +96,47 @@ def test_a_bad_input_on_one_rank_of_four_raises_on_every_rank(tmp_path):
                 assert result[case]["raised"] == "CheckpointSaveError", (case, rank, result[case])
                 assert f"rank {BAD_RANK}" in result[case]["message"] and "ValueError" in result[case]["message"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["user_data"]  # no output, no staging, no lock file
+
+
+def _load_with_one_damaged_file(rank: int, world_size: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from checkpoint.manifest import read_manifest
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    saved = {"w": distribute_tensor(torch.arange(24.0).reshape(6, 4), mesh, [torch.distributed.tensor.Shard(0)])}
+    checkpoint.save_state_dict(saved, f"{root}/ck")
+    if rank == 0:
+        damaged = f"__{BAD_RANK}_0.distcp"  # only BAD_RANK reads its rows from this file
+        assert damaged in read_manifest(f"{root}/ck").files
+        data_file = Path(root) / "ck" / damaged
+        raw = bytearray(data_file.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data_file.write_bytes(bytes(raw))
+    dist.barrier()
+    outcomes = {}
+    target = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [torch.distributed.tensor.Shard(0)])}
+    try:
+        checkpoint.load_state_dict(target, f"{root}/ck")
+        outcomes["load"] = {"raised": None}
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        outcomes["load"] = {"raised": type(exc).__name__, "message": str(exc)}
+    dist.barrier()  # every rank is out of the load: none went on alone
+    if rank == 0:  # a rank-local load, one rank alone: no communication, so no wait for the others
+        report = checkpoint.load_state_dict({"w": torch.zeros(2, 4)}, f"{root}/ck", strict=False, no_dist=True)
+        outcomes["rank-local"] = report.describe()
+    dist.barrier()
+    return outcomes
+
+
+def test_a_damaged_file_one_rank_of_three_reads_fails_the_load_on_every_rank(tmp_path):
+    results = run_ranks(_load_with_one_damaged_file, 3, args=(str(tmp_path),), timeout_s=120)
+    print({rank: r["load"]["raised"] for rank, r in enumerate(results)})
+    bad = results[BAD_RANK]["load"]
+    assert bad["raised"] == "CheckpointCorruptError" and f"__{BAD_RANK}_0.distcp" in bad["message"], bad
+    for rank, result in enumerate(results):
+        if rank != BAD_RANK:
+            assert result["load"]["raised"] == "CheckpointLoadError", (rank, result)
+            assert f"rank {BAD_RANK}" in result["load"]["message"] and f"__{BAD_RANK}_0.distcp" in result["load"]["message"]
+    assert "mis-shaped" in results[0]["rank-local"]

@@ -282,3 +282,40 @@ def test_saves_and_exports_onto_a_full_disk_fail_clearly_and_leave_no_staging(tm
         assert main([command, str(tmp_path / "big"), str(small_tmpfs / out), *options, "-q"]) != 0
         assert "no space left" in capsys.readouterr().err
         assert sorted(p.name for p in small_tmpfs.iterdir()) == ["ck"]
+
+
+def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_at_exit(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "notes.txt").write_text("mine")  # user data: the save is refused in the background
+    script = textwrap.dedent(
+        f"""
+        from concurrent.futures import wait
+        import torch, checkpoint
+        future = checkpoint.async_save({str(tmp_path / "ck")!r}, extra={{"w": torch.ones(4)}})
+        wait([future])  # done, and failed, but nobody asked the future: the process exits 0 after this
+        print("training finished")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.stdout.strip() == "training finished", done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "process exits" in last and "did not commit" in last and str(tmp_path / "ck") in last, done.stderr
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["notes.txt"]
+
+
+def test_a_save_or_export_to_a_symbolic_link_is_refused_and_leaves_link_and_target_alone(tmp_path):
+    from checkpoint.cli import main as cli_main
+
+    real = tmp_path / "runs" / "step1"
+    checkpoint.save_state_dict(_state(1), real)
+    before = sorted(p.name for p in real.iterdir())
+    (tmp_path / "latest").symlink_to(real)
+    for attempt in range(2):  # the first refusal leaves nothing that changes the second
+        with pytest.raises(FileExistsError, match="symbolic link") as raised:
+            checkpoint.save_state_dict(_state(2 + attempt), tmp_path / "latest")
+        assert str(real) in str(raised.value)
+    assert cli_main(["export", str(real), str(tmp_path / "latest"), "--format", "safetensors", "--force", "-q"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "runs"]  # no staging, no swap dir, no lock
+    assert (tmp_path / "latest").is_symlink() and sorted(p.name for p in real.iterdir()) == before  # no marker inside
+    assert _which_state(tmp_path / "latest") == 1
