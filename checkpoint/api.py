@@ -72,7 +72,10 @@ def _training_state(model, optimizer, extra) -> dict[str, Any]:
             state[TIED_SECTION] = aliases
     if optimizer is not None:
         entries = optimizer_entries(optimizer, optimizer.state_dict(), param_fqns(model), for_save=True)
-        state["optimizer"] = {"state": entries.state, "param_groups": {**entries.param_groups, **entries.indexed_groups}}
+        state["optimizer"] = {
+            "state": entries.state,
+            "param_groups": {**entries.param_groups, **entries.indexed_groups},
+        }
     if extra:
         state["extra"] = dict(extra)
     return state
@@ -184,7 +187,9 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> Lo
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
     try:
-        report, values = load_flat(opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored)
+        report, values = load_flat(
+            opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored
+        )
         _check_ties(ties, targets, strict, report)
         if opt_plan is not None:
             _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report)
@@ -231,7 +236,9 @@ def _tied_targets(
     return optional, scratch
 
 
-def _check_ties(ties: dict[str, tuple[str, torch.Tensor]], targets: dict[str, Any], strict: bool, report: LoadReport) -> None:
+def _check_ties(
+    ties: dict[str, tuple[str, torch.Tensor]], targets: dict[str, Any], strict: bool, report: LoadReport
+) -> None:
     """Saved values of one tied tensor must agree; otherwise the checkpoint's weights were not tied."""
     for key, (loaded, copy) in ties.items():
         if key in report.missing_keys or _skipped(key, report):
@@ -256,14 +263,18 @@ def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict:
     """Hand each Stateful in ``objects`` (at any depth of dicts and lists) its state saved at the same place."""
     for name, obj in objects.items():
         if not isinstance(obj, (Stateful, dict, list)):
-            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place")
+            raise TypeError(
+                f"extra[{name!r}] is a {type(obj).__name__}; only objects with load_state_dict() load in place"
+            )
     _, found = resolve_stateful(objects)
     present = []
     for path, obj in found:
         if _element_at(saved, path) is _ABSENT:
             key = ".".join(["extra", *map(str, path)])
             if strict:
-                raise ValueError(f"the checkpoint has no {key} to load into {type(obj).__name__}; pass strict=False to skip it")
+                raise ValueError(
+                    f"the checkpoint has no {key} to load into {type(obj).__name__}; pass strict=False to skip it"
+                )
             report.missing_keys.append(key)
         else:
             present.append((path, obj))
@@ -370,7 +381,9 @@ class _OptimizerLoad:
         self.optimizer.load_state_dict(self.osd)
 
 
-def _masters_into_weights(opened, masters: dict[str, str], targets: dict[str, Any], strict: bool, report: LoadReport) -> None:
+def _masters_into_weights(
+    opened, masters: dict[str, str], targets: dict[str, Any], strict: bool, report: LoadReport
+) -> None:
     """Saved fp32 masters for an optimizer that keeps none: the better copy of an fp32 weight.
 
     Loaded over an fp32 model weight after the weights (the saved weight may be

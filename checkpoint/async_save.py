@@ -144,7 +144,9 @@ def _finish_at_exit() -> None:
     if error is not None and not future.observed:
         logger.error(
             "the process exits, and its last async checkpoint save, to %s, did not commit (%s: %s)",
-            future.path, type(error).__name__, error,
+            future.path,
+            type(error).__name__,
+            error,
         )
 
 
@@ -232,9 +234,13 @@ def async_save_state_dict(
         error: Exception | None = None
         try:
             if max_staging_bytes is None:
-                staged = stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool)
+                staged = stage(
+                    state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool
+                )
             else:
-                converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes)
+                converted = convert_tree(
+                    state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes
+                )
                 _synchronize_devices(converted)
                 staged, gate = gate_state_dict(converted, max_staging_bytes, _pool)
         except Exception as exc:  # noqa: BLE001 - raised on every rank
@@ -245,7 +251,14 @@ def async_save_state_dict(
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-async-save")
         _in_flight = _SaveFuture(path)
         _executor.submit(
-            _run, _in_flight, write_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
+            _run,
+            _in_flight,
+            write_state_dict,
+            staged,
+            path,
+            mode=mode,
+            max_chunk_bytes=max_chunk_bytes,
+            process_group=group,
         )
         if gate is not None:
             gate.wait_staged(_in_flight)

@@ -203,7 +203,9 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as exc:
-            raise NotADirectoryError(f"cannot save to {str(path)!r}: a parent of it is a file, not a directory") from exc
+            raise NotADirectoryError(
+                f"cannot save to {str(path)!r}: a parent of it is a file, not a directory"
+            ) from exc
         fd = _flock(lock_path(path), path)
         try:
             yield

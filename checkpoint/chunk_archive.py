@@ -24,12 +24,12 @@ of its pieces without a second pass over the data.
 from __future__ import annotations
 
 import collections
-import zlib
 import io
 import math
 import pickle
 import struct
 import sys
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +117,9 @@ class _Pickler(pickle.Pickler):
 
 def _data_pkl(dtype: torch.dtype, shape: tuple[int, ...], numel: int) -> bytes | None:
     try:
-        storage_type = getattr(torch, torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type())
+        storage_type = getattr(
+            torch, torch.storage.TypedStorage(dtype=dtype, device="cpu", _internal=True)._pickle_storage_type()
+        )
     except (KeyError, AttributeError, RuntimeError):
         return None  # a dtype without a legacy storage class: torch.save knows better
     buf = io.BytesIO()

@@ -42,8 +42,18 @@ __all__ = ["CliError", "build_parser", "main"]
 # --------------------------------------------------------------------------- argument parsing
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -66,24 +76,57 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_rule_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("key transforms (split/merge match stored names; renames run last)")
-    g.add_argument("--rename", nargs=2, action="append", metavar=("REGEX", "REPLACEMENT"),
-                   help="re.sub on each parameter name (model weights and their optimizer state alike)")
-    g.add_argument("--split", nargs=3, action="append", metavar=("FUSED", "DIM", "PARTS"),
-                   help="split FUSED (name, '*' = any text) along DIM into comma-separated PARTS, "
-                        "each optionally NAME:SIZE (default: equal sizes)")
-    g.add_argument("--merge", nargs=3, action="append", metavar=("FUSED", "DIM", "PARTS"),
-                   help="the inverse of --split with the same arguments")
-    g.add_argument("--stack", nargs=3, action="append", metavar=("STACKED", "DIM", "PARTS"),
-                   help="stack per-index tensors along a new dim 0: PARTS are names with '#' for the index "
-                        "(0, 1, ...); several parts of one index are first concatenated along DIM "
-                        "(MoE experts.#.gate_proj.weight,experts.#.up_proj.weight -> experts.gate_up_proj)")
-    g.add_argument("--unstack", nargs=3, action="append", metavar=("STACKED", "DIM", "PARTS"),
-                   help="the inverse of --stack with the same arguments")
-    g.add_argument("--reshape", nargs=2, action="append", metavar=("NAME", "SHAPE"),
-                   help="reshape NAME ('*' = any text) to SHAPE, comma-separated (e.g. 8,64,32)")
-    g.add_argument("--rules", metavar="JSON",
-                   help='rules file: {"rename": [[regex, repl]], "split": [{"fused", "dim", "parts", "sizes"}], "merge": [...], '
-                        '"stack": [{"fused", "dim", "parts"}], "unstack": [...], "reshape": [[name, [sizes]]]}')
+    g.add_argument(
+        "--rename",
+        nargs=2,
+        action="append",
+        metavar=("REGEX", "REPLACEMENT"),
+        help="re.sub on each parameter name (model weights and their optimizer state alike)",
+    )
+    g.add_argument(
+        "--split",
+        nargs=3,
+        action="append",
+        metavar=("FUSED", "DIM", "PARTS"),
+        help="split FUSED (name, '*' = any text) along DIM into comma-separated PARTS, "
+        "each optionally NAME:SIZE (default: equal sizes)",
+    )
+    g.add_argument(
+        "--merge",
+        nargs=3,
+        action="append",
+        metavar=("FUSED", "DIM", "PARTS"),
+        help="the inverse of --split with the same arguments",
+    )
+    g.add_argument(
+        "--stack",
+        nargs=3,
+        action="append",
+        metavar=("STACKED", "DIM", "PARTS"),
+        help="stack per-index tensors along a new dim 0: PARTS are names with '#' for the index "
+        "(0, 1, ...); several parts of one index are first concatenated along DIM "
+        "(MoE experts.#.gate_proj.weight,experts.#.up_proj.weight -> experts.gate_up_proj)",
+    )
+    g.add_argument(
+        "--unstack",
+        nargs=3,
+        action="append",
+        metavar=("STACKED", "DIM", "PARTS"),
+        help="the inverse of --stack with the same arguments",
+    )
+    g.add_argument(
+        "--reshape",
+        nargs=2,
+        action="append",
+        metavar=("NAME", "SHAPE"),
+        help="reshape NAME ('*' = any text) to SHAPE, comma-separated (e.g. 8,64,32)",
+    )
+    g.add_argument(
+        "--rules",
+        metavar="JSON",
+        help='rules file: {"rename": [[regex, repl]], "split": [{"fused", "dim", "parts", "sizes"}], "merge": [...], '
+        '"stack": [{"fused", "dim", "parts"}], "unstack": [...], "reshape": [[name, [sizes]]]}',
+    )
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -122,15 +165,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Inspect, verify, reshard, export, import and diff fsdp_dtensor / DCP checkpoints, "
-                    "streaming one tensor at a time.",
+        "streaming one tensor at a time.",
         epilog="run `fsdp-ckpt <command> --help` for the options and examples of each command",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{inspect,verify,reshard,export,import,diff}", parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", metavar="{inspect,verify,reshard,export,import,diff}", parser_class=_Parser
+    )
     sub.required = True
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, epilog=_EXAMPLES[name],
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=_EXAMPLES[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         _add_common(p)
         return p
 
@@ -144,20 +194,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checksums", action="store_true", help="check file sizes only (faster)")
     p.set_defaults(func=cmd_verify)
 
-    for name, verb in (("reshard", "rewrite a checkpoint for --world-size ranks (no model code needed)"),
-                       ("import", "safetensors file / HF directory / torch file -> fsdp_dtensor checkpoint")):
+    for name, verb in (
+        ("reshard", "rewrite a checkpoint for --world-size ranks (no model code needed)"),
+        ("import", "safetensors file / HF directory / torch file -> fsdp_dtensor checkpoint"),
+    ):
         p = add(name, verb)
         p.add_argument("src")
         p.add_argument("dst")
-        p.add_argument("--world-size", type=int, default=1 if name == "import" else None,
-                       required=name == "reshard", help="ranks to lay the checkpoint out for")
-        p.add_argument("--max-chunk-size", type=parse_size, default=parse_size("64MiB"),
-                       help="largest stored chunk (default 64MiB, as checkpoint.save; at least one element), "
-                            "so later reshards read small pieces")
+        p.add_argument(
+            "--world-size",
+            type=int,
+            default=1 if name == "import" else None,
+            required=name == "reshard",
+            help="ranks to lay the checkpoint out for",
+        )
+        p.add_argument(
+            "--max-chunk-size",
+            type=parse_size,
+            default=parse_size("64MiB"),
+            help="largest stored chunk (default 64MiB, as checkpoint.save; at least one element), "
+            "so later reshards read small pieces",
+        )
         p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
         if name == "import":
-            p.add_argument("--key-prefix", default=None,
-                           help="prefix for imported names (default 'model.'; '' keeps names as they are)")
+            p.add_argument(
+                "--key-prefix",
+                default=None,
+                help="prefix for imported names (default 'model.'; '' keeps names as they are)",
+            )
         _add_rule_args(p)
         p.set_defaults(func=cmd_reshard if name == "reshard" else cmd_import, parallel=True)
 
@@ -167,11 +231,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=("safetensors", "torch"))
     p.add_argument("--model-only", action="store_true", help="model weights only, named by fqn (no 'model.' prefix)")
     p.add_argument("--dtype", help="cast floating model weights, e.g. bf16 (optimizer state keeps its dtype)")
-    p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
-                   help="safetensors shard limit (default 5GB; a larger tensor gets its own shard)")
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size("5GB"),
+        help="safetensors shard limit (default 5GB; a larger tensor gets its own shard)",
+    )
     p.add_argument("--force", action="store_true", help="write into an existing non-empty output")
-    p.add_argument("--keep-tied", action="store_true",
-                   help="also write the second name of a tied weight (default: once, as save_pretrained does)")
+    p.add_argument(
+        "--keep-tied",
+        action="store_true",
+        help="also write the second name of a tied weight (default: once, as save_pretrained does)",
+    )
     _add_rule_args(p)
     p.set_defaults(func=cmd_export, parallel=True)
 

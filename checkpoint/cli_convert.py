@@ -66,7 +66,9 @@ def _stack_rule(values: Sequence[str], flag: str) -> Stack:
 
 def _reshape_rule(name: str, shape: str) -> Reshape:
     if not all(s.strip().isdigit() for s in shape.split(",")):
-        raise CliError(f"--reshape {name!r}: shape {shape!r} is not comma-separated sizes; write e.g. --reshape NAME 8,64,32")
+        raise CliError(
+            f"--reshape {name!r}: shape {shape!r} is not comma-separated sizes; write e.g. --reshape NAME 8,64,32"
+        )
     return Reshape(name, tuple(int(s) for s in shape.split(",")))
 
 
@@ -121,9 +123,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     bar.close()
     seconds = time.perf_counter() - start
     if group.rank == 0:
-        print(f"exported {len(specs)} tensors ({human_bytes(total)}) and {len(object_values)} objects to {where} "
-              f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)"
-              + (f" with {group.size} processes" if group.size > 1 else ""))
+        print(
+            f"exported {len(specs)} tensors ({human_bytes(total)}) and {len(object_values)} objects to {where} "
+            f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)"
+            + (f" with {group.size} processes" if group.size > 1 else "")
+        )
     return 0
 
 
@@ -134,7 +138,7 @@ def _without_tied_aliases(reader: Any, targets: list[Target]) -> list[Target]:
     keys = [k for k in reader.entries if k.startswith(f"{TIED_SECTION}.")]
     if not keys:
         return targets
-    aliases = {f"model.{k[len(TIED_SECTION) + 1:]}" for k in keys}
+    aliases = {f"model.{k[len(TIED_SECTION) + 1 :]}" for k in keys}
     dropped = [t for t in targets if t.op == "copy" and t.sources[0] in aliases]
     logger.info("left out %d tied alias(es) (--keep-tied writes them): %s", len(dropped), [t.name for t in dropped])
     return [t for t in targets if t not in dropped]
@@ -153,13 +157,17 @@ def _export_safetensors(args, reader, dst: Path, specs, tensors, object_values, 
     mine = group.share([sum(Entry(n, "tensor", d, s).nbytes for n, d, s in sh) for sh in shards])
     my_names = {n for i, g in enumerate(names) if mine[i] for n in g}
     my_targets = [t for t in tensors if out_name(t) in my_names]
-    logger.info("writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards),
-                human_bytes(args.max_shard_size))
+    logger.info(
+        "writing %d of %d safetensors shard(s) of at most %s", sum(mine), len(shards), human_bytes(args.max_shard_size)
+    )
     bar = Progress(f"export {args.format}", sum(t.nbytes for t in my_targets), not args.quiet)
     values = _renamed_values(_overlapped(reader, my_targets, cast), out_name)
     try:
-        group.together(lambda: write_shards(staging, shards, values, full_keys=not args.model_only,
-                                            on_bytes=bar.add, which=mine.__getitem__))
+        group.together(
+            lambda: write_shards(
+                staging, shards, values, full_keys=not args.model_only, on_bytes=bar.add, which=mine.__getitem__
+            )
+        )
         objects_json = _json_objects(object_values)
         group.together(lambda: _commit_safetensors(staging, dst, shards, objects_json, args.force), only_rank0=True)
     except BaseException:
@@ -247,11 +255,15 @@ OVERLAP_BYTES = 128 << 20
 """How far reading may run ahead of writing, beyond the largest tensor (peak ~ largest + this + a chunk)."""
 
 
-def _overlapped(source: Any, targets: list[Target], cast: Callable[[Target, Any], Any] | None = None) -> Iterator[tuple[Target, Any]]:
+def _overlapped(
+    source: Any, targets: list[Target], cast: Callable[[Target, Any], Any] | None = None
+) -> Iterator[tuple[Target, Any]]:
     """:func:`stream_targets`, read on a background thread while the caller writes; CRC-checked before the last."""
     sizes = [t.nbytes for t in targets]
     limit = max(sizes, default=0) + OVERLAP_BYTES
-    return prefetch(_checked(source, stream_targets(source, targets, cast=cast), len(targets)), sizes, limit_bytes=limit)
+    return prefetch(
+        _checked(source, stream_targets(source, targets, cast=cast), len(targets)), sizes, limit_bytes=limit
+    )
 
 
 def _checked(source: Any, stream: Iterator[Any], count: int) -> Iterator[Any]:
@@ -293,7 +305,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not src.is_dir():
         from checkpoint.manifest import open_regular
 
-        open_regular(src, follow_symlinks=True).close()  # a FIFO or device given as the source: a clear error, never a hang
+        open_regular(
+            src, follow_symlinks=True
+        ).close()  # a FIFO or device given as the source: a clear error, never a hang
     if src.is_dir() or src.suffix == ".safetensors":
         from checkpoint.safetensors_io import SafetensorsSource
 
@@ -321,13 +335,21 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
     bar = Progress(verb.removesuffix("ed"), total, not args.quiet)
     start = time.perf_counter()
     write_checkpoint(
-        dst, args.world_size, targets, _overlapped(source, targets),
-        max_chunk_bytes=args.max_chunk_size, on_bytes=bar.add, replace=args.force, group=args.group,
+        dst,
+        args.world_size,
+        targets,
+        _overlapped(source, targets),
+        max_chunk_bytes=args.max_chunk_size,
+        on_bytes=bar.add,
+        replace=args.force,
+        group=args.group,
         paths=getattr(getattr(source, "metadata", None), "planner_data", None),
     )
     bar.close()
     seconds = time.perf_counter() - start
     if args.group.rank == 0:
-        print(f"{verb} {len(targets)} keys ({human_bytes(total)}) into {dst} for {args.world_size} rank(s) "
-              f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)")
+        print(
+            f"{verb} {len(targets)} keys ({human_bytes(total)}) into {dst} for {args.world_size} rank(s) "
+            f"in {seconds:.1f} s ({human_bytes(total / max(seconds, 1e-9))}/s)"
+        )
     return 0

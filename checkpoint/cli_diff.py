@@ -70,5 +70,7 @@ def _value_difference(key: str, va: Any, vb: Any, atol: float, rtol: float) -> s
     bad = (~close).nonzero()
     first = tuple(bad[0].tolist())
     worst = (va.double() - vb.double()).abs().max().item() if va.numel() else 0.0
-    return (f"{key}: {bad.shape[0]} of {va.numel()} elements differ (max |A-B| {worst:.6g}; "
-            f"first at {list(first)}: {va[first].item()!r} vs {vb[first].item()!r})")
+    return (
+        f"{key}: {bad.shape[0]} of {va.numel()} elements differ (max |A-B| {worst:.6g}; "
+        f"first at {list(first)}: {va[first].item()!r} vs {vb[first].item()!r})"
+    )

@@ -91,8 +91,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             EXIT_FOUND_PROBLEMS,
         )
     nbytes = sum(e.nbytes for e in reader.entries.values())
-    print(f"OK {args.ckpt}: {len(reader.entries)} keys, {len(reader.data_files())} data files, "
-          f"{human_bytes(nbytes)} of tensors, every element covered once and readable")
+    print(
+        f"OK {args.ckpt}: {len(reader.entries)} keys, {len(reader.data_files())} data files, "
+        f"{human_bytes(nbytes)} of tensors, every element covered once and readable"
+    )
     return 0
 
 
@@ -137,7 +139,8 @@ def _readability_problems(reader: CheckpointReader, *, skip_files: set[str], pro
     problems = []
     bar = Progress("verify", sum(e.nbytes for e in reader.entries.values()), progress)
     keys = [
-        key for key in reader.entries
+        key
+        for key in reader.entries
         # already reported as missing / truncated: reading it would only repeat that
         if not {str(reader.path / f) for f in reader.files_of(key)} & skip_files
     ]

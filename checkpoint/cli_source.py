@@ -30,6 +30,11 @@ def open_source(path: str, *, warn: bool = True, check_sizes: bool = True) -> Ch
     if reader.note and warn:
         # stdout, like the command's other output: stderr stays for the one error line
         print(f"note: {path}: {reader.note}", flush=True)
-    logger.info("opened %s: %d keys, %s of tensors, world size %s", path, len(reader.entries),
-                human_bytes(sum(e.nbytes for e in reader.entries.values())), reader.world_size)
+    logger.info(
+        "opened %s: %d keys, %s of tensors, world size %s",
+        path,
+        len(reader.entries),
+        human_bytes(sum(e.nbytes for e in reader.entries.values())),
+        reader.world_size,
+    )
     return reader

@@ -24,8 +24,8 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -116,7 +116,9 @@ def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict |
     for rank in range(world_size):
         record_path = staged / rank_record_name(rank)
         if not record_path.exists():
-            raise ValueError(f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)")
+            raise ValueError(
+                f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)"
+            )
         record = json.loads(record_path.read_text())
         if record.get("world_size") != world_size:
             raise ValueError(
@@ -227,4 +229,3 @@ def commit_staged(
     write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info))
     swap_into_place(staged, path)
     logger.info("committed checkpoint %s (%d files, %d keys)", path, len(keep), len(metadata.state_dict_metadata))
-

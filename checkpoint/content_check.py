@@ -76,7 +76,9 @@ class ContentCheck:
         path = self.directory / name
         record = self.files.get(name)
         if record is None:
-            raise CheckpointCorruptError(f"{path}: read but not listed in the manifest; restore the checkpoint from a copy")
+            raise CheckpointCorruptError(
+                f"{path}: read but not listed in the manifest; restore the checkpoint from a copy"
+            )
         crc, pos = 0, 0
         with open_regular(path) as f:
             for offset in sorted(pieces):

@@ -45,7 +45,9 @@ def to_checkpointable(
     if _is_sharded_tensor(value):
         return _from_sharded_tensor(value, name=name, max_chunk_bytes=max_chunk_bytes)
     if isinstance(value, DTensor):
-        return _from_dtensor(value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes)
+        return _from_dtensor(
+            value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
+        )
     if not isinstance(value, torch.Tensor):
         return value
     try:
@@ -132,8 +134,10 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
     if isinstance(tree, tuple) and any(_is_stateful(v) for v in tree):
         # a tuple is one pickled value (as in DCP): its objects would be pickled whole and never loaded into
         stateful = next(v for v in tree if _is_stateful(v))
-        raise TypeError(f"{'.'.join(map(str, path))}: a tuple holding a Stateful {type(stateful).__name__}; "
-                        "pass a list (or dict) so it is saved as its state_dict() and loaded in place")
+        raise TypeError(
+            f"{'.'.join(map(str, path))}: a tuple holding a Stateful {type(stateful).__name__}; "
+            "pass a list (or dict) so it is saved as its state_dict() and loaded in place"
+        )
     found: list[tuple[StatefulPath, Any]] = []
     if isinstance(tree, dict):
         out = {}

@@ -87,7 +87,9 @@ class CrcStream(io.RawIOBase):
     def finish(self) -> FileRecord:
         """fsync the file and close it; its size and CRC-32. Closes the file even when the fsync fails."""
         try:
-            with disk_full_is_clear(getattr(self.raw, "name", "a checkpoint file")):  # a file system may report the lack of space only here
+            with disk_full_is_clear(
+                getattr(self.raw, "name", "a checkpoint file")
+            ):  # a file system may report the lack of space only here
                 os.fsync(self.raw.fileno())
         finally:
             self.abort()

@@ -42,6 +42,7 @@ def disk_full_is_clear(path: str | os.PathLike) -> Iterator[None]:
             "committed and what was at the target is unchanged; free space or write to another file system",
         ) from exc
 
+
 TEMP_SUFFIX = ".tmp"
 
 

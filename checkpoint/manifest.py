@@ -182,7 +182,9 @@ def _key_problem(record: object) -> str | None:
     if not isinstance(record.get("dtype", ""), (str, type(None))):
         return "dtype is not a string"
     shape = record.get("shape")
-    if shape is not None and not (isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s, 0, _MAX_FILE_BYTES) for s in shape)):
+    if shape is not None and not (
+        isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s, 0, _MAX_FILE_BYTES) for s in shape)
+    ):
         return "shape is not a list of non-negative integers"
     return None
 
@@ -235,7 +237,9 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False):
     try:
         fd = os.open(path, flags)
     except OSError as exc:
-        raise CheckpointCorruptError(f"{path}: cannot be opened as a regular file ({_short(exc)}); put the real file there") from None
+        raise CheckpointCorruptError(
+            f"{path}: cannot be opened as a regular file ({_short(exc)}); put the real file there"
+        ) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CheckpointCorruptError(f"{path}: not a regular file; put the real file there")
@@ -243,8 +247,14 @@ def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False):
 
 
 def _kind(mode: int) -> str:
-    for test, word in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, word in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return word
     return "a special file"

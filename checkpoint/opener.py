@@ -120,7 +120,9 @@ def open_checkpoint(
             _check_files(src, manifest, checksums=verify == "full")
         metadata = load_metadata(src / METADATA_NAME, _read_metadata_bytes(src, manifest, verify))
         if manifest is not None:
-            unlisted = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - set(manifest.files))
+            unlisted = sorted(
+                {info.relative_path for info in (metadata.storage_data or {}).values()} - set(manifest.files)
+            )
             if unlisted:
                 raise CheckpointCorruptError(
                     f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "

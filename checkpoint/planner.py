@@ -74,8 +74,10 @@ def chunk_problem(
     """
     volume = 0
     for offsets, sizes in chunks:
-        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-            o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape)
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or any(o < 0 or s < 0 or o + s > g for o, s, g in zip(offsets, sizes, shape))
         ):
             return f"{key}: chunk at {list(offsets)} of size {list(sizes)} leaves shape {list(shape)}"
         volume += math.prod(sizes)
@@ -85,7 +87,9 @@ def chunk_problem(
         if element is not None:
             return _miscover_sentence(key, shape, chunks, element, volume)
     if volume > numel:
-        return f"{key}: chunks hold {volume} elements, more than its {numel} (shape {list(shape)}); some are stored twice"
+        return (
+            f"{key}: chunks hold {volume} elements, more than its {numel} (shape {list(shape)}); some are stored twice"
+        )
     if volume < numel:
         return f"{key}: chunks hold {volume} of its {numel} elements (shape {list(shape)}); a rank's part is missing"
     return None

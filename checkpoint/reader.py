@@ -50,7 +50,9 @@ class DirectReader(FileSystemReader):
     file before it is opened (never a FIFO or device that would block).
     """
 
-    def __init__(self, path: str | Path, metadata: Metadata, *, direct: bool = True, check: ContentCheck | None = None) -> None:
+    def __init__(
+        self, path: str | Path, metadata: Metadata, *, direct: bool = True, check: ContentCheck | None = None
+    ) -> None:
         super().__init__(path)
         self._metadata = metadata
         self._direct = direct
@@ -224,7 +226,14 @@ def _find_tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
     pos = 0
     for _ in range(entries):
         fields = _CENTRAL.unpack_from(directory, pos)
-        method, size, name_len, extra_len, comment_len, local_offset = fields[4], fields[9], fields[10], fields[11], fields[12], fields[16]
+        method, size, name_len, extra_len, comment_len, local_offset = (
+            fields[4],
+            fields[9],
+            fields[10],
+            fields[11],
+            fields[12],
+            fields[16],
+        )
         name = directory[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]
         if name.endswith(b"/data/0"):
             if found is not None or method != 0 or _NO_VALUE in (size, local_offset):

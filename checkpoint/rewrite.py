@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 # _StorageInfo is what FileSystemReader expects in Metadata.storage_data: (file, offset, length)
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -67,7 +68,9 @@ def row_blocks(rows: int, world_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _chunks_of(shape: tuple[int, ...], itemsize: int, world_size: int, max_chunk_bytes: int) -> Iterator[tuple[int, Box]]:
+def _chunks_of(
+    shape: tuple[int, ...], itemsize: int, world_size: int, max_chunk_bytes: int
+) -> Iterator[tuple[int, Box]]:
     """``(rank, box)`` of every stored chunk of a tensor of ``shape``: each rank's row block, cut by :func:`split_box`."""
     if not shape or math.prod(shape) == 0:
         # a 0-d tensor cannot be cut; an empty one is still one (empty) chunk, so its key and shape are recorded
@@ -105,7 +108,9 @@ def write_checkpoint(
     """
     itemsize = max((t.dtype.itemsize for t in targets if t.kind == "tensor"), default=1)
     if max_chunk_bytes < itemsize:
-        raise ValueError(f"max chunk size {max_chunk_bytes} B is smaller than one element ({itemsize} B); pass a larger one")
+        raise ValueError(
+            f"max chunk size {max_chunk_bytes} B is smaller than one element ({itemsize} B); pass a larger one"
+        )
     dst = Path(dst)
     staging = staging_path(dst)
     with contextlib.ExitStack() as held:
@@ -118,14 +123,18 @@ def write_checkpoint(
                 error = exc
         group.agree(error)  # staging exists (and is empty) before anyone writes into it
         try:
-            _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths)
+            _write_and_commit(
+                dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths
+            )
         except BaseException:
             if group.rank == 0:  # every process has stopped writing: agree() raised on all of them
                 remove_staging(dst)
             raise
 
 
-def _write_and_commit(dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths) -> None:
+def _write_and_commit(
+    dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths
+) -> None:
     files = {r: CrcStream.create(staging / _file_name(r)) for r in range(world_size) if group.mine(r)}
     state_md: dict[str, Any] = {}
     storage: dict[MetadataIndex, Any] = {}
@@ -170,7 +179,9 @@ def _prepare(dst: Path, replace: bool) -> None:
     if dst.exists() and not replace and (dst.is_file() or any(dst.iterdir())):
         raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
     if dst.exists() and replace and not (is_committed(dst) or (dst.is_dir() and not any(dst.iterdir()))):
-        raise FileExistsError(f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path")
+        raise FileExistsError(
+            f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path"
+        )
     make_staging(dst)  # an unfinished save of this path (marked as ours) is removed; anything else is refused
 
 
@@ -214,9 +225,7 @@ def _write_tensor(name, value, files, storage, world_size, max_chunk_bytes) -> T
         start = out.size
         write_tensor(out, piece)
         storage[MetadataIndex(name, torch.Size(offsets))] = _StorageInfo(_file_name(rank), start, out.size - start)
-    return TensorStorageMetadata(
-        properties=TensorProperties(dtype=value.dtype), size=torch.Size(shape), chunks=chunks
-    )
+    return TensorStorageMetadata(properties=TensorProperties(dtype=value.dtype), size=torch.Size(shape), chunks=chunks)
 
 
 def _file_name(rank: int) -> str:

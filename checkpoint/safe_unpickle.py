@@ -54,18 +54,37 @@ __all__ = [
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[tuple[str, str], Any] = {
     (_DCP_METADATA, cls.__name__): cls
-    for cls in (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
-                TensorProperties, MetadataIndex, StorageMeta, _MEM_FORMAT_ENCODING)
+    for cls in (
+        Metadata,
+        TensorStorageMetadata,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        TensorProperties,
+        MetadataIndex,
+        StorageMeta,
+        _MEM_FORMAT_ENCODING,
+    )
 }
 _ALLOWED[("torch", "Size")] = torch.Size
 # DCP pickles a layout as a call of this function on its name (it only looks the name up)
 _ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
 # plain dcp.save records the checkpoint id, often a Path (constructing one only stores a string)
-_ALLOWED.update({("pathlib", c.__name__): c for c in (pathlib.PosixPath, pathlib.PurePosixPath,
-                                                       pathlib.WindowsPath, pathlib.PureWindowsPath)})
-_ALLOWED.update({("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)})
-_ALLOWED.update({("torch", str(m).removeprefix("torch.")): m for m in vars(torch).values()
-                 if isinstance(m, (torch.layout, torch.memory_format))})
+_ALLOWED.update(
+    {
+        ("pathlib", c.__name__): c
+        for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
+    }
+)
+_ALLOWED.update(
+    {("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+)
+_ALLOWED.update(
+    {
+        ("torch", str(m).removeprefix("torch.")): m
+        for m in vars(torch).values()
+        if isinstance(m, (torch.layout, torch.memory_format))
+    }
+)
 _ALLOWED[("builtins", "set")] = set
 _ALLOWED[("builtins", "frozenset")] = frozenset
 try:  # where DCP's filesystem writer keeps each item's place; absent in other storage layers
@@ -121,9 +140,10 @@ def check_metadata(md: Any) -> str | None:
         problem = _item_problem(item)
         if problem is not None:
             return f"key {key!r}: {problem}"
-    if md.planner_data is not None and not (isinstance(md.planner_data, dict) and all(
-        isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p) for p in md.planner_data.values()
-    )):
+    if md.planner_data is not None and not (
+        isinstance(md.planner_data, dict)
+        and all(isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p) for p in md.planner_data.values())
+    ):
         return "planner_data is not a dict of key paths"
     storage = md.storage_data
     if storage is None:
@@ -173,7 +193,8 @@ def _storage_problem(info: Any) -> str | None:
     if problem is not None:
         return problem
     if info.transform_descriptors is not None and not (
-        isinstance(info.transform_descriptors, (list, tuple)) and all(isinstance(t, str) for t in info.transform_descriptors)
+        isinstance(info.transform_descriptors, (list, tuple))
+        and all(isinstance(t, str) for t in info.transform_descriptors)
     ):
         return "transform_descriptors is not a list of names"
     return None

@@ -32,7 +32,15 @@ from checkpoint.durable import disk_full_is_clear, durable_write
 from checkpoint.manifest import check_relative_name, open_regular
 from checkpoint.stream import Entry
 
-__all__ = ["INDEX_NAME", "SafetensorsSource", "is_export", "is_export_file", "plan_shards", "write_index", "write_shards"]
+__all__ = [
+    "INDEX_NAME",
+    "SafetensorsSource",
+    "is_export",
+    "is_export_file",
+    "plan_shards",
+    "write_index",
+    "write_shards",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +49,18 @@ OBJECTS_KEY = "fsdp_ckpt_objects"
 KEYS_FIELD = "fsdp_ckpt_keys"
 
 _DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _ALIGN = 8
 _MAX_INDEX_BYTES = 1 << 30
@@ -207,11 +224,15 @@ class SafetensorsSource:
                     raise ValueError(f"{str(index)!r}: weight_map entry {problem}; fix the index or re-export it")
             missing = [f for f in files if not (path / f).exists()]
             if missing:
-                raise FileNotFoundError(f"{str(index)!r} lists {missing} but they are not in {str(path)!r}; copy them there")
+                raise FileNotFoundError(
+                    f"{str(index)!r} lists {missing} but they are not in {str(path)!r}; copy them there"
+                )
             return [path / f for f in files]
         files = sorted(path.glob("*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"{str(path)!r} holds no *.safetensors files; pass a safetensors file or HF model directory")
+            raise FileNotFoundError(
+                f"{str(path)!r} holds no *.safetensors files; pass a safetensors file or HF model directory"
+            )
         return files
 
     def read(self, key: str) -> Any:

@@ -81,7 +81,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def agree_on_failure(error: BaseException | None, *, group: dist.ProcessGroup | None, distributed: bool) -> dict[int, str]:
+def agree_on_failure(
+    error: BaseException | None, *, group: dist.ProcessGroup | None, distributed: bool
+) -> dict[int, str]:
     """One collective: every rank learns whether any rank failed a step; raises ``error`` where it happened.
 
     Returns ``{rank: message}`` of the failed ranks (empty when none did) on

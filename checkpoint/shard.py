@@ -102,9 +102,7 @@ class CheckpointShard(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [
-            ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in self._chunks
-        ]
+        return [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in self._chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         chunk = self._by_offset.get(tuple(index.offset) if index.offset is not None else None)

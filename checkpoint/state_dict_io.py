@@ -67,7 +67,14 @@ from checkpoint.save_errors import (
 )
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
-__all__ = ["CheckpointCorruptError", "LoadReport", "OpenCheckpoint", "load_state_dict", "open_checkpoint", "save_state_dict"]
+__all__ = [
+    "CheckpointCorruptError",
+    "LoadReport",
+    "OpenCheckpoint",
+    "load_state_dict",
+    "open_checkpoint",
+    "save_state_dict",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +97,11 @@ class LoadReport:
 
     def describe(self) -> str:
         parts = []
-        for label, keys in (("missing", self.missing_keys), ("unexpected", self.unexpected_keys), ("mis-shaped", self.mismatched_keys)):
+        for label, keys in (
+            ("missing", self.missing_keys),
+            ("unexpected", self.unexpected_keys),
+            ("mis-shaped", self.mismatched_keys),
+        ):
             if keys:
                 shown = ", ".join(keys[:10]) + (f", ... ({len(keys)} in all)" if len(keys) > 10 else "")
                 parts.append(f"{label}: {shown}")
@@ -177,7 +188,9 @@ def write_state_dict(
             if mode == "scale" and distributed:
                 _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group)
             else:
-                _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed)
+                _save_collective(
+                    state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed
+                )
         except BaseException as exc:
             if prepared:
                 remove_staging(path)  # every rank has stopped writing: DCP / agree() raised on all of them
@@ -186,10 +199,14 @@ def write_state_dict(
             raise_unwrapped(exc, path, rank if distributed else 0)
 
 
-def _save_collective(state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed) -> None:
+def _save_collective(
+    state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed
+) -> None:
     """DCP's collective save; conversion and rank 0's preparation run in its local-plan step, where it gathers errors."""
     info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
-    writer = FsdpWriter(staging_path(path), prepare=prepare, on_commit=partial(_commit_collective, path, world_size, info))
+    writer = FsdpWriter(
+        staging_path(path), prepare=prepare, on_commit=partial(_commit_collective, path, world_size, info)
+    )
     with quiet_single_process():
         dcp.save(
             state_dict,
@@ -286,9 +303,15 @@ def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check) -> None:
             dcp.load(
                 loadable,
                 # Our own files are read straight into place; a plain DCP directory the DCP way.
-                storage_reader=DirectReader(opened.path, opened.metadata, direct=opened.manifest is not None, check=check),
-                planner=SafeLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False,
-                                        allow_partial_load=True, where=str(opened.path)),
+                storage_reader=DirectReader(
+                    opened.path, opened.metadata, direct=opened.manifest is not None, check=check
+                ),
+                planner=SafeLoadPlanner(
+                    flatten_state_dict=False,
+                    flatten_sharded_tensors=False,
+                    allow_partial_load=True,
+                    where=str(opened.path),
+                ),
                 no_dist=True,
             )
     except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -348,4 +371,3 @@ def _load_state_dict(state_dict, path, *, strict: bool, verify: str, require_man
             set_element(state_dict, mappings[key], value)
     load_stateful(resolved, stateful)
     return report
-

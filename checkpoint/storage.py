@@ -172,7 +172,9 @@ class FsdpWriter(FileSystemWriter):
                 else:
                     write_tensor(stream, data)
                 length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)))
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
+                )
                 for gate in gates:
                     gate.written(item.index.fqn)
         except BaseException:
@@ -219,7 +221,9 @@ def _done(value) -> Future:
 
 def rank_record(metadata: Metadata, results: list[WriteResult], files: dict[str, FileRecord]) -> dict:
     """One rank's chunks, their storage and its files, as JSON-able plain values (see :func:`checkpoint.commit.merge_metadata`)."""
-    where = {(r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else None): r.storage_data for r in results}
+    where = {
+        (r.index.fqn, tuple(r.index.offset) if r.index.offset is not None else None): r.storage_data for r in results
+    }
     tensors, blobs = {}, {}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):

@@ -47,6 +47,7 @@ __all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Entry:
     """What is known about one stored key before reading it."""
@@ -83,8 +84,15 @@ class Source(Protocol):
         ...
 
 
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                  "float": "float32", "fp64": "float64", "double": "float64"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -113,8 +121,7 @@ class CheckpointReader:
             raise FileNotFoundError(f"checkpoint path {str(self.path)!r} does not exist; check the path")
         if not self.path.is_dir():
             raise ValueError(
-                f"{str(self.path)!r} is a file, not a checkpoint directory; "
-                "pass the directory that holds .metadata"
+                f"{str(self.path)!r} is a file, not a checkpoint directory; pass the directory that holds .metadata"
             )
         if not (self.path / METADATA_NAME).exists():
             raise ValueError(
@@ -154,11 +161,13 @@ class CheckpointReader:
 
     def files_of(self, key: str) -> list[str]:
         """The data files holding ``key``'s chunks (for error messages)."""
-        return sorted({
-            info.relative_path
-            for index, info in (self.metadata.storage_data or {}).items()
-            if isinstance(index, MetadataIndex) and index.fqn == key
-        })
+        return sorted(
+            {
+                info.relative_path
+                for index, info in (self.metadata.storage_data or {}).items()
+                if isinstance(index, MetadataIndex) and index.fqn == key
+            }
+        )
 
     def read(self, key: str) -> Any:
         """``key``'s full value: a tensor in its global shape, or the stored object."""
@@ -243,9 +252,7 @@ def _entry(key: str, md: Any) -> Entry:
             kind="tensor",
             dtype=md.properties.dtype,
             shape=tuple(int(s) for s in md.size),
-            chunks=tuple(
-                (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in md.chunks
-            ),
+            chunks=tuple((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes)) for c in md.chunks),
         )
     if isinstance(md, BytesStorageMetadata):
         return Entry(key=key, kind="object")
@@ -305,7 +312,7 @@ def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) ->
             for size in sizes:
                 with cond:
                     # reserve before reading: the item must fit beside what the consumer still holds
-                    cond.wait_for(lambda: state["stop"] or state["alive"] == 0 or state["alive"] + size <= limit_bytes)
+                    cond.wait_for(lambda: state["stop"] or state["alive"] == 0 or state["alive"] + size <= limit_bytes)  # noqa: B023 - waited on here
                     if state["stop"]:
                         return
                     state["alive"] += size

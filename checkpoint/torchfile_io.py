@@ -184,9 +184,7 @@ class TorchFileSource:
             raise ValueError(f"{str(path)!r} holds a {type(data).__name__}, not a state dict; pass a dict of tensors")
         flat = _flatten(data)
         if prefix is None:
-            full = all(k.startswith(_FULL_PREFIXES) for k in flat) and any(
-                not k.startswith("model.") for k in flat
-            )
+            full = all(k.startswith(_FULL_PREFIXES) for k in flat) and any(not k.startswith("model.") for k in flat)
             nested = isinstance(data.get("model"), dict)
             prefix = "" if full or nested else "model."
         self._values = {prefix + k: v for k, v in flat.items()}

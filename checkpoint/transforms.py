@@ -50,8 +50,18 @@ from checkpoint.stream import Entry
 from checkpoint.training_state import TIED_SECTION
 
 __all__ = [
-    "Merge", "Rename", "Reshape", "Rules", "Split", "Stack", "Target", "materialize", "parse_part_list", "plan",
-    "split_key", "stream_targets",
+    "Merge",
+    "Rename",
+    "Reshape",
+    "Rules",
+    "Split",
+    "Stack",
+    "Target",
+    "materialize",
+    "parse_part_list",
+    "plan",
+    "split_key",
+    "stream_targets",
 ]
 
 _PREFIXES = ("model.", "optimizer.state.", "optimizer.param_groups.")
@@ -60,10 +70,10 @@ _PREFIXES = ("model.", "optimizer.state.", "optimizer.param_groups.")
 def split_key(key: str) -> tuple[str, str, str] | None:
     """``optimizer.state.a.b.exp_avg`` -> ``("optimizer.state.", "a.b", ".exp_avg")``; None for other keys."""
     if key.startswith("model."):
-        return "model.", key[len("model."):], ""
+        return "model.", key[len("model.") :], ""
     for prefix in _PREFIXES[1:]:
         if key.startswith(prefix):
-            fqn, dot, last = key[len(prefix):].rpartition(".")
+            fqn, dot, last = key[len(prefix) :].rpartition(".")
             if dot and fqn:
                 return prefix, fqn, "." + last
     return None
@@ -130,7 +140,9 @@ class Split:
         if self.sizes is not None:
             object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
             if len(self.sizes) != len(self.parts) or any(s < 0 for s in self.sizes):
-                raise ValueError(f"rule for {self.fused!r}: sizes {list(self.sizes)} must be one non-negative size per part")
+                raise ValueError(
+                    f"rule for {self.fused!r}: sizes {list(self.sizes)} must be one non-negative size per part"
+                )
         # compiled once here: planning matches every key against every rule
         object.__setattr__(self, "_regex", _template_regex(self.fused))
         object.__setattr__(self, "_first_part_regex", _template_regex(self.parts[0]))
@@ -216,7 +228,9 @@ class Stack:
         """Sizes along ``dim`` of the parts of one index's tensor of ``shape`` (the split rule's checks)."""
         if len(self.parts) == 1:
             if self.dim >= len(shape):
-                raise ValueError(f"cannot unstack {key!r}: an entry of shape {list(shape)} has no dim {self.dim}; fix the rule's dim")
+                raise ValueError(
+                    f"cannot unstack {key!r}: an entry of shape {list(shape)} has no dim {self.dim}; fix the rule's dim"
+                )
             return (shape[self.dim],)
         return Split(self.fused, self.dim, self.parts, self.sizes).part_sizes(key, shape)
 
@@ -484,7 +498,9 @@ def _stack_target(rule: Stack, prefix: str, values, suffix: str, indices: list[i
     for s in sources:
         e = entries[s]
         if e.dtype != first.dtype or len(e.shape) != len(first.shape) or len(e.shape) <= rule.dim:
-            raise ValueError(f"cannot stack {s!r} ({e.dtype}, {list(e.shape)}) with {sources[0]!r} ({first.dtype}, {list(first.shape)})")
+            raise ValueError(
+                f"cannot stack {s!r} ({e.dtype}, {list(e.shape)}) with {sources[0]!r} ({first.dtype}, {list(first.shape)})"
+            )
     width = len(rule.parts)
     per_index = [entries[s].shape for s in sources[:width]]
     for i in indices:
@@ -509,7 +525,9 @@ def _unstack_targets(key: str, entry: Entry, entries: dict[str, Entry], rules: R
             # a per-parameter scalar (step): every part of every index gets it
             weight = entries.get(f"model.{fqn}")
             if weight is None or not weight.shape:
-                raise ValueError(f"cannot unstack {key!r}: no stacked weight model.{fqn} says how many indices; export --model-only")
+                raise ValueError(
+                    f"cannot unstack {key!r}: no stacked weight model.{fqn} says how many indices; export --model-only"
+                )
             names = [rule.part_name(p, values, i) for i in range(weight.shape[0]) for p in range(len(rule.parts))]
             return [Target(prefix + n + suffix, entry.kind, entry.dtype, entry.shape, (key,)) for n in names]
         inner = entry.shape[1:]
@@ -538,7 +556,9 @@ def _merge_target(key: str, entries: dict[str, Entry], rules: Rules, consumed: s
         sources = [prefix + _fill(p, values) + suffix for p in rule.parts]
         missing = [s for s in sources if s not in entries]
         if missing:
-            raise ValueError(f"cannot merge into {prefix + _fill(rule.fused, values) + suffix!r}: {missing} not found; fix the merge rule")
+            raise ValueError(
+                f"cannot merge into {prefix + _fill(rule.fused, values) + suffix!r}: {missing} not found; fix the merge rule"
+            )
         consumed.update(sources)
         name = prefix + _fill(rule.fused, values) + suffix
         first = entries[sources[0]]
@@ -548,9 +568,13 @@ def _merge_target(key: str, entries: dict[str, Entry], rules: Rules, consumed: s
         for s, shape in zip(sources, shapes):
             other = shape[: rule.dim] + shape[rule.dim + 1 :]
             if len(shape) != len(first.shape) or other != first.shape[: rule.dim] + first.shape[rule.dim + 1 :]:
-                raise ValueError(f"cannot merge {s!r} of shape {list(shape)} with {sources[0]!r} of shape {list(first.shape)} along dim {rule.dim}")
+                raise ValueError(
+                    f"cannot merge {s!r} of shape {list(shape)} with {sources[0]!r} of shape {list(first.shape)} along dim {rule.dim}"
+                )
             if entries[s].dtype != first.dtype:
-                raise ValueError(f"cannot merge {s!r} ({entries[s].dtype}) with {sources[0]!r} ({first.dtype}): dtypes differ")
+                raise ValueError(
+                    f"cannot merge {s!r} ({entries[s].dtype}) with {sources[0]!r} ({first.dtype}): dtypes differ"
+                )
         total = sum(shape[rule.dim] for shape in shapes)
         shape = first.shape[: rule.dim] + (total,) + first.shape[rule.dim + 1 :]
         return Target(name, "tensor", first.dtype, shape, tuple(sources), "cat", rule.dim)

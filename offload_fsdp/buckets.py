@@ -108,7 +108,11 @@ def build_buckets(
     for record in (r for r in records if r.offloaded):
         key = _bucket_key(record)
         last = buckets[-1] if buckets else None
-        if last is None or _bucket_key(last.records[0]) != key or (last.numel and last.numel + record.numel > bucket_numel):
+        if (
+            last is None
+            or _bucket_key(last.records[0]) != key
+            or (last.numel and last.numel + record.numel > bucket_numel)
+        ):
             last = HostBucket(
                 index=first_index + len(buckets), group_index=record.group_index, device=record.local.device,
                 param_dtype=record.param.dtype, master_dtype=master_dtype_of(record.param.dtype),

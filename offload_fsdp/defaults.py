@@ -52,9 +52,7 @@ def class_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
 def same_value(a: Any, b: Any) -> bool:
     """Equality of hyper-parameter values that never raises (tensors compared by value)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-        )
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - an odd user value is simply "not the same"

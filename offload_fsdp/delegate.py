@@ -118,7 +118,12 @@ class DelegatedOptimizer:
             for k, v in inner.items():
                 if not isinstance(v, torch.Tensor):
                     public[k] = v
-                elif k not in public or not isinstance(public[k], torch.Tensor) or public[k].data_ptr() != v.data_ptr() or public[k].shape != v.shape:
+                elif (
+                    k not in public
+                    or not isinstance(public[k], torch.Tensor)
+                    or public[k].data_ptr() != v.data_ptr()
+                    or public[k].shape != v.shape
+                ):
                     public[k] = r.wrap(v)
             if r.has_separate_master and "master_param" not in public:
                 public["master_param"] = r.wrap(r.working)

@@ -191,7 +191,9 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         m = _as_fp32(m_flat, start, stop, scratch, "exp_avg")
         v = _as_fp32(v_flat, start, stop, scratch, "exp_avg_sq")
         views = [slice(b - start, e - start) for b, e, _ in segs]
-        _kernel_call(kernel, hyper, *([t[s] for s in views] for t in (p, g, m, v)), [r.state["step"] for _, _, r in segs])
+        _kernel_call(
+            kernel, hyper, *([t[s] for s in views] for t in (p, g, m, v)), [r.state["step"] for _, _, r in segs]
+        )
         # Cast back whole pieces: records without a grad in the piece are unchanged,
         # and a cast of an unchanged exact upcast is the identity.
         if master.dtype != torch.float32:

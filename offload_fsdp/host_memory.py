@@ -59,7 +59,9 @@ def _register_pinned(storage: torch.Tensor) -> bool:
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes, 0)
     if int(err) != 0:
-        logger.warning("cudaHostRegister of %d bytes failed (error %s); using torch's pinned allocator", storage.nbytes, err)
+        logger.warning(
+            "cudaHostRegister of %d bytes failed (error %s); using torch's pinned allocator", storage.nbytes, err
+        )
         return False
     # Unregister exactly once, when the byte tensor itself is collected (views keep it alive).
     weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr())
@@ -82,7 +84,9 @@ def _allocate(numel: int, dtype: torch.dtype, *, pin: bool) -> tuple[torch.Tenso
     try:
         return torch.zeros(numel, dtype=dtype, pin_memory=True), True
     except RuntimeError as exc:  # no accelerator, or its runtime cannot pin
-        logger.warning("page-locking %d host bytes failed (%s); host buffers stay pageable", numel * dtype.itemsize, exc)
+        logger.warning(
+            "page-locking %d host bytes failed (%s); host buffers stay pageable", numel * dtype.itemsize, exc
+        )
         return torch.zeros(numel, dtype=dtype), False
 
 

@@ -438,7 +438,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 stacklevel=3,
             )
 
-    def _log_partition(self, records: list[ParamShard], buckets: list[HostBucket], buffers: HostBuffers, what: str) -> None:
+    def _log_partition(
+        self, records: list[ParamShard], buckets: list[HostBucket], buffers: HostBuffers, what: str
+    ) -> None:
         def nbytes(rs: list[ParamShard]) -> int:
             return sum(r.numel * r.param.element_size() for r in rs)
 
@@ -703,7 +705,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._adam_step(bucket, active, hyper, self._scratch)
             else:
                 for r in active:
-                    r.working.grad = r.grad_stage if r.grad_stage.dtype == r.working.dtype else r.grad_stage.to(r.working.dtype)
+                    r.working.grad = (
+                        r.grad_stage if r.grad_stage.dtype == r.working.dtype else r.grad_stage.to(r.working.dtype)
+                    )
                 try:
                     bucket.delegate.step(self.param_groups)
                 finally:

@@ -24,6 +24,7 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'optim' has no attribute {name!r}")
 
+
 __all__ = [
     "BACKENDS",
     "GraphSafeGrads",

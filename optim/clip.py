@@ -148,7 +148,9 @@ def _partial_norm(
     return combined.max() if math.isinf(norm_type) else combined.sum()
 
 
-def _norms(group: list[torch.Tensor], norm_type: float, acc_dtype: torch.dtype, foreach: bool | None) -> list[torch.Tensor]:
+def _norms(
+    group: list[torch.Tensor], norm_type: float, acc_dtype: torch.dtype, foreach: bool | None
+) -> list[torch.Tensor]:
     """Per-tensor norms of one (device, dtype) group: one foreach kernel where the backend has it."""
     if foreach is not False:
         try:

@@ -66,9 +66,7 @@ class FusedAdamPlan:
     param_dtypes: frozenset[torch.dtype]
 
 
-def plan_fused_adam(
-    params: list[torch.Tensor], policy: PrecisionPolicy, *, cuda_graphs: bool = False
-) -> FusedAdamPlan:
+def plan_fused_adam(params: list[torch.Tensor], policy: PrecisionPolicy, *, cuda_graphs: bool = False) -> FusedAdamPlan:
     """Derive the fused-Adam configuration from the params' dtypes and ``policy``."""
     param_dtypes = frozenset(p.dtype for p in params)
     grads_dtype = policy.resolved_main_grads_dtype

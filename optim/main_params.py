@@ -143,4 +143,3 @@ def enable_main_params(optimizer: torch.optim.Optimizer, main_params_dtype: torc
     hooks = _MainParamsHooks(optimizer, main_params_dtype)
     hooks.register()
     setattr(optimizer, _HOOKS_ATTR, hooks)
-

@@ -108,12 +108,22 @@ def bench_throughput(root: Path, mib: int) -> None:
     results = {}
     for name, save, load, target in (
         ("raw", raw_write, raw_read, blob_path),
-        ("ours", lambda: checkpoint.save_state_dict({"model": state}, root / "ours"),
-         lambda: checkpoint.load_state_dict({"model": {k: torch.empty_like(v) for k, v in state.items()}}, root / "ours"),
-         root / "ours"),
-        ("dcp", lambda: dcp.save({"model": state}, checkpoint_id=root / "dcp", no_dist=True),
-         lambda: dcp.load({"model": {k: torch.empty_like(v) for k, v in state.items()}}, checkpoint_id=root / "dcp", no_dist=True),
-         root / "dcp"),
+        (
+            "ours",
+            lambda: checkpoint.save_state_dict({"model": state}, root / "ours"),
+            lambda: checkpoint.load_state_dict(
+                {"model": {k: torch.empty_like(v) for k, v in state.items()}}, root / "ours"
+            ),
+            root / "ours",
+        ),
+        (
+            "dcp",
+            lambda: dcp.save({"model": state}, checkpoint_id=root / "dcp", no_dist=True),
+            lambda: dcp.load(
+                {"model": {k: torch.empty_like(v) for k, v in state.items()}}, checkpoint_id=root / "dcp", no_dist=True
+            ),
+            root / "dcp",
+        ),
     ):
         saves, loads = [], []
         # Round 0 is a warm-up, not timed: on a VM the first writes into never-touched guest
@@ -127,12 +137,14 @@ def bench_throughput(root: Path, mib: int) -> None:
             loads.append(_timed(load))
         results[name] = (min(saves[1:]), min(loads[1:]))
     raw_save, raw_load = results["raw"]
-    print(f"\n== throughput: {nbytes / 2**20:.0f} MiB, one process, best of 2 after a warm-up round, cold reads (fadvise DONTNEED)")
+    print(
+        f"\n== throughput: {nbytes / 2**20:.0f} MiB, one process, best of 2 after a warm-up round, cold reads (fadvise DONTNEED)"
+    )
     for name in ("raw", "ours", "dcp"):
-        s, l = results[name]
+        s, ld = results[name]
         print(
             f"{name:5s} save {s:6.2f} s ({nbytes / s / 1e9:5.2f} GB/s, {raw_save / s:4.2f}x raw)   "
-            f"load {l:6.2f} s ({nbytes / l / 1e9:5.2f} GB/s, {raw_load / l:4.2f}x raw)"
+            f"load {ld:6.2f} s ({nbytes / ld / 1e9:5.2f} GB/s, {raw_load / ld:4.2f}x raw)"
         )
     print(
         f"ours vs plain dcp: save {results['dcp'][0] / results['ours'][0]:.2f}x faster, "
@@ -153,8 +165,10 @@ def bench_verify(root: Path, mib: int) -> None:
             _drop_cache(path)
         return _timed(lambda: checkpoint.load_state_dict(targets, path, verify=mode))
 
-    print(f"\n== verify: load of {nbytes / 2**20:.0f} MiB with CRC-32 checked as it is read (default) vs sizes only; "
-          "best of 3, alternating, after a warm-up")
+    print(
+        f"\n== verify: load of {nbytes / 2**20:.0f} MiB with CRC-32 checked as it is read (default) vs sizes only; "
+        "best of 3, alternating, after a warm-up"
+    )
     for cold in (True, False):
         load("crc", cold), load("sizes", cold)  # warm-up
         times: dict[str, list[float]] = {"crc": [], "sizes": []}
@@ -162,8 +176,10 @@ def bench_verify(root: Path, mib: int) -> None:
             for mode, runs in times.items():
                 runs.append(load(mode, cold))
         crc, sizes = min(times["crc"]), min(times["sizes"])
-        print(f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s)   "
-              f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s)   ratio {crc / sizes:.2f}x")
+        print(
+            f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s)   "
+            f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s)   ratio {crc / sizes:.2f}x"
+        )
     shutil.rmtree(path)
 
 
@@ -174,7 +190,9 @@ def bench_async(root: Path, mib: int) -> None:
     state = _state(mib << 20)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     print(f"\n== async save of {nbytes / 2**20:.0f} MiB (host tensors), best of 2: time the caller is blocked")
-    blocking = min(_timed(lambda: checkpoint.save_state_dict({"model": state}, root / "sync")) for _ in range(3))  # 1st: warm-up
+    blocking = min(
+        _timed(lambda: checkpoint.save_state_dict({"model": state}, root / "sync")) for _ in range(3)
+    )  # 1st: warm-up
     print(f"blocking save              {blocking:6.3f} s")
     for budget in (None, 64 << 20, 0):
         blocked, total = [], []
@@ -232,8 +250,18 @@ def bench_staging(root: Path, mib: int, saves: int) -> None:
 
 
 _COUNTED = (
-    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "all_reduce",
-    "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "gather", "scatter", "reduce_scatter",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce_scatter",
     "reduce_scatter_tensor",
 )
 
@@ -381,7 +409,10 @@ def bench_merge(ranks_list: list[int], tensors: int, *, with_dcp: bool = True) -
         metadata_size = _pickled_size(merged)
         del merged
         if not with_dcp:
-            print(f"{ranks:5d} | {ours_t:8.2f} s  {ours_bytes / 2**20:11.1f} MiB | (not run)  | {metadata_size}", flush=True)
+            print(
+                f"{ranks:5d} | {ours_t:8.2f} s  {ours_bytes / 2**20:11.1f} MiB | (not run)  | {metadata_size}",
+                flush=True,
+            )
             continue
         planner = DefaultSavePlanner()
         planner.flatten_state_dict = False
@@ -397,7 +428,9 @@ def bench_merge(ranks_list: list[int], tensors: int, *, with_dcp: bool = True) -
             f"{ranks:5d} | {ours_t:8.2f} s  {ours_bytes / 2**20:11.1f} MiB | "
             f"{dcp_t:8.2f} s  {dcp_bytes / 2**20:25.1f} MiB | {metadata_size}"
         )
-        print(f"        ours / DCP time: {ours_t / dcp_t:4.2f}x; DCP also scatters a plan back to every rank, ours sends nothing")
+        print(
+            f"        ours / DCP time: {ours_t / dcp_t:4.2f}x; DCP also scatters a plan back to every rank, ours sends nothing"
+        )
 
 
 def _params_model(count: int, total_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -446,7 +479,9 @@ def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     print(f"\n== scaling: {mib} MiB of fp32 params + AdamW state, named_parameters(), one process, best of 2")
-    print(f"{'params':>7s} {'who':5s} {'save s':>7s} {'load s':>7s} {'save us/param':>14s} {'load us/param':>14s} {'bytes/param':>12s}")
+    print(
+        f"{'params':>7s} {'who':5s} {'save s':>7s} {'load s':>7s} {'save us/param':>14s} {'load us/param':>14s} {'bytes/param':>12s}"
+    )
     for count in counts:
         model, opt = _params_model(count, mib << 20)
         for who, save, load in (("ours", _ours_save, _ours_load), ("dcp", _dcp_save, _dcp_load)):
@@ -457,13 +492,20 @@ def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
                 loads.append(_timed(partial(load, model, opt, path)))
                 size = _dir_bytes(path)
                 shutil.rmtree(path, ignore_errors=True)
-            s, l = min(saves), min(loads)
-            print(f"{count:7d} {who:5s} {s:7.2f} {l:7.2f} {s / count * 1e6:14.0f} {l / count * 1e6:14.0f} {size / count:12.0f}")
+            s, ld = min(saves), min(loads)
+            print(
+                f"{count:7d} {who:5s} {s:7.2f} {ld:7.2f} {s / count * 1e6:14.0f} {ld / count * 1e6:14.0f} {size / count:12.0f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: the system temp dir; pass a path on the file system to measure)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where to write (default: the system temp dir; pass a path on the file system to measure)",
+    )
     parser.add_argument("--mib", type=int, default=256, help="state size for throughput (MiB)")
     parser.add_argument("--ranks-mib", type=int, default=64, help="state size for the 1/2/4-rank save times (MiB)")
     parser.add_argument("--merge-ranks", type=int, nargs="+", default=[1024])
@@ -471,9 +513,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge-ours-only", action="store_true", help="skip DCP's central plan (memory / time)")
     parser.add_argument("--saves", type=int, default=5, help="consecutive async saves for the staging part (>= 2)")
     parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
-    parser.add_argument("--scaling-params", type=int, nargs="+", default=[100, 1000],
-                        help="parameter counts the scaling part cuts that state into (the issue's row: 100 1000 10000)")
-    parser.add_argument("--parts", nargs="+", default=["throughput", "verify", "async", "staging", "collectives", "ranks", "merge", "scaling"])
+    parser.add_argument(
+        "--scaling-params",
+        type=int,
+        nargs="+",
+        default=[100, 1000],
+        help="parameter counts the scaling part cuts that state into (the issue's row: 100 1000 10000)",
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["throughput", "verify", "async", "staging", "collectives", "ranks", "merge", "scaling"],
+    )
     args = parser.parse_args(argv)
     if args.saves < 2:
         parser.error(f"--saves must be at least 2 (the 1st save allocates either way), got {args.saves}")

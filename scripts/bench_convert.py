@@ -97,7 +97,9 @@ t = time.perf_counter()
 print(time.perf_counter() - t)
 """
 
-_RAW_COPY = _TIMED.format(imports="", body="""
+_RAW_COPY = _TIMED.format(
+    imports="",
+    body="""
 buf = bytearray(64 << 20)
 with open(sys.argv[2], "wb") as out:
     for name in sorted(os.listdir(sys.argv[1])):
@@ -105,20 +107,27 @@ with open(sys.argv[2], "wb") as out:
             while n := f.readinto(buf):
                 out.write(memoryview(buf)[:n])
     out.flush(); os.fsync(out.fileno())
-""")
+""",
+)
 
-_DCP_TO_TORCH = _TIMED.format(imports="from torch.distributed.checkpoint.format_utils import dcp_to_torch_save", body="""
+_DCP_TO_TORCH = _TIMED.format(
+    imports="from torch.distributed.checkpoint.format_utils import dcp_to_torch_save",
+    body="""
 dcp_to_torch_save(sys.argv[1], sys.argv[2])
 with open(sys.argv[2], "rb+") as f:
     os.fsync(f.fileno())
-""")
+""",
+)
 
 # stdout of the CLI goes to stderr so the last stdout line is the time
-_CLI = _TIMED.format(imports="import contextlib, checkpoint.cli", body="""
+_CLI = _TIMED.format(
+    imports="import contextlib, checkpoint.cli",
+    body="""
 with contextlib.redirect_stdout(sys.stderr):
     code = checkpoint.cli.main(sys.argv[1:])
 assert code == 0, code
-""")
+""",
+)
 
 _IMPORT_ONLY = _TIMED.format(imports="import torch, checkpoint.cli", body="")
 
@@ -136,7 +145,9 @@ def main() -> None:
     src = work / "src"
     if args.build_only:
         # runs in a child: a fork of a parent that held the tensors would inherit its peak RSS
-        info = build_source(src, int(args.size_gib * 2**30), args.max_tensor_mib << 20, work / "plain" if args.plain else None)
+        info = build_source(
+            src, int(args.size_gib * 2**30), args.max_tensor_mib << 20, work / "plain" if args.plain else None
+        )
         print(json.dumps(info))
         return
     shutil.rmtree(work, ignore_errors=True)
@@ -146,8 +157,10 @@ def main() -> None:
     if built.returncode:
         raise SystemExit(f"building the source failed:\n{built.stderr}")
     info = json.loads(built.stdout.strip().splitlines()[-1])
-    print(f"source: {info['count']} tensors, {info['bytes'] / 2**30:.2f} GiB, largest {info['largest'] / 2**20:.0f} MiB, "
-          f"2 ranks (built in {time.perf_counter() - t0:.1f} s)")
+    print(
+        f"source: {info['count']} tensors, {info['bytes'] / 2**30:.2f} GiB, largest {info['largest'] / 2**20:.0f} MiB, "
+        f"2 ranks (built in {time.perf_counter() - t0:.1f} s)"
+    )
     py = sys.executable
     cli = [py, "-c", _CLI]
     runs = {
@@ -160,7 +173,13 @@ def main() -> None:
     }
     if args.plain:
         runs["fsdp-ckpt export safetensors (plain dcp.save src)"] = cli + [
-            "export", work / "plain", work / "hf_plain", "--format", "safetensors", "-q"]
+            "export",
+            work / "plain",
+            work / "hf_plain",
+            "--format",
+            "safetensors",
+            "-q",
+        ]
     results: dict[str, tuple[float, int]] = {}
     # rounds over all operations (not one operation N times in a row), so slow spells of a
     # shared disk hit every operation alike; each keeps its fastest time and largest peak
@@ -183,21 +202,27 @@ def main() -> None:
 
     raw_s = work_s("raw copy of the bytes (fsync)")
     dcp_s = work_s("dcp_to_torch_save (+ fsync)")
-    print(f"\n{'operation':<50} {'seconds':>7} {'GiB/s':>6} {'vs raw':>7} {'vs dcp_to_torch':>15} "
-          f"{'peak RSS':>9} {'- import':>9} {'/largest':>8}")
-    for label, (seconds, rss) in results.items():
+    print(
+        f"\n{'operation':<50} {'seconds':>7} {'GiB/s':>6} {'vs raw':>7} {'vs dcp_to_torch':>15} "
+        f"{'peak RSS':>9} {'- import':>9} {'/largest':>8}"
+    )
+    for label, (_seconds, rss) in results.items():
         if label.startswith("python"):
             print(f"{label:<50} {'':>7} {'':>6} {'':>7} {'':>15} {rss / 2**20:7.0f}Mi")
             continue
         w = work_s(label)
         extra = max(rss - base_rss, 0) if not label.startswith("raw") else rss
-        print(f"{label:<50} {w:7.2f} {gib / w:6.2f} {raw_s / w:6.2f}x {dcp_s / w:14.2f}x "
-              f"{rss / 2**20:7.0f}Mi {extra / 2**20:7.0f}Mi {extra / info['largest']:7.2f}x")
-    print(f"\nseconds: fastest of {args.repeat} rounds, timed inside each process after its imports; "
-          f"'vs raw' = raw-copy time / this time (1.0 = as fast as copying the bytes); 'vs dcp_to_torch' = its "
-          f"time / this time; '- import' = peak RSS minus the bare `import torch, checkpoint.cli` process "
-          f"({base_rss / 2**20:.0f} MiB); '/largest' = that excess over the largest tensor. "
-          f"Checkpoint {info['bytes'] / 2**20:.0f} MiB, largest tensor {info['largest'] / 2**20:.0f} MiB.")
+        print(
+            f"{label:<50} {w:7.2f} {gib / w:6.2f} {raw_s / w:6.2f}x {dcp_s / w:14.2f}x "
+            f"{rss / 2**20:7.0f}Mi {extra / 2**20:7.0f}Mi {extra / info['largest']:7.2f}x"
+        )
+    print(
+        f"\nseconds: fastest of {args.repeat} rounds, timed inside each process after its imports; "
+        f"'vs raw' = raw-copy time / this time (1.0 = as fast as copying the bytes); 'vs dcp_to_torch' = its "
+        f"time / this time; '- import' = peak RSS minus the bare `import torch, checkpoint.cli` process "
+        f"({base_rss / 2**20:.0f} MiB); '/largest' = that excess over the largest tensor. "
+        f"Checkpoint {info['bytes'] / 2**20:.0f} MiB, largest tensor {info['largest'] / 2**20:.0f} MiB."
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

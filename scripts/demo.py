@@ -198,7 +198,11 @@ def run_phase(args: argparse.Namespace, cfg: Config) -> None:
     data = corpus()
     log = open(out / f"{args.run}.jsonl", "a") if rank == 0 else None
     if log:  # what the summary reports about this run's setup
-        setup = {"optimizer": type(opt).__name__, "offload_fraction": opt.offload_fraction, "scheduler": type(sched).__name__}
+        setup = {
+            "optimizer": type(opt).__name__,
+            "offload_fraction": opt.offload_fraction,
+            "scheduler": type(sched).__name__,
+        }
         (out / f"{args.run}.setup.json").write_text(json.dumps(setup))
     pending = None
     for step in range(start, cfg.steps):
@@ -286,7 +290,9 @@ def _local_tensors(state: dict):
 # ------------------------------------------------------------------- orchestration
 
 
-def launch(args: argparse.Namespace, run: str, world_size: int, *, resume: str | None = None, kill_at: int | None = None) -> None:
+def launch(
+    args: argparse.Namespace, run: str, world_size: int, *, resume: str | None = None, kill_at: int | None = None
+) -> None:
     """Start ``world_size`` ranks of this script as a torchrun would; optionally SIGKILL them at a step."""
     port = _free_port()
     cmd = [sys.executable, __file__, "--phase", "train", "--run", run, "--out", args.out, *_config_args(args)]
@@ -296,8 +302,15 @@ def launch(args: argparse.Namespace, run: str, world_size: int, *, resume: str |
         cmd += ["--hold"]  # the ranks stop at the kill step and wait there to be killed
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     held = Path(args.out) / f"{run}.held"
     deadline = time.monotonic() + args.timeout
@@ -330,7 +343,9 @@ def _free_port() -> int:
 
 
 def _config_args(args: argparse.Namespace) -> list[str]:
-    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in asdict(Config()) if getattr(args, k, None) is not None]
+    return [
+        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in asdict(Config()) if getattr(args, k, None) is not None
+    ]
 
 
 def read_losses(path: Path, field: str = "loss") -> dict[int, float]:
@@ -344,7 +359,9 @@ MARKER = ".offload_fsdp_demo"
 
 def _demo_files(name: str) -> bool:
     """Whether ``name`` (an entry of the output folder) is something the demo writes."""
-    runs = {f"{r}{suffix}" for r in "ABC" for suffix in (".jsonl", ".setup.json", ".saves.jsonl", ".final.json", ".held")}
+    runs = {
+        f"{r}{suffix}" for r in "ABC" for suffix in (".jsonl", ".setup.json", ".saves.jsonl", ".final.json", ".held")
+    }
     from checkpoint.atomic import lock_path, old_path, staging_path
 
     # ckpt / export and the staging / swap / lock siblings a save or export cut short leaves (not export.tar.gz)
@@ -387,8 +404,19 @@ def orchestrate(args: argparse.Namespace, cfg: Config) -> dict:
     export_dir = out / "export"
     final = out / "ckpt" / "B" / f"step_{cfg.steps}"
     subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", "export", str(final), str(export_dir), "--format", "safetensors", "--model-only"],
-        check=True, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "checkpoint.cli",
+            "export",
+            str(final),
+            str(export_dir),
+            "--format",
+            "safetensors",
+            "--model-only",
+        ],
+        check=True,
+        cwd=REPO,
     )
     summary = summarise(out, cfg, export_dir)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -460,7 +488,11 @@ def plot(out: Path, cfg: Config) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    styles = {"A": ("run A (killed)", "-"), "B": ("run B (resumed, same world size)", "--"), "C": ("run C (resumed, 1 process)", ":")}
+    styles = {
+        "A": ("run A (killed)", "-"),
+        "B": ("run B (resumed, same world size)", "--"),
+        "C": ("run C (resumed, 1 process)", ":"),
+    }
     for run, (label, style) in styles.items():
         losses = read_losses(out / f"{run}.jsonl")
         ax.plot(list(losses), list(losses.values()), style, label=label)
@@ -481,9 +513,14 @@ def plot(out: Path, cfg: Config) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "demo_out"),
-                        help="output folder: new, empty, or a previous demo's (only the demo's own files are replaced)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "demo_out"),
+        help="output folder: new, empty, or a previous demo's (only the demo's own files are replaced)",
+    )
     parser.add_argument("--world-size", type=int, default=2, help="ranks for runs A and B")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (what the test suite runs)")
@@ -494,7 +531,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Confi
     for field, default in asdict(Config()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=None)
     args = parser.parse_args(argv)
-    base = Config(d_model=64, n_layers=2, seq_len=32, global_batch=4, steps=12, save_at=6, kill_at=9) if args.quick else Config()
+    base = (
+        Config(d_model=64, n_layers=2, seq_len=32, global_batch=4, steps=12, save_at=6, kill_at=9)
+        if args.quick
+        else Config()
+    )
     overrides = {k: getattr(args, k) for k in asdict(base) if getattr(args, k) is not None}
     cfg = Config(**{**asdict(base), **overrides})
     for k, v in asdict(cfg).items():

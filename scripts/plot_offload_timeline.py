@@ -99,7 +99,9 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{str(path)!r} is not valid JSON ({exc}); pass a Chrome trace or a --timeline-json file") from exc
+        raise InputError(
+            f"{str(path)!r} is not valid JSON ({exc}); pass a Chrome trace or a --timeline-json file"
+        ) from exc
 
 
 def _merge(spans: dict[tuple[str, int], list[tuple[float, float]]]) -> dict[tuple[str, int], tuple[float, float]]:
@@ -107,7 +109,9 @@ def _merge(spans: dict[tuple[str, int], list[tuple[float, float]]]) -> dict[tupl
     return {key: (min(s for s, _ in v), max(e for _, e in v)) for key, v in spans.items()}
 
 
-def _build(spans: dict[tuple[str, int], tuple[float, float]], step: tuple[float, float] | None, source: str) -> Timeline:
+def _build(
+    spans: dict[tuple[str, int], tuple[float, float]], step: tuple[float, float] | None, source: str
+) -> Timeline:
     starts = [s for s, _ in spans.values()] + ([step[0]] if step else [])
     ends = [e for _, e in spans.values()] + ([step[1]] if step else [])
     origin, finish = min(starts), max(ends)
@@ -127,7 +131,9 @@ def _from_chrome_trace(events: list[Any], step_index: int, path: Path) -> Timeli
         m = _RANGE.match(str(e.get("name", "")))
         if m:
             start = float(e["ts"])
-            ranges.append((m.group(1), int(m.group(2)), start, start + float(e.get("dur", 0)), e.get("cat") == _DEVICE_CAT))
+            ranges.append(
+                (m.group(1), int(m.group(2)), start, start + float(e.get("dur", 0)), e.get("cat") == _DEVICE_CAT)
+            )
     if not ranges:
         raise InputError(
             f"{str(path)!r} has no 'HybridDeviceOptimizer.<stage>[bucket i]' ranges; profile a step of "
@@ -243,7 +249,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", type=Path, help="Chrome trace json, or a bench_offload.py --timeline-json file")
     parser.add_argument("-o", "--output", type=Path, default=None, help="PNG to write (default: INPUT with .png)")
-    parser.add_argument("--step", type=int, default=-1, help="which optimizer step of a trace to draw (default: the last)")
+    parser.add_argument(
+        "--step", type=int, default=-1, help="which optimizer step of a trace to draw (default: the last)"
+    )
     return parser.parse_args(argv)
 
 

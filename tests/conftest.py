@@ -3,7 +3,10 @@ import torch
 
 # marker -> (is it available here, why it is skipped)
 _NEEDS = {
-    "accelerator": (torch.accelerator.is_available, "needs an accelerator (torch.accelerator); run `pytest -m accelerator` on one"),
+    "accelerator": (
+        torch.accelerator.is_available,
+        "needs an accelerator (torch.accelerator); run `pytest -m accelerator` on one",
+    ),
     "cuda": (torch.cuda.is_available, "needs a CUDA device; run `pytest -m cuda` on a GPU machine"),
 }
 

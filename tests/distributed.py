@@ -102,7 +102,9 @@ def run_ranks(
                 # never puts anything: notice it now instead of waiting out the timeout.
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
                 if dead:
-                    raise RankFailed(f"ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting")
+                    raise RankFailed(
+                        f"ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise RankFailed(
                         f"ranks did not all report within {timeout_s:.0f}s (reported: {sorted(results)})"
@@ -115,9 +117,13 @@ def run_ranks(
                 reported.add(rank)
         # A rank that died silently is often the cause of another's reported failure
         # (a peer's connection reset): name it too, before the survivors are killed below.
-        dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in reported]
+        dead = [
+            i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results and i not in reported
+        ]
         if failures and dead:
-            failures.append(f"--- ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting ---")
+            failures.append(
+                f"--- ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting ---"
+            )
     finally:
         for p in procs:
             p.join(timeout=5 if not failures else 0.5)

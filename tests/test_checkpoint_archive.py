@@ -83,7 +83,9 @@ def test_views_transposes_and_dtypes_without_a_storage_class_save_and_read_back_
     assert data_file.stat().st_size < base.numel() * 4 + 4 * 1024 * 5  # the view's storage was not written whole
 
 
-def test_reader_takes_whole_chunks_in_one_read_for_our_archives_and_falls_back_for_torch_save_ones(tmp_path, monkeypatch):
+def test_reader_takes_whole_chunks_in_one_read_for_our_archives_and_falls_back_for_torch_save_ones(
+    tmp_path, monkeypatch
+):
     import pickle
 
     from checkpoint.reader import DirectReader

@@ -47,7 +47,9 @@ def slow_writer(monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [0, 64 * 32 * 4 * 2, 1 << 30])
-def test_bounded_async_save_writes_the_call_time_state_with_at_most_the_budget_in_copies(tmp_path, budget, gates, slow_writer):
+def test_bounded_async_save_writes_the_call_time_state_with_at_most_the_budget_in_copies(
+    tmp_path, budget, gates, slow_writer
+):
     state = _state()
     expected = {k: v.clone() for k, v in state["w"].items()}
     future = async_save_state_dict(state, tmp_path / "c", max_staging_bytes=budget)

@@ -95,7 +95,7 @@ def test_pieces_read_in_any_order_with_gaps_and_overlaps_add_up_to_the_file_crc(
     raw = bytes(rng.randrange(256) for _ in range(5000))
     (tmp_path / "f").write_bytes(raw)
     record = FileRecord(size=len(raw), crc32=zlib.crc32(raw))
-    for trial in range(20):
+    for _trial in range(20):
         check = ContentCheck(tmp_path, {"f": record})
         cuts = sorted(rng.sample(range(1, len(raw)), 12))
         pieces = list(zip([0, *cuts], [*cuts, len(raw)]))

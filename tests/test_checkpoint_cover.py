@@ -8,7 +8,6 @@ import pickle
 import subprocess
 import sys
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -86,7 +85,10 @@ def test_cover_check_passes_exactly_when_every_element_is_in_one_chunk_and_names
 
 
 def test_cover_check_names_chunks_that_leave_the_shape_or_have_the_wrong_rank():
-    assert chunk_problem("k", (4, 3), [((0, 0), (4, 3)), ((3, 2), (1, 2))]) == "k: chunk at [3, 2] of size [1, 2] leaves shape [4, 3]"
+    assert (
+        chunk_problem("k", (4, 3), [((0, 0), (4, 3)), ((3, 2), (1, 2))])
+        == "k: chunk at [3, 2] of size [1, 2] leaves shape [4, 3]"
+    )
     assert "leaves shape [4, 3]" in chunk_problem("k", (4, 3), [((0,), (4,))])
 
 
@@ -94,7 +96,9 @@ def test_volume_only_check_misses_a_same_volume_overlap_that_the_full_check_name
     shape = (4, 3)
     chunks = [((0, 0), (2, 3)), ((1, 0), (2, 3))]  # row 1 twice, row 3 never: 12 elements all the same
     assert chunk_problem("k", shape, chunks, overlap=False) is None
-    assert chunk_problem("k", shape, chunks) == "k: chunks at [0, 0] and [1, 0] overlap (element [1, 0] is stored 2 times)"
+    assert (
+        chunk_problem("k", shape, chunks) == "k: chunks at [0, 0] and [1, 0] overlap (element [1, 0] is stored 2 times)"
+    )
     assert chunk_problem("k", shape, chunks[:1], overlap=False) == (
         "k: chunks hold 6 of its 12 elements (shape [4, 3]); a rank's part is missing"
     )

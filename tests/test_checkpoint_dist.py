@@ -105,9 +105,23 @@ def _mismatches(model, opt, ref: dict[str, torch.Tensor]) -> list[str]:
 
 
 _COUNTED = (
-    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "all_reduce",
-    "all_gather", "all_gather_into_tensor", "broadcast", "barrier", "gather", "scatter", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "send", "recv", "monitored_barrier",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "send",
+    "recv",
+    "monitored_barrier",
 )
 
 
@@ -137,7 +151,9 @@ def _many_tensors_state(rank: int, world_size: int, n: int) -> dict:
     state = {}
     for i in range(n):
         rows = 2 + i % 3
-        state[f"t{i}"] = checkpoint.shard(torch.full((rows, 4), float(i)), (rows * world_size, 4), offsets=(rank * rows, 0))
+        state[f"t{i}"] = checkpoint.shard(
+            torch.full((rows, 4), float(i)), (rows * world_size, 4), offsets=(rank * rows, 0)
+        )
     return state
 
 
@@ -175,7 +191,9 @@ def _two_rank_body(rank: int, world_size: int, root: str) -> dict:
             lambda: checkpoint.save_state_dict(state, root / f"m{n}", mode="scale")
         )
         dist.barrier()
-        target = {k: checkpoint.shard(torch.zeros_like(v.local), v.shape, offsets=v.spec.offsets) for k, v in state.items()}
+        target = {
+            k: checkpoint.shard(torch.zeros_like(v.local), v.shape, offsets=v.spec.offsets) for k, v in state.items()
+        }
         counts[f"load{n}"] = _count_collectives(lambda: checkpoint.load_state_dict(target, root / f"m{n}"))
         assert all(torch.equal(target[k].local, state[k].local) for k in state)
     results["counts"] = counts
@@ -209,7 +227,10 @@ def _hybrid_resume(root: Path, world_size: int):
     opt3 = HybridDeviceOptimizer(torch.optim.AdamW(model3.parameters(), lr=0.3, weight_decay=0.1), offload_fraction=1.0)
     checkpoint.load(root / "a", model=model3, optimizer=opt3)  # written with plain AdamW
     loaded = _full_state(model3, opt3)  # a collective: every rank gathers
-    return {"resume": _mismatches(model2, opt2, after), "from_adamw": _portable(loaded) if dist.get_rank() == 0 else None}
+    return {
+        "resume": _mismatches(model2, opt2, after),
+        "from_adamw": _portable(loaded) if dist.get_rank() == 0 else None,
+    }
 
 
 def _flat_bounds(numel: int, world_size: int) -> list[int]:
@@ -264,7 +285,10 @@ def _four_rank_body(rank: int, world_size: int, root: str, ref_a: dict) -> dict:
     checkpoint.save(root / "hsdp", model=hsdp)
     checkpoint.save(root / "hsdp_scale", model=hsdp, mode="scale")
     dist.barrier()
-    return {"ref_flat": _portable(ref_flat) if rank == 0 else None, "flat_from_fsdp": _mismatches(target, target_opt, ref_a)}
+    return {
+        "ref_flat": _portable(ref_flat) if rank == 0 else None,
+        "flat_from_fsdp": _mismatches(target, target_opt, ref_a),
+    }
 
 
 def _three_rank_body(rank: int, world_size: int, root: str, ref_a: dict, ref_flat: dict) -> dict:
@@ -347,7 +371,13 @@ def test_checkpoints_move_between_fsdp2_flat_shards_and_world_sizes(tmp_path):
     ref_a, ref_flat = _tensors(ref_a), _tensors(ref_flat)
     for result in three:
         assert result == {
-            "fsdp2": [], "scale": [], "flat4": [], "plain": [], "hsdp": [], "hsdp_scale": [], "async": [],
+            "fsdp2": [],
+            "scale": [],
+            "flat4": [],
+            "plain": [],
+            "hsdp": [],
+            "hsdp_scale": [],
+            "async": [],
             "plain_dcp_reads_ours": [],
         }
     for source in ("hsdp", "hsdp_scale"):  # every stored byte is referenced once: no replica written twice

@@ -165,8 +165,11 @@ def test_flipped_and_truncated_files_end_as_a_clear_error_or_the_exact_values(tm
     for i, (name, how, pos) in enumerate(cases):
         case = tmp_path / f"case{i}"
         _damage(pristine, case, name, how, pos)
-        results = {"load": _classify_load(case, reference), "diff": _classify_diff(case, pristine, capsys),
-                   "verify": _classify_verify(case, capsys)}
+        results = {
+            "load": _classify_load(case, reference),
+            "diff": _classify_diff(case, pristine, capsys),
+            "verify": _classify_verify(case, capsys),
+        }
         for reader, outcome in results.items():
             outcomes[reader][outcome] += 1
             if outcome not in ("equal", "clear error"):

@@ -72,9 +72,19 @@ def _rule_args(flag: str) -> list[str]:
 def _qwen3_moe(seed: int):
     torch.manual_seed(seed)
     config = transformers.Qwen3MoeConfig(
-        num_hidden_layers=2, hidden_size=8, intermediate_size=12, moe_intermediate_size=8, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, vocab_size=32, num_experts=3, num_experts_per_tok=2,
-        max_position_embeddings=16, decoder_sparse_step=1, mlp_only_layers=[],
+        num_hidden_layers=2,
+        hidden_size=8,
+        intermediate_size=12,
+        moe_intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=32,
+        num_experts=3,
+        num_experts_per_tok=2,
+        max_position_embeddings=16,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
     )
     return transformers.Qwen3MoeForCausalLM(config).eval()
 
@@ -102,7 +112,9 @@ def test_a_per_expert_moe_checkpoint_imports_into_the_fused_experts_and_exports_
 
 def _gpt2_untied(seed: int):
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16, tie_word_embeddings=False)
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=16, tie_word_embeddings=False
+    )
     return transformers.GPT2LMHeadModel(config).eval()
 
 
@@ -110,7 +122,9 @@ def test_an_untied_checkpoint_is_refused_by_a_tied_model_strictly_and_keeps_the_
     untied = _gpt2_untied(0)
     checkpoint.save(tmp_path / "c", model=untied)
     tied = _gpt2(1)
-    with pytest.raises(ValueError, match=r"model\.lm_head\.weight: differs from model\.transformer\.wte\.weight.*untied"):
+    with pytest.raises(
+        ValueError, match=r"model\.lm_head\.weight: differs from model\.transformer\.wte\.weight.*untied"
+    ):
         checkpoint.load(tmp_path / "c", model=tied)
     result = checkpoint.load(tmp_path / "c", model=tied, strict=False)
     assert torch.equal(tied.transformer.wte.weight, untied.transformer.wte.weight)  # not overwritten by lm_head

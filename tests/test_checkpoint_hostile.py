@@ -212,7 +212,10 @@ CHECKPOINT_PAYLOADS = [
     _manifest_edit("manifest_keys_list", lambda d: d.update(keys=[["a", "b"]])),
     _manifest_edit("manifest_unlists_data", lambda d: d["files"].pop("__0_0.distcp"), ".metadata"),
     _raw_manifest("manifest_json_list", b"[1, 2, 3]"),
-    _raw_manifest("manifest_world_size_1e400", b'{"format": "fsdp_dtensor", "version": 1, "world_size": 1e400, "keys": {}, "files": {}}'),
+    _raw_manifest(
+        "manifest_world_size_1e400",
+        b'{"format": "fsdp_dtensor", "version": 1, "world_size": 1e400, "keys": {}, "files": {}}',
+    ),
     _raw_manifest("manifest_huge_int", b'{"format": "fsdp_dtensor", "version": 1, "world_size": ' + b"9" * 5000 + b"}"),
     _raw_manifest("manifest_bad_utf8", b'{"format": "\xff\xfe"}'),
     _raw_manifest("manifest_deep_nesting", b"[" * 200_000 + b"]" * 200_000),
@@ -243,12 +246,16 @@ def _api_runs(ck: Path) -> dict:
     return {
         "load": lambda: checkpoint.load(ck, model=_model(), strict=False),
         "load+optimizer": load_full,
-        "load(require_manifest=False)": lambda: checkpoint.load(ck, model=_model(), strict=False, require_manifest=False),
+        "load(require_manifest=False)": lambda: checkpoint.load(
+            ck, model=_model(), strict=False, require_manifest=False
+        ),
         "load(verify='full')": lambda: checkpoint.load(ck, model=_model(), strict=False, verify="full"),
         "load(verify='none', require_manifest=False)": lambda: checkpoint.load(
-            ck, model=_model(), strict=False, verify="none", require_manifest=False),
-        "load_state_dict": lambda: checkpoint.load_state_dict({"extra": {"x": None, "step": None}}, ck, strict=False,
-                                                               require_manifest=False),
+            ck, model=_model(), strict=False, verify="none", require_manifest=False
+        ),
+        "load_state_dict": lambda: checkpoint.load_state_dict(
+            {"extra": {"x": None, "step": None}}, ck, strict=False, require_manifest=False
+        ),
     }
 
 
@@ -287,7 +294,9 @@ def test_a_crafted_checkpoint_is_refused_naming_the_file_with_nothing_run(build,
         if code == 0:
             outcomes["cli ok"] += 1
             # only inspect, which reads no value and no data file, may succeed, and only when those are the crafted part
-            assert fragment in ("extra.x", "__0_0.distcp") and name == "inspect", f"{name} accepted {ck}: {captured.out[-300:]}"
+            assert fragment in ("extra.x", "__0_0.distcp") and name == "inspect", (
+                f"{name} accepted {ck}: {captured.out[-300:]}"
+            )
         else:
             outcomes["cli refused"] += 1
             assert len(lines) == 1 and lines[0].startswith("fsdp-ckpt: error: "), f"{name}: {captured.err}"
@@ -395,8 +404,17 @@ def import_link_to_device(root: Path, marker: Path):
     return path, "zero.safetensors"
 
 
-IMPORT_PAYLOADS = [import_link_to_device, import_traversal, import_absolute, import_offsets_out_of_range, import_header_too_large,
-                   import_header_not_json, import_torch_payload, import_fifo, import_index_fifo]
+IMPORT_PAYLOADS = [
+    import_link_to_device,
+    import_traversal,
+    import_absolute,
+    import_offsets_out_of_range,
+    import_header_too_large,
+    import_header_not_json,
+    import_torch_payload,
+    import_fifo,
+    import_index_fifo,
+]
 
 
 @pytest.mark.parametrize("build", IMPORT_PAYLOADS, ids=lambda b: b.__name__)
@@ -429,8 +447,14 @@ def test_import_follows_links_to_regular_files_as_in_the_hugging_face_cache(tmp_
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    return subprocess.run([sys.executable, "-m", "checkpoint.cli", *args], capture_output=True, text=True,
-                          check=False, timeout=_TIMEOUT_S, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "checkpoint.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=_TIMEOUT_S,
+        env=env,
+    )
 
 
 def test_the_cli_process_exits_2_on_a_metadata_payload_and_on_a_fifo(good, tmp_path):

@@ -85,7 +85,9 @@ def test_a_bad_input_on_one_rank_of_four_raises_on_every_rank(tmp_path):
     results = run_ranks(_body, 4, args=(str(tmp_path),), timeout_s=120)
     # a target that is not a checkpoint: refused by rank 0 before anything is written, raised on every rank
     assert results[0]["user_data"]["raised"] == "FileExistsError", results[0]["user_data"]
-    assert all(r["user_data"]["raised"] == "CheckpointSaveError" for r in results[1:]), [r["user_data"] for r in results]
+    assert all(r["user_data"]["raised"] == "CheckpointSaveError" for r in results[1:]), [
+        r["user_data"] for r in results
+    ]
     assert [p.name for p in (tmp_path / "user_data").iterdir()] == ["notes.txt"]
     for case in CASES:
         print(case, {rank: r[case]["raised"] for rank, r in enumerate(results)})
@@ -138,5 +140,8 @@ def test_a_damaged_file_one_rank_of_three_reads_fails_the_load_on_every_rank(tmp
     for rank, result in enumerate(results):
         if rank != BAD_RANK:
             assert result["load"]["raised"] == "CheckpointLoadError", (rank, result)
-            assert f"rank {BAD_RANK}" in result["load"]["message"] and f"__{BAD_RANK}_0.distcp" in result["load"]["message"]
+            assert (
+                f"rank {BAD_RANK}" in result["load"]["message"]
+                and f"__{BAD_RANK}_0.distcp" in result["load"]["message"]
+            )
     assert "mis-shaped" in results[0]["rank-local"]

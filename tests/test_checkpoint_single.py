@@ -133,7 +133,6 @@ def test_plain_dcp_reads_ours_and_ours_reads_plain_dcp(tmp_path):
     assert osd["param_groups.2.weight.lr"] == opt.param_groups[0]["lr"]
 
 
-
 def test_a_plain_get_state_dict_dcp_save_loads_optimizer_state_and_groups_with_require_manifest_off(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -171,7 +170,9 @@ def test_write_rank_then_commit_builds_a_checkpoint_for_m_ranks_from_one_process
     bounds = [0, 10, 10, 21]  # rank 1 holds an empty flat range
     for rank in range(3):
         local = full.reshape(-1)[bounds[rank] : bounds[rank + 1]].clone()
-        checkpoint.write_rank(tmp_path / "c", rank, 3, {"w": checkpoint.shard(local, (7, 3), flat_start=bounds[rank]), "n": 5})
+        checkpoint.write_rank(
+            tmp_path / "c", rank, 3, {"w": checkpoint.shard(local, (7, 3), flat_start=bounds[rank]), "n": 5}
+        )
     assert not (tmp_path / "c").exists()  # nothing visible before the commit
     checkpoint.commit(tmp_path / "c", 3)
     assert read_manifest(tmp_path / "c").world_size == 3
@@ -366,7 +367,7 @@ def test_kill_9_during_saves_leaves_a_loadable_unmixed_checkpoint(tmp_path):
     procs = [_start_loop(tmp_path / f"c{i}") for i in range(len(delays))]
     fresh = _start_loop(tmp_path / "fresh")
     _wait_for(fresh, "started")
-    for proc, delay in zip(procs, delays):
+    for proc, _delay in zip(procs, delays):
         _wait_for(proc, "saved")
     time.sleep(0.05)
     os.kill(fresh.pid, signal.SIGKILL)

@@ -126,9 +126,7 @@ def test_a_second_save_waits_for_the_first_to_finish_before_reusing_its_buffers(
     _mutate(state)
     second_expected = _snapshot(state)
     second: dict = {}
-    caller = threading.Thread(
-        target=lambda: second.update(future=async_save_state_dict(state, tmp_path / "b"))
-    )
+    caller = threading.Thread(target=lambda: second.update(future=async_save_state_dict(state, tmp_path / "b")))
     caller.start()
     caller.join(0.3)
     # Save 1 is still writing from its buffers: save 2 must not have been lent any of them yet.

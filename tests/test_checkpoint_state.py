@@ -147,7 +147,9 @@ def _sharded_tensor_body(rank: int, world_size: int, root: str) -> None:
 
     full = torch.arange(16.0).reshape(4, 4)
     place = f"rank:{rank}/cpu"
-    one = init_from_local_shards([Shard(full[2 * rank : 2 * rank + 2].clone(), ShardMetadata([2 * rank, 0], [2, 4], place))], [4, 4])
+    one = init_from_local_shards(
+        [Shard(full[2 * rank : 2 * rank + 2].clone(), ShardMetadata([2 * rank, 0], [2, 4], place))], [4, 4]
+    )
     checkpoint.save_state_dict({"w": one}, f"{root}/one")
     blocks = [Shard(full[r : r + 1].clone(), ShardMetadata([r, 0], [1, 4], place)) for r in (2 * rank, 2 * rank + 1)]
     two = init_from_local_shards(blocks, [4, 4])
@@ -181,7 +183,9 @@ def _hybrid_bf16_checkpoint(path):
 
 def test_saved_masters_load_strictly_into_a_plain_optimizer_fp32_weights_take_the_master(tmp_path):
     model, opt, masters = _hybrid_bf16_checkpoint(tmp_path / "c")
-    assert any(k.endswith(".master_param") for k in checkpoint.open_checkpoint(tmp_path / "c").metadata.state_dict_metadata)
+    assert any(
+        k.endswith(".master_param") for k in checkpoint.open_checkpoint(tmp_path / "c").metadata.state_dict_metadata
+    )
 
     fp32 = _model(1).float()
     fp32[1] = torch.nn.Tanh()
@@ -205,7 +209,17 @@ def test_reshard_with_a_rename_renames_the_per_group_parameter_lists_plain_dcp_r
 
     model, opt, _ = _trained()
     checkpoint.save(tmp_path / "c", model=model, optimizer=opt)
-    args = ["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--world-size", "1", "-q", "--rename", r"^(\d)", r"net.\1"]
+    args = [
+        "reshard",
+        str(tmp_path / "c"),
+        str(tmp_path / "r"),
+        "--world-size",
+        "1",
+        "-q",
+        "--rename",
+        r"^(\d)",
+        r"net.\1",
+    ]
     assert fsdp_ckpt(args) == 0
     renamed = torch.nn.Module()
     renamed.net = _model(1)
@@ -220,9 +234,13 @@ def test_reshard_with_a_rename_renames_the_per_group_parameter_lists_plain_dcp_r
 
 
 def test_stateful_values_in_lists_and_nested_dicts_save_their_state_and_load_in_place(tmp_path):
-    checkpoint.save(tmp_path / "c", model=_model(), extra={"loaders": [_Loader(3), _Loader(4)], "data": {"loader": _Loader(5)}})
+    checkpoint.save(
+        tmp_path / "c", model=_model(), extra={"loaders": [_Loader(3), _Loader(4)], "data": {"loader": _Loader(5)}}
+    )
     first, second, inner = _Loader(), _Loader(), _Loader()
-    got = checkpoint.load(tmp_path / "c", model=_model(1), extra={"loaders": [first, second], "data": {"loader": inner}})
+    got = checkpoint.load(
+        tmp_path / "c", model=_model(1), extra={"loaders": [first, second], "data": {"loader": inner}}
+    )
     assert (first.position, second.position, inner.position) == (3, 4, 5)
     assert got["loaders"][1] is second and got["data"]["loader"] is inner
     a, b, c = _Loader(), _Loader(), _Loader()
@@ -252,8 +270,18 @@ def test_reshard_with_a_rename_renames_the_tied_weight_record_so_export_still_wr
     from safetensors import safe_open
 
     checkpoint.save(tmp_path / "c", model=_Tied())
-    assert fsdp_ckpt(["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--world-size", "1", "-q", "--rename", "^", "net."]) == 0
-    assert fsdp_ckpt(["export", str(tmp_path / "r"), str(tmp_path / "st"), "--format", "safetensors", "--model-only", "-q"]) == 0
+    assert (
+        fsdp_ckpt(
+            ["reshard", str(tmp_path / "c"), str(tmp_path / "r"), "--world-size", "1", "-q", "--rename", "^", "net."]
+        )
+        == 0
+    )
+    assert (
+        fsdp_ckpt(
+            ["export", str(tmp_path / "r"), str(tmp_path / "st"), "--format", "safetensors", "--model-only", "-q"]
+        )
+        == 0
+    )
     [shard] = (tmp_path / "st").glob("*.safetensors")
     with safe_open(shard, "pt") as st:
         assert set(st.keys()) == {"net.emb.weight"}

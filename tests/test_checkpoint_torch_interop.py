@@ -117,4 +117,6 @@ def test_strict_load_of_torch_default_layout_names_the_params_its_optimizer_did_
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "plain", no_dist=True)
     model2 = _model(1)
     with pytest.raises(ValueError, match=r"missing: optimizer\.state\.0\.weight\."):
-        checkpoint.load(tmp_path / "plain", model=model2, optimizer=torch.optim.AdamW(model2.parameters()), require_manifest=False)
+        checkpoint.load(
+            tmp_path / "plain", model=model2, optimizer=torch.optim.AdamW(model2.parameters()), require_manifest=False
+        )

@@ -158,7 +158,9 @@ def test_a_process_exiting_with_an_async_save_in_flight_finishes_it(tmp_path):
         """
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert "cannot schedule new futures" not in done.stderr
     back = checkpoint.load(tmp_path / "ck", verify="full")
@@ -247,7 +249,9 @@ def small_tmpfs(tmp_path):
     """A 2 MiB tmpfs: a real full disk. Skipped where mounting is not permitted."""
     mount = tmp_path / "small"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, check=False
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     yield mount
@@ -269,9 +273,22 @@ def test_saves_and_exports_onto_a_full_disk_fail_clearly_and_leave_no_staging(tm
     # torch export writes through a memory map: in a subprocess, so a SIGBUS would show as its exit code
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", "export", str(tmp_path / "big"), str(small_tmpfs / "model.pt"),
-         "--format", "torch", "-q"],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "checkpoint.cli",
+            "export",
+            str(tmp_path / "big"),
+            str(small_tmpfs / "model.pt"),
+            "--format",
+            "torch",
+            "-q",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode not in (0, -7), done.stderr  # -7: killed by SIGBUS
     assert "no space left" in done.stderr, done.stderr
@@ -297,7 +314,9 @@ def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_at_exi
         """
     )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.stdout.strip() == "training finished", done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "process exits" in last and "did not commit" in last and str(tmp_path / "ck") in last, done.stderr

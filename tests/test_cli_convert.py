@@ -105,7 +105,9 @@ def test_inspect_json_reports_keys_shapes_chunks_world_size_and_commit(src):
     assert sorted(rows) == sorted(ref)
     assert rows[f"model.{FC1}"]["shape"] == [6, 4] and rows[f"model.{FC1}"]["chunks"] == 2
     assert rows["model.norm"]["dtype"] == "bfloat16" and rows["model.norm"]["bytes"] == 8
-    assert info["totals"]["model"]["bytes"] == sum(v.numel() * v.element_size() for k, v in ref.items() if k.startswith("model."))
+    assert info["totals"]["model"]["bytes"] == sum(
+        v.numel() * v.element_size() for k, v in ref.items() if k.startswith("model.")
+    )
     assert "model.tiny" in _cli("inspect", src).stdout
 
 
@@ -317,9 +319,25 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
     # --standalone: torchrun binds its rendezvous port itself (a port picked here could be
     # taken by a concurrently running suite before torchrun binds it)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "checkpoint.cli", "reshard", str(src), str(tmp_path / "w3"), "--world-size", "3", "-q"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "checkpoint.cli",
+            "reshard",
+            str(src),
+            str(tmp_path / "w3"),
+            "--world-size",
+            "3",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("resharded") == 1  # process 0 reports, once
@@ -328,10 +346,28 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
     assert sorted(p.name for p in (tmp_path / "w3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
     _assert_row_block_layout(tmp_path / "w3", 3)  # process 1 wrote rank 1's file: same layout
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "checkpoint.cli", "export", str(src), str(tmp_path / "hf"), "--format", "safetensors",
-         "--model-only", "--max-shard-size", "64B", "-q"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "checkpoint.cli",
+            "export",
+            str(src),
+            str(tmp_path / "hf"),
+            "--format",
+            "safetensors",
+            "--model-only",
+            "--max-shard-size",
+            "64B",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     got = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}

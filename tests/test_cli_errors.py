@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
 from checkpoint.manifest import KeyRecord, Manifest, checksum_file, write_manifest
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
@@ -47,26 +47,46 @@ CASES = {
     "not a checkpoint": (lambda ck, tmp: ["verify", tmp], 2, "no .metadata"),
     "unknown format": (lambda ck, tmp: ["export", ck, tmp / "o", "--format", "onnx"], 2, "invalid choice"),
     "unknown command": (lambda ck, tmp: ["convert", ck], 2, "invalid choice"),
-    "bad rename regex": (lambda ck, tmp: ["reshard", ck, tmp / "o", "--world-size", "2", "--rename", "(", "x"], 2, "regex"),
+    "bad rename regex": (
+        lambda ck, tmp: ["reshard", ck, tmp / "o", "--world-size", "2", "--rename", "(", "x"],
+        2,
+        "regex",
+    ),
     "split that does not divide": (
-        lambda ck, tmp: ["export", ck, tmp / "o", "--format", "torch", "--split", "fc.weight", "0", "a,b"], 2, "not divisible"),
-    "bad size": (lambda ck, tmp: ["export", ck, tmp / "o", "--format", "safetensors", "--max-shard-size", "5XB"], 2, "not a size"),
+        lambda ck, tmp: ["export", ck, tmp / "o", "--format", "torch", "--split", "fc.weight", "0", "a,b"],
+        2,
+        "not divisible",
+    ),
+    "bad size": (
+        lambda ck, tmp: ["export", ck, tmp / "o", "--format", "safetensors", "--max-shard-size", "5XB"],
+        2,
+        "not a size",
+    ),
     "zero ranks": (lambda ck, tmp: ["reshard", ck, tmp / "o", "--world-size", "0"], 2, "at least 1"),
     "output exists": (lambda ck, tmp: ["reshard", ck, ck.parent, "--world-size", "2"], 2, "--force"),
     "import of a missing file": (lambda ck, tmp: ["import", tmp / "w.safetensors", tmp / "o"], 2, "does not exist"),
     "import of a non-torch file": (lambda ck, tmp: ["import", ck / "manifest.json", tmp / "o"], 2, "weights_only"),
     "truncated file of a committed checkpoint": (
         lambda ck, tmp: ["export", _truncated_copy(ck, tmp, keep_manifest=True), tmp / "o.pt", "--format", "torch"],
-        2, "fsdp-ckpt verify"),
+        2,
+        "fsdp-ckpt verify",
+    ),
     "unreadable chunk of a plain DCP directory": (
-        lambda ck, tmp: ["diff", _truncated_copy(ck, tmp, keep_manifest=False), ck], 2, "fsdp-ckpt verify"),
+        lambda ck, tmp: ["diff", _truncated_copy(ck, tmp, keep_manifest=False), ck],
+        2,
+        "fsdp-ckpt verify",
+    ),
 }
 
 
 # These run as real subprocesses; the rest call checkpoint.cli.main in process (the same code
 # path minus interpreter start-up, ~3 s each here), to keep this file's share of the suite small.
-AS_SUBPROCESS = {"missing path", "unknown command", "truncated file of a committed checkpoint",
-                 "unreadable chunk of a plain DCP directory"}
+AS_SUBPROCESS = {
+    "missing path",
+    "unknown command",
+    "truncated file of a committed checkpoint",
+    "unreadable chunk of a plain DCP directory",
+}
 
 
 def _in_process(args, capsys) -> subprocess.CompletedProcess:
@@ -108,7 +128,9 @@ def test_a_reader_closing_the_pipe_early_is_not_reported_as_an_error(ckpt):
     # `fsdp-ckpt inspect CKPT | head`: the pipe is gone before the output is written.
     proc = subprocess.Popen(
         [sys.executable, "-m", "checkpoint.cli", "inspect", str(ckpt)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     proc.stdout.close()
     stderr = proc.stderr.read()

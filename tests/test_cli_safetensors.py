@@ -30,8 +30,20 @@ def test_shards_read_back_with_the_safetensors_library_for_bool_empty_and_stride
 def _export(src, dst, *extra) -> int:
     from checkpoint.cli import main
 
-    return main(["export", str(src), str(dst), "--format", "safetensors", "--model-only", "-q",
-                 "--max-shard-size", "16B", *extra])  # one tensor per shard
+    return main(
+        [
+            "export",
+            str(src),
+            str(dst),
+            "--format",
+            "safetensors",
+            "--model-only",
+            "-q",
+            "--max-shard-size",
+            "16B",
+            *extra,
+        ]
+    )  # one tensor per shard
 
 
 def _files(directory) -> dict[str, bytes]:

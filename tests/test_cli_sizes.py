@@ -44,13 +44,17 @@ def test_parse_size_rejects_sizes_below_one_byte(text):
 
 def test_the_installed_console_script_runs_and_reports_a_bad_size_in_one_line(tmp_path):
     exe = shutil.which("fsdp-ckpt")
-    assert exe is not None, "fsdp-ckpt is not on PATH: install the project with `pip install -e .` (scripts/setup_env.sh)"
+    assert exe is not None, (
+        "fsdp-ckpt is not on PATH: install the project with `pip install -e .` (scripts/setup_env.sh)"
+    )
     proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "{inspect,verify,reshard,export,import,diff}" in proc.stdout
     proc = subprocess.run(
         [exe, "export", str(tmp_path / "a"), str(tmp_path / "b"), "--format", "torch", "--max-shard-size", "5XB"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [

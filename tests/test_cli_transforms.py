@@ -130,10 +130,14 @@ def test_bad_rule_syntax_is_a_value_error():
 def test_rules_file_gives_the_same_rules_as_flags(tmp_path):
     import json
 
-    (tmp_path / "rules.json").write_text(json.dumps({
-        "rename": [["^emb\\.", "embed."]],
-        "split": [{"fused": FC1, "dim": 0, "parts": list(PARTS)}],
-    }))
+    (tmp_path / "rules.json").write_text(
+        json.dumps(
+            {
+                "rename": [["^emb\\.", "embed."]],
+                "split": [{"fused": FC1, "dim": 0, "parts": list(PARTS)}],
+            }
+        )
+    )
     from_file = Rules.from_file(tmp_path / "rules.json")
     assert from_file == Rules(renames=(Rename("^emb\\.", "embed."),), splits=(Split(FC1, 0, PARTS),))
     assert "model.embed.weight" in _run(_state(), from_file)
@@ -163,7 +167,15 @@ def test_planning_compiles_every_rule_pattern_once_not_once_per_key(monkeypatch)
 
 
 def test_entry_nbytes_is_numel_times_the_dtype_size_without_making_a_tensor(monkeypatch):
-    dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int8, torch.bool, torch.complex64, torch.float8_e4m3fn]
+    dtypes = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float64,
+        torch.int8,
+        torch.bool,
+        torch.complex64,
+        torch.float8_e4m3fn,
+    ]
     expected = {d: 6 * torch.empty((), dtype=d).element_size() for d in dtypes}  # before torch.empty is blocked
 
     def no_tensors(*args, **kwargs):
@@ -188,11 +200,17 @@ def test_stack_builds_fused_experts_with_their_optimizer_state_and_unstack_is_it
     source = _DictSource(values)
     rule = Stack("experts.gate_up", 0, ("experts.#.gate.weight", "experts.#.up.weight"))
     out = {t.name: v for t, v in stream_targets(source, plan(source.entries, Rules(stacks=(rule,))))}
-    assert set(out) == {"model.experts.gate_up", "optimizer.state.experts.gate_up.exp_avg", "optimizer.state.experts.gate_up.step"}
+    assert set(out) == {
+        "model.experts.gate_up",
+        "optimizer.state.experts.gate_up.exp_avg",
+        "optimizer.state.experts.gate_up.step",
+    }
     for e in range(3):
         want = torch.cat([values[f"model.experts.{e}.gate.weight"], values[f"model.experts.{e}.up.weight"]])
         assert torch.equal(out["model.experts.gate_up"][e], want)
-    assert out["model.experts.gate_up"].shape == (3, 4, 4) and torch.equal(out["optimizer.state.experts.gate_up.step"], torch.tensor(7.0))
+    assert out["model.experts.gate_up"].shape == (3, 4, 4) and torch.equal(
+        out["optimizer.state.experts.gate_up.step"], torch.tensor(7.0)
+    )
 
     back = _DictSource(out)
     again = {t.name: v for t, v in stream_targets(back, plan(back.entries, Rules(unstacks=(rule,))))}

@@ -17,7 +17,9 @@ def test_demo_kills_resumes_bit_exactly_and_exports_a_loadable_model(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo.py"), "--quick", "--out", str(out), "--timeout", "300"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -71,4 +73,6 @@ def test_demo_out_refuses_a_folder_it_did_not_write_and_keeps_a_users_file_in_it
     for name in ("notes.txt", "export.tar.gz", "ckpt.backup", "export.tmp"):  # the user's, though named like the demo's
         (out / name).write_text("keep me")
     demo.prepare_out(out)
-    assert sorted(p.name for p in out.iterdir()) == sorted([demo.MARKER, "notes.txt", "export.tar.gz", "ckpt.backup", "export.tmp"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [demo.MARKER, "notes.txt", "export.tar.gz", "ckpt.backup", "export.tmp"]
+    )

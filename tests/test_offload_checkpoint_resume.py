@@ -61,7 +61,9 @@ def _save_and_load_with_plain_dcp(path, model, opt, fresh_model, fresh_opt):
 
 @pytest.mark.parametrize("policy", [PrecisionPolicy(), BF16_STATE], ids=["fp32 state", "bf16 state"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-@pytest.mark.parametrize("route", [_save_and_load_with_checkpoint, _save_and_load_with_plain_dcp], ids=["checkpoint", "plain dcp"])
+@pytest.mark.parametrize(
+    "route", [_save_and_load_with_checkpoint, _save_and_load_with_plain_dcp], ids=["checkpoint", "plain dcp"]
+)
 def test_bf16_params_resume_bit_exact_through_an_in_place_load(tmp_path, route, fraction, policy):
     straight, straight_opt = _build(0, fraction, policy)
     _steps(straight, straight_opt, 0, 5)

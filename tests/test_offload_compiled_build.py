@@ -75,7 +75,10 @@ def test_the_build_command_exits_nonzero_with_one_line_reason_without_a_compiler
 def test_the_build_command_builds_into_the_cache_the_optimizer_loads_from():
     proc = _build_command(dict(os.environ))  # the user's cache: a second run (and the fast-path tests) only load
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("compiled host step ready: ") and Path(proc.stdout.split(": ")[1].split(" (")[0]).exists()
+    assert (
+        proc.stdout.startswith("compiled host step ready: ")
+        and Path(proc.stdout.split(": ")[1].split(" (")[0]).exists()
+    )
 
 
 def test_a_private_build_for_an_unwritable_cache_is_announced_with_the_fix(tmp_path, monkeypatch, caplog):

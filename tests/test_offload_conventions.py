@@ -135,7 +135,10 @@ def test_a_param_frozen_at_construction_and_unfrozen_later_is_refused_by_name(fr
 
 def test_a_param_listed_twice_in_one_group_is_refused_at_construction():
     p, q = _params()[:2]
-    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match=r"param group 0 lists parameter .*\[2\]. twice \(positions 0 and 2\)"):
+    with (
+        pytest.warns(UserWarning, match="duplicate"),
+        pytest.raises(ValueError, match=r"param group 0 lists parameter .*\[2\]. twice \(positions 0 and 2\)"),
+    ):
         HybridDeviceOptimizer([p, q, p], 1.0, lr=0.01)
     with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="twice"):
         HybridDeviceOptimizer(torch.optim.SGD([{"params": [q]}, {"params": [p, p]}], lr=0.1), 0.5)

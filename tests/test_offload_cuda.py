@@ -148,7 +148,9 @@ def test_host_buffers_are_pinned_and_state_lives_on_the_host():
     before = torch.accelerator.memory_allocated()
     _train(model, opt, 2, n)
     assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    assert torch.accelerator.memory_allocated() - before < n  # no device-side optimizer state or masters (4 B/param each)
+    assert (
+        torch.accelerator.memory_allocated() - before < n
+    )  # no device-side optimizer state or masters (4 B/param each)
 
 
 @pytest.mark.cuda
@@ -156,7 +158,9 @@ def test_profiler_trace_shows_d2h_host_step_and_h2d_ranges():
     n = 1 << 20
     model = _low_intensity_model(n, depth=2)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         _train(model, opt, 2, n)
     names = {e.name for e in prof.events()}
     assert {"HybridDeviceOptimizer.d2h", "HybridDeviceOptimizer.host_step", "HybridDeviceOptimizer.h2d"} <= names

@@ -94,7 +94,9 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...], tmp: str
         _train(model, opt, 2, rank)
         out[f"param_diff_{fraction}"] = _max_diff(model.parameters(), ref.parameters())
         state = opt.state[next(model.parameters())]
-        assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == next(model.parameters()).placements
+        assert (
+            isinstance(state["exp_avg"], DTensor) and state["exp_avg"].placements == next(model.parameters()).placements
+        )
         assert state["exp_avg"].to_local().device.type == "cpu"
 
     # DCP's get_state_dict / set_state_dict on the wrapped optimizer, then bit-exact continuation.
@@ -132,7 +134,13 @@ def _fsdp_case(rank: int, world_size: int, mesh_shape: tuple[int, ...], tmp: str
     acc_ref = _shard(_model(), mesh)
     acc = _shard(_model(), mesh)
     _train(acc_ref, torch.optim.AdamW(acc_ref.parameters(), lr=LR, weight_decay=0.1), 2, rank, micro_batches=3)
-    _train(acc, HybridDeviceOptimizer(torch.optim.AdamW(acc.parameters(), lr=LR, weight_decay=0.1), 1.0), 2, rank, micro_batches=3)
+    _train(
+        acc,
+        HybridDeviceOptimizer(torch.optim.AdamW(acc.parameters(), lr=LR, weight_decay=0.1), 1.0),
+        2,
+        rank,
+        micro_batches=3,
+    )
     out["accumulation_diff"] = _max_diff(acc.parameters(), acc_ref.parameters())
     if rank == 0 and len(mesh_shape) == 1 and world_size == 2:
         from torch.distributed.tensor import Partial
@@ -168,7 +176,9 @@ def test_fsdp2_matches_plain_adamw_on_the_same_sharded_model_and_resumes_through
         assert "Partial placement" in error and "partial.w" in error
 
 
-def _flat_shards(full: list[torch.Tensor], world_size: int, rank: int, described_by: str = "shard_spec") -> list[torch.Tensor]:
+def _flat_shards(
+    full: list[torch.Tensor], world_size: int, rank: int, described_by: str = "shard_spec"
+) -> list[torch.Tensor]:
     """Rank ``rank``'s contiguous range of each flattened tensor (flat-buffer FSDP layout), as params.
 
     ``described_by``: ``"shard_spec"`` (this project's ``fsdp_shard_spec``) or
@@ -205,7 +215,7 @@ def test_flat_shard_params_match_a_single_process_reference(described_by, world_
             spec = shard_spec_of(shard)
             assert spec.global_shape == tuple(t.shape) and spec.is_flat
     opts = [HybridDeviceOptimizer(shards, 0.5, lr=LR, weight_decay=0.1) for shards in ranks]
-    for step in range(4):
+    for _step in range(4):
         grads = [torch.randn(t.shape, generator=gen) for t in full]
         for t, g in zip(full, grads):
             t.grad = g

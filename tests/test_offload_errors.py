@@ -23,7 +23,8 @@ def test_offload_fraction_outside_zero_one_is_a_value_error(fraction):
 
 
 @pytest.mark.parametrize(
-    "fraction", ["0.5", None, 0.5j, True, False, torch.tensor([0.5, 0.5]), torch.tensor(True), [0.5]],
+    "fraction",
+    ["0.5", None, 0.5j, True, False, torch.tensor([0.5, 0.5]), torch.tensor(True), [0.5]],
     ids=["str", "None", "complex", "True", "False", "tensor-2", "bool-tensor", "list"],
 )
 def test_offload_fraction_that_is_not_a_real_number_is_a_value_error_naming_it(fraction):
@@ -73,12 +74,19 @@ def _megatron_shard(local_numel: int, flat_slice, global_shape=(2, 4)) -> torch.
     "local_numel, flat_slice, error, match",
     [
         (6, slice(4, 10), ValueError, r"flat\.shard.*runs past the global tensor of 8"),
-        (3, slice(2, 6), ValueError, r"'flat\.shard': megatron_fsdp_slice .* covers 4 elements but the local shard has 3"),
+        (
+            3,
+            slice(2, 6),
+            ValueError,
+            r"'flat\.shard': megatron_fsdp_slice .* covers 4 elements but the local shard has 3",
+        ),
         (2, slice(0, 4, 2), TypeError, r"'flat\.shard'.*contiguous slice"),
     ],
     ids=["past-the-end", "wrong-length", "strided"],
 )
-def test_megatron_fsdp_slice_that_does_not_describe_the_local_shard_is_rejected_naming_it(local_numel, flat_slice, error, match):
+def test_megatron_fsdp_slice_that_does_not_describe_the_local_shard_is_rejected_naming_it(
+    local_numel, flat_slice, error, match
+):
     with pytest.raises(error, match=match):
         HybridDeviceOptimizer([("flat.shard", _megatron_shard(local_numel, flat_slice))], 1.0, lr=0.1)
     HybridDeviceOptimizer([("flat.shard", _megatron_shard(3, slice(5, 8)))], 1.0, lr=0.1)  # a fitting one is fine
@@ -168,11 +176,11 @@ def test_loading_a_state_dict_with_other_groups_or_keys_or_shapes_names_the_prob
     with pytest.raises(ValueError, match="2 params but the loaded group has 1"):
         _stepped(_named()).load_state_dict({**sd, "param_groups": [{**sd["param_groups"][0], "params": [0]}]})
     with pytest.raises(ValueError, match="1 parameter groups, this optimizer has 2"):
-        HybridDeviceOptimizer(
-            [{"params": [p]} for _, p in _named()], 1.0, lr=0.1
-        ).load_state_dict(sd)
+        HybridDeviceOptimizer([{"params": [p]} for _, p in _named()], 1.0, lr=0.1).load_state_dict(sd)
     amsgrad = _stepped(_named(), amsgrad=True)
-    with pytest.raises(ValueError, match=r"'layer0.weight' has keys \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'\]"):
+    with pytest.raises(
+        ValueError, match=r"'layer0.weight' has keys \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'step'\]"
+    ):
         opt.load_state_dict(amsgrad.state_dict())
     bad = opt.state_dict()
     bad["state"][1] = {**bad["state"][1], "exp_avg": torch.zeros(5)}

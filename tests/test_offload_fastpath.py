@@ -15,8 +15,7 @@ import warnings
 import pytest
 import torch
 
-from offload_fsdp import HybridDeviceOptimizer
-from offload_fsdp import compiled_step
+from offload_fsdp import HybridDeviceOptimizer, compiled_step
 from offload_fsdp.compiled_step import HOST_STEP_ENV, compiled_adam_bucket_step
 from offload_fsdp.fused_step import FusedScratch, adam_bucket_step
 from optim import PrecisionPolicy

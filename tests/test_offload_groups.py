@@ -139,7 +139,9 @@ def test_adding_a_group_logs_its_partition_and_leaves_existing_buffers_in_place(
     params = _params()
     opt = _build(params, 1.0, lr=0.01)
     _steps(opt, params, 0, 1)
-    views = [(r.master.data_ptr(), r.grad_stage.data_ptr(), opt.state[r.param]["exp_avg"].data_ptr()) for r in opt._records]
+    views = [
+        (r.master.data_ptr(), r.grad_stage.data_ptr(), opt.state[r.param]["exp_avg"].data_ptr()) for r in opt._records
+    ]
     with caplog.at_level("INFO", logger="offload_fsdp.optimizer"):
         _add_group(opt, params)
     messages = [r.getMessage() for r in caplog.records if "partition" in r.getMessage()]
@@ -147,7 +149,10 @@ def test_adding_a_group_logs_its_partition_and_leaves_existing_buffers_in_place(
     assert len(messages) == 1 and "param group 1 added" in messages[0]
     assert f"host {len(params) - FIRST} params / {added} elements / {4 * added} bytes" in messages[0]
     _steps(opt, params, ADD_AT + 1, ADD_AT + 3)
-    after = [(r.master.data_ptr(), r.grad_stage.data_ptr(), opt.state[r.param]["exp_avg"].data_ptr()) for r in opt._records[:FIRST]]
+    after = [
+        (r.master.data_ptr(), r.grad_stage.data_ptr(), opt.state[r.param]["exp_avg"].data_ptr())
+        for r in opt._records[:FIRST]
+    ]
     assert after == views
 
 
@@ -159,7 +164,9 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
 
     def sharded() -> torch.nn.Module:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
+        )
         for i in (0, 2, 4):
             fully_shard(model[i], mesh=mesh)
         return fully_shard(model, mesh=mesh)
@@ -180,7 +187,9 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
         model = sharded()
         opt = HybridDeviceOptimizer(torch.optim.AdamW(model[0].parameters(), lr=0.01), fraction)
         train(model, opt, 0, 4)
-        out[fraction] = max((a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        out[fraction] = max(
+            (a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())
+        )
         out[f"offloaded_{fraction}"] = [r.offloaded for r in opt._records]
     return out
 

@@ -64,7 +64,7 @@ def test_bf16_params_follow_an_fp32_master_reference(name, fraction):
     opt = HybridDeviceOptimizer(_groups(ours), fraction, cpu_optimizer_cls=cls, bucket_numel=24, **kw)
     _run(opt, ours, 10, torch.bfloat16)
     _run(cls(_groups(ref), **kw), ref, 10, torch.bfloat16)  # grads are the same bf16 values, upcast
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    for a, b in zip(ours, ref):
         master = opt.state[a]["master_param"]
         torch.testing.assert_close(master, b, rtol=1e-5, atol=1e-6)
         assert torch.equal(a, master.to(torch.bfloat16)), "the bf16 param must be the cast of its master"

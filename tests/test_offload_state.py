@@ -130,7 +130,11 @@ def test_materialize_state_creates_zero_state_and_leaves_params_unchanged(cls, f
     for p, b in zip(params + [frozen], before):
         assert torch.equal(p, b)
     assert torch.equal(params[0].grad, torch.ones_like(params[0]))
-    ref = cls([q.detach().float().requires_grad_() for q in params], lr=0.01, **({"momentum": 0.9} if cls is torch.optim.SGD else {}))
+    ref = cls(
+        [q.detach().float().requires_grad_() for q in params],
+        lr=0.01,
+        **({"momentum": 0.9} if cls is torch.optim.SGD else {}),
+    )
     for q in ref.param_groups[0]["params"]:
         q.grad = torch.ones_like(q)
     ref.step()
@@ -247,7 +251,9 @@ def test_torch_save_of_the_state_dict_writes_the_state_and_not_the_grad_staging_
             p.grad = torch.randn_like(p)
     opt.step()
     state = opt.state_dict()
-    tensor_bytes = sum(t.numel() * t.element_size() for s in state["state"].values() for t in s.values() if torch.is_tensor(t))
+    tensor_bytes = sum(
+        t.numel() * t.element_size() for s in state["state"].values() for t in s.values() if torch.is_tensor(t)
+    )
     buffer = io.BytesIO()
     torch.save(state, buffer)
     assert tensor_bytes <= buffer.tell() < tensor_bytes + (64 << 10)  # pickle and archive overhead only

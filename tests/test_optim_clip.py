@@ -107,7 +107,6 @@ def test_graph_safe_grads_put_other_dtypes_in_decoupled_grad():
     assert p.decoupled_grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
 
-
 def test_graph_safe_grads_clear_a_stale_decoupled_grad_so_get_grad_reads_the_view_backward_fills():
     weight = torch.nn.Parameter(torch.randn(3, 2, generator=torch.Generator().manual_seed(7)))
     weight.decoupled_grad = torch.full((3, 2), 7.0)  # left over from an earlier, decoupled, setup

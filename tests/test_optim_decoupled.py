@@ -106,7 +106,9 @@ def test_zero_grad_clears_both_slots_or_zeroes_them_in_place():
 
 
 def test_zero_grad_in_place_zeroes_every_buffer_of_both_slots_across_dtypes_and_keeps_each():
-    params = [torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in ((3, BF16), (5, torch.float32), (2, torch.float64))]
+    params = [
+        torch.nn.Parameter(torch.zeros(n, dtype=d)) for n, d in ((3, BF16), (5, torch.float32), (2, torch.float64))
+    ]
     kept = []
     for p in params:
         p.grad = torch.full_like(p, 2.0)

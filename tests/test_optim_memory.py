@@ -67,7 +67,9 @@ def test_host_bytes_per_param_of_each_table_row_are_what_the_offloading_optimize
     arenas = [opt._host_buffers.pinned, *opt._host_buffers.pageable.values()]
     numel = sum(p.numel() for p in params)
     used = sum(a.layout.used_bytes for a in arenas)
-    by_role = {f"{dtype} {role}": a.layout.used_bytes / numel for (dtype, role), a in opt._host_buffers.pageable.items()}
+    by_role = {
+        f"{dtype} {role}": a.layout.used_bytes / numel for (dtype, role), a in opt._host_buffers.pageable.items()
+    }
     assert used / numel == bytes_per_param(policy, param_dtype, 1.0).host, f"{label}: host arenas {by_role}"
     # reserved = used + at most one alignment gap (< 64 B) per buffer
     padding = sum(a.reserved_bytes for a in arenas) - used

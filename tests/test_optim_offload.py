@@ -19,7 +19,9 @@ BF16, FP32 = torch.bfloat16, torch.float32
 BF16_STATE = PrecisionPolicy(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
 
 
-def _train(policy: PrecisionPolicy, steps: int = 100) -> tuple[torch.Tensor, torch.Tensor, float, torch.optim.Optimizer]:
+def _train(
+    policy: PrecisionPolicy, steps: int = 100
+) -> tuple[torch.Tensor, torch.Tensor, float, torch.optim.Optimizer]:
     gen = torch.Generator().manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(16, 32, generator=gen) * 0.1)
     bias = torch.nn.Parameter(torch.zeros(16))

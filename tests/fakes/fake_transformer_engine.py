@@ -53,8 +53,15 @@ class FusedAdam(torch.optim.Optimizer):
 class OldFusedAdam(torch.optim.Optimizer):
     """An old Transformer Engine FusedAdam: no decoupled grads, no state dtypes."""
 
-    def __init__(self, params, lr: float = 1e-3, *, adam_w_mode: bool = True, capturable: bool = False,
-                 master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        *,
+        adam_w_mode: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+    ) -> None:
         super().__init__(params, dict(lr=lr))
 
 
