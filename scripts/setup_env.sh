@@ -25,5 +25,5 @@ fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"
 fi
-"$PY" -m pip install -q -e ".[test,demo]"
+"$PY" -m pip install -q -e ".[test,demo,lint]"
 export PY
