@@ -16,7 +16,9 @@ over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
 and GPU memory saved. ``--host-step both`` (the default) times the compiled C
 loop (the default host step, ``OFFLOAD_FSDP_HOST_STEP=auto``) and torch's fused
 kernel in pieces (its fallback, ``OFFLOAD_FSDP_HOST_STEP=fused``) side by side in
-the same rounds.
+the same rounds. It then splits each offload configuration's full ``step()`` into
+its stages (grad copy, host step, param copy-back, and the Python rest), timed
+by the optimizer's stage hook over the fastest of ``--repeats`` steps.
 
 Every run also prints the cost of the per-step check that detects weights the
 user wrote between steps (``--write-check-only``: just that row), as a fraction
