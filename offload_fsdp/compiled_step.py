@@ -16,7 +16,8 @@ streaming stores, so its cache lines are not read in first).
 The loop mirrors the arithmetic of torch's CPU fused Adam kernel operation for
 operation (same fp32 roundings, the same ``lerp`` with a fused multiply-add, no
 other contraction), and the stochastic rounding reads the same counter-based noise
-windows of :class:`~offload_fsdp.fused_step.FusedScratch` over the same piece grid,
+windows of :class:`~offload_fsdp.fused_step.FusedScratch` over the same piece grid
+(as uint16: the same 16-bit values in half the bytes of the fused path's int32),
 so results are bit-identical to the fused path (checked by
 ``tests/test_offload_fastpath.py``): state dicts and resumes are interchangeable.
 
@@ -358,8 +359,9 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
     for start, stop, segs in pieces(active, scratch.numel):
         if sr_m or sr_v:
             counter = noise_counter(segs[0][2], start, scratch)
-            noise_m = scratch.noise(stop - start, counter).data_ptr() - start * 4 if sr_m else 0
-            noise_v = scratch.noise(stop - start, counter + 1).data_ptr() - start * 4 if sr_v else 0
+            # the fused path's noise values as uint16 (2 B/element read instead of 4)
+            noise_m = scratch.noise(stop - start, counter, torch.uint16).data_ptr() - start * 2 if sr_m else 0
+            noise_v = scratch.noise(stop - start, counter + 1, torch.uint16).data_ptr() - start * 2 if sr_v else 0
         for b, e, record in segs:
             step = steps[id(record)]
             if step not in templates:
@@ -371,9 +373,9 @@ def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hype
             if stage_base is not None:
                 item.stage = stage_base + b * 2
             if sr_m:
-                item.noise_m = noise_m + b * 4
+                item.noise_m = noise_m + b * 2
             if sr_v:
-                item.noise_v = noise_v + b * 4
+                item.noise_v = noise_v + b * 2
             items.append(item)
     _run(items, torch.get_num_threads())
 

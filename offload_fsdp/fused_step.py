@@ -92,15 +92,22 @@ class FusedScratch:
             self._buffers[name] = torch.empty(self.numel, dtype=dtype)
         return self._buffers[name]
 
-    def noise(self, n: int, counter: int) -> torch.Tensor:
-        """``n`` uniform 16-bit values (int32) for ``counter``: a window into a fixed random table."""
+    def noise(self, n: int, counter: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """``n`` uniform 16-bit values for ``counter``: a window into a fixed random table.
+
+        ``dtype`` int32 (what the bit arithmetic of :func:`_stochastic_round_into` adds) or
+        uint16: the same values at the same offsets in half the bytes, for the compiled
+        step, whose memory traffic they add to.
+        """
         if "table" not in self._buffers:
             gen = torch.Generator().manual_seed(0x5EED)  # fixed: the noise must not depend on global RNG state
             self._buffers["table"] = torch.randint(
                 0, 1 << 16, (self.numel + _NOISE_SPAN,), dtype=torch.int32, generator=gen
             )
+        if dtype == torch.uint16 and "table16" not in self._buffers:
+            self._buffers["table16"] = self._buffers["table"].to(torch.uint16)  # exact: every value is below 2**16
         offset = (counter * _GOLDEN) % _NOISE_SPAN
-        return self._buffers["table"][offset : offset + n]
+        return self._buffers["table16" if dtype == torch.uint16 else "table"][offset : offset + n]
 
 
 def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:

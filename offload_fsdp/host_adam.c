@@ -35,7 +35,7 @@ static inline void stream_u16(uint16_t* restrict dst, const uint16_t* restrict s
 
 typedef struct {
     float* param; const void* grad; void* exp_avg; void* exp_avg_sq; uint16_t* stage;
-    const int32_t* noise_m; const int32_t* noise_v; int64_t n, vec_width;
+    const uint16_t* noise_m; const uint16_t* noise_v; int64_t n, vec_width;
     float gsign, decay, wd, lerp_w, beta2, c2, bc2_sqrt, eps, step_size;
     int32_t grad_bf16, m_mode, v_mode, has_stage, l2, lerp_small;
 } adam_args;
@@ -50,8 +50,9 @@ static inline uint16_t f32_to_bf16_rne(float f) {
 }
 
 /* Adding uniform 16-bit noise to the bits then truncating rounds the magnitude up with
-   probability equal to the dropped fraction (as fused_step._stochastic_round_into). */
-static inline uint16_t f32_to_bf16_sr(float f, int32_t noise) {
+   probability equal to the dropped fraction (as fused_step._stochastic_round_into, whose
+   int32 table holds the same values: read here as uint16, 2 bytes per element, not 4). */
+static inline uint16_t f32_to_bf16_sr(float f, uint16_t noise) {
     uint32_t u; memcpy(&u, &f, 4);
     u += (uint32_t)noise;
     return (uint16_t)(u >> 16);
@@ -61,7 +62,7 @@ static inline float load_moment(const void* base, int64_t i, int mode) {
     return mode == 0 ? ((const float*)base)[i] : bf16_to_f32(((const uint16_t*)base)[i]);
 }
 
-static inline void store_moment(void* base, int64_t i, float x, int mode, const int32_t* noise) {
+static inline void store_moment(void* base, int64_t i, float x, int mode, const uint16_t* noise) {
     if (mode == 0) ((float*)base)[i] = x;
     else if (mode == 1) ((uint16_t*)base)[i] = f32_to_bf16_rne(x);
     else ((uint16_t*)base)[i] = f32_to_bf16_sr(x, noise[i]);
@@ -76,8 +77,8 @@ static inline __attribute__((always_inline)) void adam_range(
     const void* restrict g = a->grad;
     void* restrict m = a->exp_avg;
     void* restrict v = a->exp_avg_sq;
-    const int32_t* restrict nm = a->noise_m;
-    const int32_t* restrict nv = a->noise_v;
+    const uint16_t* restrict nm = a->noise_m;
+    const uint16_t* restrict nv = a->noise_v;
     const float gsign = a->gsign, decay = a->decay, wd = a->wd, beta2 = a->beta2, c2 = a->c2;
     const float bc2_sqrt = a->bc2_sqrt, eps = a->eps, step_size = a->step_size;
     /* torch's lerp: weight w < 0.5 -> m + w*(g-m); else g + (w-1)*(g-m), each one fma */

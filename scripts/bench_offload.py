@@ -16,7 +16,9 @@ over PCIe per parameter, a training iteration with offload_fraction=1 vs none,
 and GPU memory saved. ``--host-step both`` (the default) times the compiled C
 loop (the default host step, ``OFFLOAD_FSDP_HOST_STEP=auto``) and torch's fused
 kernel in pieces (its fallback, ``OFFLOAD_FSDP_HOST_STEP=fused``) side by side in
-the same rounds.
+the same rounds. It then splits each offload configuration's full ``step()`` into
+its stages (grad copy, host step, param copy-back, and the Python rest), timed
+by the optimizer's stage hook over the fastest of ``--repeats`` steps.
 
 Every run also prints the cost of the per-step check that detects weights the
 user wrote between steps (``--write-check-only``: just that row), as a fraction
@@ -127,6 +129,7 @@ def bench_cpu(args: argparse.Namespace) -> None:
     meta: dict[str, tuple[int | None, float]] = {}  # name -> (bytes moved per param, host bytes per param)
     keep = []  # keeps every optimizer (and its params) alive while timing
     built: dict[str, float] = {}
+    full_steps: dict[str, HybridDeviceOptimizer] = {}
     ref_params = _params(sizes, torch.float32, "cpu")
     for name, kw in (("torch AdamW(fused=True), fp32", {"fused": True}), ("torch AdamW(foreach=True), fp32", {"foreach": True})):
         ref = torch.optim.AdamW(ref_params, lr=1e-3, **kw)
@@ -158,6 +161,7 @@ def bench_cpu(args: argparse.Namespace) -> None:
         fns[name + " [host step]"], meta[name + " [host step]"] = _host_step_only(opt), (bytes_moved, used / n)
         # on a CPU-only machine step() adds the grad staging and copy-back copies (DMA on a GPU machine)
         fns[name + " [full step()]"], meta[name + " [full step()]"] = opt.step, (None, used / n)
+        full_steps[name] = opt
     if env_before is None:
         os.environ.pop(HOST_STEP_ENV, None)
     else:
@@ -185,6 +189,13 @@ def bench_cpu(args: argparse.Namespace) -> None:
             key = f"{name} (compiled) [host step]"
             if key in times:
                 print(f"compiled / fused host step, {name}: {times[key] / times[f'{name} (fused) [host step]']:.2f}")
+    print(f"\nfull step() per stage (the fastest of {args.repeats} steps, each stage's calls summed; "
+          "on the CPU the copies are synchronous host copies):")
+    for name, opt in full_steps.items():
+        step_ms, busy = _stage_breakdown(opt, args.repeats)
+        rest = step_ms - sum(busy.values())
+        print(f"  {name}: step {step_ms:.1f} ms = grad copy {busy['d2h']:.1f} + host step {busy['host_step']:.1f} + "
+              f"param copy-back {busy['h2d']:.1f} + Python/other {rest:.1f} ms ({step_ms / busy['host_step']:.2f}x the host step)")  # fmt: skip
     if "compiled" in built:
         print(f"compiled host step ready in {built['compiled']:.1f} s (C compile + self-check; ~0.1 s once cached)")
 
@@ -337,6 +348,19 @@ class _StageClock:
             return (mark - self._t0) * 1e3
         return self._origin.elapsed_time(mark)
 
+    def busy(self) -> dict[str, float]:
+        """stage -> ms spent in it, each begin/end pair summed (exact for host-timed stages)."""
+        if self._origin is not None:
+            torch.accelerator.synchronize(self.device)
+        out = {"d2h": 0.0, "host_step": 0.0, "h2d": 0.0}
+        begun: dict[tuple[str, int], float] = {}
+        for stage, index, is_begin, mark in self.marks:
+            if is_begin:
+                begun[stage, index] = self.ms(mark)
+            else:
+                out[stage] += self.ms(mark) - begun.pop((stage, index))
+        return out
+
     def spans(self) -> dict[int, dict[str, list[float]]]:
         """bucket index -> stage -> [first start, last end] (a bucket's D2H is one copy per grad)."""
         if self._origin is not None:
@@ -347,6 +371,21 @@ class _StageClock:
             t = self.ms(mark)
             span[0 if is_begin else 1] = min(span[0], t) if is_begin else max(span[1], t)
         return out
+
+
+def _stage_breakdown(opt: HybridDeviceOptimizer, repeats: int) -> tuple[float, dict[str, float]]:
+    """(step ms, stage -> ms) of the fastest of ``repeats`` full ``step()`` calls, timed by the stage hook."""
+    clock = _StageClock(torch.device("cpu"))
+    best = (float("inf"), {})
+    for _ in range(repeats):
+        clock.start()
+        opt._stage_hook = clock
+        opt.step()
+        step_ms = clock.ms(clock.now())
+        opt._stage_hook = None
+        if step_ms < best[0]:
+            best = (step_ms, clock.busy())
+    return best
 
 
 def record_timeline(args: argparse.Namespace) -> None:

@@ -203,6 +203,16 @@ def test_the_default_host_step_runs_bf16_buckets_in_the_compiled_loop_with_ident
     _assert_identical(_train(monkeypatch, "fused", dtype, policy, opt_cls, 3, **hyper), default)
 
 
+def test_the_compiled_steps_16_bit_noise_windows_hold_the_fused_paths_int32_noise_values():
+    """The C loop reads the rounding noise as uint16; every window must be the int32 one, value for value."""
+    scratch = FusedScratch(1000)
+    for counter in (0, 1, 7919 * 3 + 104729, 2**40 + 5):
+        wide, narrow = scratch.noise(1000, counter), scratch.noise(1000, counter, torch.uint16)
+        assert narrow.dtype == torch.uint16 and narrow.element_size() == 2
+        assert torch.equal(wide, narrow.to(torch.int32))
+    assert int(wide.max()) >= 1 << 15  # the top bit is used: a signed 16-bit read would differ
+
+
 @needs_cc
 def test_staging_written_in_streamed_blocks_matches_the_fused_path_across_block_and_piece_edges(monkeypatch, c_calls):
     """Records longer than the C loop's 2048-element staging block, starting at odd offsets."""
