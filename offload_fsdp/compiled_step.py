@@ -234,7 +234,9 @@ def _probe_vec_width(library: ctypes.CDLL) -> int:
         for decoupled, wd, beta1 in cases:
             ref = [torch.randn(45, generator=gen) for _ in range(3)] + [torch.rand(45, generator=gen)]
             ours = [t.clone() for t in ref]
-            hyper = AdamHyper(lr=0.01, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=wd, maximize=False, decoupled=decoupled)
+            hyper = AdamHyper(
+                lr=0.01, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=wd, maximize=False, decoupled=decoupled
+            )
             kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
             for step in (1.0, 2.0, 3.0):
                 kernel(*([t] for t in ref), [], [torch.tensor(step)], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
@@ -327,7 +329,9 @@ def _run(items: list[_AdamArgs], threads: int = 1) -> None:
 
 
 @torch.no_grad()
-def compiled_adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch) -> None:
+def compiled_adam_bucket_step(
+    bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch
+) -> None:
     """Drop-in for :func:`~offload_fsdp.fused_step.adam_bucket_step` (same preconditions and side effects).
 
     Walks the same piece grid as the fused path (pieces of ``scratch.numel`` from the

@@ -47,10 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `python scripts/...` finds the packages
 
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
-from offload_fsdp.optimizer import DEFAULT_BUCKET_NUMEL  # noqa: E402
-from offload_fsdp.copy_engine import StreamCopyEngine  # noqa: E402
 from offload_fsdp.compiled_step import HOST_STEP_ENV, compiled_step_available  # noqa: E402
+from offload_fsdp.copy_engine import StreamCopyEngine  # noqa: E402
 from offload_fsdp.fused_step import AdamHyper  # noqa: E402
+from offload_fsdp.optimizer import DEFAULT_BUCKET_NUMEL  # noqa: E402
 from optim import PrecisionPolicy  # noqa: E402
 
 BF16_STATE = PrecisionPolicy(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
@@ -131,7 +131,10 @@ def bench_cpu(args: argparse.Namespace) -> None:
     built: dict[str, float] = {}
     full_steps: dict[str, HybridDeviceOptimizer] = {}
     ref_params = _params(sizes, torch.float32, "cpu")
-    for name, kw in (("torch AdamW(fused=True), fp32", {"fused": True}), ("torch AdamW(foreach=True), fp32", {"foreach": True})):
+    for name, kw in (
+        ("torch AdamW(fused=True), fp32", {"fused": True}),
+        ("torch AdamW(foreach=True), fp32", {"foreach": True}),
+    ):
         ref = torch.optim.AdamW(ref_params, lr=1e-3, **kw)
         keep.append(ref)
         fns[name], meta[name] = ref.step, (28, 16.0)
@@ -142,7 +145,11 @@ def bench_cpu(args: argparse.Namespace) -> None:
         ("offload bf16 params+grads, bf16 state", torch.bfloat16, BF16_STATE, 20),
     ]
     env_before = os.environ.get(HOST_STEP_ENV)
-    variants = [(step, f" ({step})" if args.host_step == "both" else "") for step in ("fused", "compiled") if args.host_step in (step, "both")]
+    variants = [
+        (step, f" ({step})" if args.host_step == "both" else "")
+        for step in ("fused", "compiled")
+        if args.host_step in (step, "both")
+    ]
     for (name, dtype, precision, bytes_moved), (host_step, suffix) in itertools.product(configs, variants):
         if host_step == "compiled" and dtype == torch.float32 and precision is None:
             continue  # nothing to cast: the compiled step hands this bucket to the fused kernel anyway
@@ -174,7 +181,9 @@ def bench_cpu(args: argparse.Namespace) -> None:
     t_ref = times["torch AdamW(fused=True), fp32"]
     rows = [(name, times[name], *meta[name]) for name in fns]
 
-    print(f"\n{'configuration':62s} {'time ms':>8s} {'vs fused':>9s} {'B/param':>8s} {'roofline ms':>11s} {'vs roof':>8s} {'host B/param':>12s}")
+    print(
+        f"\n{'configuration':62s} {'time ms':>8s} {'vs fused':>9s} {'B/param':>8s} {'roofline ms':>11s} {'vs roof':>8s} {'host B/param':>12s}"
+    )
     for name, t, moved, host_bytes in rows:
         roof = moved * n / bw if moved else None
         print(f"{name:62s} {t * 1e3:8.1f} {t / t_ref:8.2f}x {moved or '-':>8} "
@@ -189,8 +198,10 @@ def bench_cpu(args: argparse.Namespace) -> None:
             key = f"{name} (compiled) [host step]"
             if key in times:
                 print(f"compiled / fused host step, {name}: {times[key] / times[f'{name} (fused) [host step]']:.2f}")
-    print(f"\nfull step() per stage (the fastest of {args.repeats} steps, each stage's calls summed; "
-          "on the CPU the copies are synchronous host copies):")
+    print(
+        f"\nfull step() per stage (the fastest of {args.repeats} steps, each stage's calls summed; "
+        "on the CPU the copies are synchronous host copies):"
+    )
     for name, opt in full_steps.items():
         step_ms, busy = _stage_breakdown(opt, args.repeats)
         rest = step_ms - sum(busy.values())
@@ -217,7 +228,9 @@ def bench_write_check(args: argparse.Namespace) -> None:
         if device.type != "cpu":
             torch.accelerator.synchronize()
 
-    times = _time_round_robin({"step": opt.step, "check": lambda: opt._refresh_written(opt._records)}, args.repeats, sync)
+    times = _time_round_robin(
+        {"step": opt.step, "check": lambda: opt._refresh_written(opt._records)}, args.repeats, sync
+    )
     print(f"\nuser-write check (version counters of {len(sizes)} params, bf16, {sum(sizes) / 1e6:.1f}M elements, "
           f"offload_fraction=1, {device.type}): {times['check'] * 1e6:.1f} us per step vs step() "
           f"{times['step'] * 1e3:.1f} ms = {times['check'] / times['step']:.5f} of the step")  # fmt: skip
@@ -236,11 +249,22 @@ def _device_name(device: torch.device) -> str:
 
 def bench_gpu(args: argparse.Namespace) -> None:
     """Overlap efficiency, bus bytes, iteration time and memory saved (bf16 params and grads), on any accelerator."""
-    sizes = _shapes(int(args.numel), args.tensors)
-    n = sum(sizes)
     device = _accelerator()
+    _bench_copies(args, device)
+    n = sum(_shapes(int(args.numel), args.tensors))
+    width = int((n / (2 * args.layers)) ** 0.5)
+    t_dev, m_dev = _bench_iteration(args, device, width, None)
+    t_off, m_off = _bench_iteration(args, device, width, 1.0)
+    print(f"training iteration ({2 * args.layers} x Linear({width}), bf16, batch {args.batch}): "
+          f"offload_fraction=1 {t_off * 1e3:.1f} ms vs on-device fp32-master AdamW {t_dev * 1e3:.1f} ms "
+          f"= {t_off / t_dev:.2f}x; peak GPU memory {m_off / 2**30:.2f} GiB vs {m_dev / 2**30:.2f} GiB "
+          f"(saved {(m_dev - m_off) / 2**30:.2f} GiB)")  # fmt: skip
+
+
+def _bench_copies(args: argparse.Namespace, device: torch.device) -> None:
+    """D2H, host step and H2D timed alone and as one ``step()``: the overlap efficiency."""
     sync = torch.accelerator.synchronize
-    params = _params(sizes, torch.bfloat16, device.type)
+    params = _params(_shapes(int(args.numel), args.tensors), torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
     grads = [p.grad for p in params]
     stages = [r.grad_stage for r in opt._records]
@@ -258,47 +282,44 @@ def bench_gpu(args: argparse.Namespace) -> None:
     t_host = _time(_host_step_only(opt), args.repeats)
     t_step = _time(opt.step, args.repeats, sync)
     bound = max(t_d2h, t_host, t_h2d)
-    pcie = (opt._buckets[0].grad_stage.element_size() + sources[0].element_size())
+    pcie = opt._buckets[0].grad_stage.element_size() + sources[0].element_size()
     print(f"\n{device.type} ({_device_name(device)}): D2H {t_d2h * 1e3:.1f} ms, host step {t_host * 1e3:.1f} ms, "
           f"H2D {t_h2d * 1e3:.1f} ms; step {t_step * 1e3:.1f} ms; overlap efficiency max/step = {bound / t_step:.2f}; "
           f"sum/step = {(t_d2h + t_host + t_h2d) / t_step:.2f}; bytes over PCIe per param: {pcie} "
           f"(D2H {opt._buckets[0].grad_stage.element_size()} + H2D {sources[0].element_size()})")  # fmt: skip
-    del opt, params, grads
 
-    width = int((n / (2 * args.layers)) ** 0.5)
-    results = {}
-    for fraction in (None, 1.0):
-        torch.accelerator.empty_cache()
-        torch.accelerator.reset_peak_memory_stats()
-        model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(2 * args.layers)]).to(device).bfloat16()
-        if fraction is None:
-            masters = [p.detach().float().requires_grad_() for p in model.parameters()]
-            inner = torch.optim.AdamW(masters, lr=1e-4, fused=True)
 
-            def opt_step() -> None:
-                for m, p in zip(masters, model.parameters()):
-                    m.grad = p.grad.float()
-                inner.step()
-                with torch.no_grad():
-                    for m, p in zip(masters, model.parameters()):
-                        p.copy_(m)
-        else:
-            hybrid = HybridDeviceOptimizer(model.parameters(), fraction, lr=1e-4)
-            opt_step = hybrid.step
-        x = torch.randn(args.batch, width, device=device, dtype=torch.bfloat16)
+def _bench_iteration(
+    args: argparse.Namespace, device: torch.device, width: int, fraction: float | None
+) -> tuple[float, int]:
+    """(seconds per training iteration, peak device bytes); ``fraction=None``: fp32-master AdamW on the device."""
+    sync = torch.accelerator.synchronize
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    layers = [torch.nn.Linear(width, width) for _ in range(2 * args.layers)]
+    model = torch.nn.Sequential(*layers).to(device).bfloat16()
+    params = list(model.parameters())
+    if fraction is None:
+        masters = [p.detach().float().requires_grad_() for p in params]
+        inner = torch.optim.AdamW(masters, lr=1e-4, fused=True)
 
-        def iteration() -> None:
-            model(x).float().square().mean().backward()
-            opt_step()
-            model.zero_grad(set_to_none=False)
+        def opt_step() -> None:
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float()
+            inner.step()
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
+    else:
+        opt_step = HybridDeviceOptimizer(params, fraction, lr=1e-4).step
+    x = torch.randn(args.batch, width, device=device, dtype=torch.bfloat16)
 
-        results[fraction] = (_time(iteration, args.repeats, sync), torch.accelerator.max_memory_allocated())
-        del model
-    (t_dev, m_dev), (t_off, m_off) = results[None], results[1.0]
-    print(f"training iteration ({2 * args.layers} x Linear({width}), bf16, batch {args.batch}): "
-          f"offload_fraction=1 {t_off * 1e3:.1f} ms vs on-device fp32-master AdamW {t_dev * 1e3:.1f} ms "
-          f"= {t_off / t_dev:.2f}x; peak GPU memory {m_off / 2**30:.2f} GiB vs {m_dev / 2**30:.2f} GiB "
-          f"(saved {(m_dev - m_off) / 2**30:.2f} GiB)")  # fmt: skip
+    def iteration() -> None:
+        model(x).float().square().mean().backward()
+        opt_step()
+        model.zero_grad(set_to_none=False)
+
+    return _time(iteration, args.repeats, sync), torch.accelerator.max_memory_allocated()
 
 
 class _StageClock:
@@ -442,8 +463,11 @@ def main() -> None:
                              "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip
     parser.add_argument("--bucket-numel", type=float, default=float(DEFAULT_BUCKET_NUMEL),
                         help="elements per host bucket for --timeline-json (default 16M)")  # fmt: skip
-    parser.add_argument("--write-check-only", action="store_true",
-                        help="only time the per-step check for weights written by the user, as a share of step()")
+    parser.add_argument(
+        "--write-check-only",
+        action="store_true",
+        help="only time the per-step check for weights written by the user, as a share of step()",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
