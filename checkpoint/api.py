@@ -120,7 +120,9 @@ def save(
 
 def async_save(path: str | os.PathLike, **kwargs: Any) -> Future:
     """``save(path, ..., async_=True)``: returns a ``concurrent.futures.Future`` resolving when committed."""
-    return save(path, async_=True, **kwargs)
+    future = save(path, async_=True, **kwargs)
+    assert future is not None  # an async save returns its future
+    return future
 
 
 def load(

@@ -31,6 +31,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,11 +103,12 @@ class _TensorRef:
         self.storage, self.shape = storage, shape
 
     def __reduce__(self):
-        stride, step = [], 1
+        stride: list[int] = []
+        step = 1
         for size in reversed(self.shape):
             stride.append(step)
             step *= size
-        args = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
         return torch._utils._rebuild_tensor_v2, args
 
 

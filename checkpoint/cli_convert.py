@@ -97,8 +97,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     def out_dtype(t: Target) -> torch.dtype:
         # model weights only: a bf16 optimizer state (or step count) would silently lose precision
-        cast_it = dtype is not None and t.dtype.is_floating_point and t.name.startswith("model.")
-        return dtype if cast_it else t.dtype
+        if dtype is not None and t.tensor_dtype.is_floating_point and t.name.startswith("model."):
+            return dtype
+        return t.tensor_dtype
 
     def cast(t: Target, v: Any) -> Any:
         return v.to(out_dtype(t)) if isinstance(v, torch.Tensor) and v.dtype != out_dtype(t) else v

@@ -41,7 +41,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             same += 1
         bar.add(a.entries[key].nbytes)
     bar.close()
-    a.finish(), b.finish()  # the CRC-32 of every file read: a difference must not come from a damaged file
+    # the CRC-32 of every file read: a difference must not come from a damaged file
+    a.finish()
+    b.finish()
     for line in differences:
         print(line)
     if differences:
@@ -55,7 +57,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _describe(e: Entry) -> str:
-    return f"{dtype_name(e.dtype)} {list(e.shape)}" if e.kind == "tensor" else "an object"
+    return f"{dtype_name(e.tensor_dtype)} {list(e.shape)}" if e.kind == "tensor" else "an object"
 
 
 def _value_difference(key: str, va: Any, vb: Any, atol: float, rtol: float) -> str | None:

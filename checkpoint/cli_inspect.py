@@ -109,10 +109,10 @@ def _manifest_key_problems(reader: CheckpointReader) -> list[str]:
     for key in sorted(set(keys) & set(reader.entries)):
         rec, entry = keys[key], reader.entries[key]
         if rec.kind == "tensor" and entry.kind == "tensor":
-            if rec.dtype != dtype_name(entry.dtype) or tuple(rec.shape or ()) != entry.shape:
+            if rec.dtype != dtype_name(entry.tensor_dtype) or tuple(rec.shape or ()) != entry.shape:
                 problems.append(
                     f"{key}: manifest says {rec.dtype} {list(rec.shape or ())}, "
-                    f".metadata says {dtype_name(entry.dtype)} {list(entry.shape)}"
+                    f".metadata says {dtype_name(entry.tensor_dtype)} {list(entry.shape)}"
                 )
         elif rec.kind == "tensor" or entry.kind == "tensor":
             problems.append(f"{key}: manifest kind {rec.kind!r} but .metadata kind {entry.kind!r}")

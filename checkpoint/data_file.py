@@ -18,7 +18,9 @@ import io
 import os
 import sys
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import torch
 
@@ -127,7 +129,7 @@ class CrcStream(io.RawIOBase):
         super().close()
 
 
-_sync_file_range = None  # resolved on first use; False where unavailable
+_sync_file_range: Callable[..., int] | Literal[False] | None = None  # resolved on first use; False where unavailable
 
 
 def _start_writeback(raw, offset: int, length: int) -> None:
@@ -164,7 +166,7 @@ def write_tensor(stream: CrcStream, tensor: torch.Tensor) -> None:
     if layout is None:
         if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
             tensor = tensor.clone()
-        torch.save(tensor, stream)
+        torch.save(tensor, stream)  # type: ignore[arg-type]  # torch's FileLike omits io.RawIOBase; save only writes
         return
     stream.write(layout.head)
     data_crc = stream.write_uncounted(tensor_bytes(tensor))
@@ -175,4 +177,5 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]

@@ -134,7 +134,8 @@ def _first_miscovered(shape: tuple[int, ...], chunks) -> tuple[int, ...] | None:
 
 def _corners(offsets, sizes, strides) -> tuple[list[int], list[int]]:
     """A box's corners as grid ints: those with an even, and those with an odd number of upper bounds."""
-    even, odd = [sum(map(mul, offsets, strides))], []
+    even: list[int] = [sum(map(mul, offsets, strides))]
+    odd: list[int] = []
     for size, stride in zip(sizes, strides):
         step = size * stride
         even, odd = even + [k + step for k in odd], odd + [k + step for k in even]

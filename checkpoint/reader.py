@@ -110,6 +110,7 @@ class DirectReader(FileSystemReader):
         if info.transform_descriptors or not hasattr(os, "preadv"):
             return False
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)  # byte items returned above
         chunk_sizes = _chunk_sizes(md, item)
         if any(item.storage_offsets) or tuple(item.lengths) != chunk_sizes:
             return False
@@ -123,7 +124,8 @@ class DirectReader(FileSystemReader):
         if layout is None or len(layout.head) + layout.data_size + layout.tail_size != info.length:
             return False
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
-        data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
+        data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         if os.preadv(f.fileno(), [head, data, tail], info.offset) != info.length:
             return False
         if head != layout.head or tail != layout.tail(layout.data_crc(tail)):
@@ -181,6 +183,7 @@ class DirectReader(FileSystemReader):
 
 def _chunk_sizes(md: TensorStorageMetadata, item: ReadItem) -> tuple[int, ...]:
     index = item.storage_index
+    assert index.offset is not None  # a tensor read item names its chunk's offset
     hint = index.index
     if hint is not None and hint < len(md.chunks) and tuple(md.chunks[hint].offsets) == tuple(index.offset):
         return tuple(md.chunks[hint].sizes)

@@ -106,7 +106,7 @@ def write_checkpoint(
     checkpoint's ``planner_data``) keeps the nesting of the keys copied unchanged,
     so ``checkpoint.load`` returns the same nested ``extra``.
     """
-    itemsize = max((t.dtype.itemsize for t in targets if t.kind == "tensor"), default=1)
+    itemsize = max((t.tensor_dtype.itemsize for t in targets if t.kind == "tensor"), default=1)
     if max_chunk_bytes < itemsize:
         raise ValueError(
             f"max chunk size {max_chunk_bytes} B is smaller than one element ({itemsize} B); pass a larger one"

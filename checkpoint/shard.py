@@ -33,6 +33,9 @@ class CheckpointShard(torch.Tensor):
     spec: ShardSpec
     writes: bool
     max_chunk_bytes: int | None
+    _boxes: list[Box]
+    _chunks: list[Box]
+    _by_offset: dict[tuple[int, ...], Box]
 
     @staticmethod
     def __new__(
@@ -62,14 +65,15 @@ class CheckpointShard(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return (_rebuild, (self.local, self.spec, self.writes, self.max_chunk_bytes))
 
-    def __repr__(self) -> str:
+    # mypy reports even Tensor.__repr__'s own signature as incompatible (torch's partly typed Tensor)
+    def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"CheckpointShard(global_shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"local_shape={tuple(self.local.shape)}, spec={self.spec}, chunks={len(self._chunks)})"
         )
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    @classmethod  # torch's stub types the base as a plain function; torch documents a classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         raise TypeError(
             f"{func} on a CheckpointShard: it only describes where a local tensor sits in a global "
             "one for checkpointing; use `.local` to compute with the data"
@@ -105,7 +109,7 @@ class CheckpointShard(torch.Tensor):
         return [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in self._chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        chunk = self._by_offset.get(tuple(index.offset) if index.offset is not None else None)
+        chunk = self._by_offset.get(tuple(index.offset)) if index.offset is not None else None
         if chunk is None:
             raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {index.offset}")
         return local_view(self.local, self.spec, chunk)
@@ -116,8 +120,9 @@ def _rebuild(local, spec, writes, max_chunk_bytes) -> CheckpointShard:
 
 
 def _local_boxes(local: torch.Tensor, spec: ShardSpec) -> list[Box]:
-    if spec.is_flat:
+    if spec.flat_start is not None:
         return region_boxes(spec.global_shape, flat_start=spec.flat_start, local_numel=local.numel())
+    assert spec.offsets is not None  # a ShardSpec is a flat range or a box
     if math.prod(spec.global_shape) == 0:
         # A tensor with no elements still needs one (empty) chunk so its key and shape are stored.
         return [Box(spec.offsets, tuple(local.shape))]
@@ -130,9 +135,10 @@ def local_view(local: torch.Tensor, spec: ShardSpec, box: Box) -> torch.Tensor:
     Precondition: ``box`` lies inside the region ``spec`` gives ``local``. For a
     flat range the box is a contiguous run (see :mod:`checkpoint.layout`).
     """
-    if spec.is_flat:
+    if spec.flat_start is not None:
         start = box_flat_start(spec.global_shape, box) - spec.flat_start
         return local.reshape(-1)[start : start + math.prod(box.sizes)].view(box.sizes)
+    assert spec.offsets is not None  # a ShardSpec is a flat range or a box
     view = local
     for dim, (o, s, lo) in enumerate(zip(box.offsets, box.sizes, spec.offsets)):
         view = view.narrow(dim, o - lo, s)

@@ -126,6 +126,7 @@ class StagingGate:
             while self._pending is None and not self._failed:
                 self._cond.wait()
             while not self._failed:
+                assert self._pending is not None  # the wait above: set once the plan is known, never unset
                 remaining = [k for k in self._pending if k not in self._copied]
                 if not remaining:
                     return

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -130,7 +130,7 @@ def load_on_every_rank(
     failures = agree_on_failure(error, group=process_group, distributed=distributed)
     if failures:
         raise CheckpointLoadError(path, failures)
-    return result
+    return cast(T, result)  # no rank failed: load() returned
 
 
 def save_state_dict(
@@ -260,7 +260,7 @@ def load_flat(
     targets: dict[str, Any],
     *,
     strict: bool,
-    optional: set[str] = frozenset(),
+    optional: frozenset[str] | set[str] = frozenset(),
     scope: tuple[str, ...] = ("",),
     ignored: frozenset[str] | set[str] = frozenset(),
 ) -> tuple[LoadReport, dict[str, Any]]:

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
@@ -95,6 +97,8 @@ class FsdpWriter(FileSystemWriter):
     rank); ``force_rank`` makes a single process write as that rank (scale
     mode, used by :func:`checkpoint.write_rank`).
     """
+
+    fs: _CrcFileSystem
 
     def __init__(
         self,
@@ -168,8 +172,10 @@ class FsdpWriter(FileSystemWriter):
                 offset = stream.tell()
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
+                    assert isinstance(data, io.BytesIO)  # what DCP resolves a byte item to
                     stream.write(data.getbuffer())
                 else:
+                    assert isinstance(data, torch.Tensor)
                     write_tensor(stream, data)
                 length = stream.tell() - offset
                 results.append(
@@ -198,6 +204,7 @@ class FsdpWriter(FileSystemWriter):
             # Scale mode: this record, written after the rank's data is durable, is its "done" mark.
             record = rank_record(metadata, clean[0] if clean else [], files)
             record["world_size"] = self.world_size
+            assert self.rank is not None  # set up by DCP (or force_rank) before any write
             durable_write(Path(self.path) / rank_record_name(self.rank), json.dumps(record, sort_keys=True))
             return
         super().finish(metadata, clean)

@@ -61,6 +61,12 @@ class Entry:
     """stored pieces as (offsets, sizes); empty for sources that are not DCP directories"""
 
     @property
+    def tensor_dtype(self) -> torch.dtype:
+        """``dtype``, for a tensor entry (always set there)."""
+        assert self.dtype is not None, f"{self.key}: not a tensor (kind {self.kind!r})"
+        return self.dtype
+
+    @property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -71,7 +77,7 @@ class Entry:
     def nbytes(self) -> int:
         if self.kind != "tensor":
             return 0
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.tensor_dtype.itemsize
 
 
 class Source(Protocol):

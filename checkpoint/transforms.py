@@ -349,6 +349,12 @@ class Target:
     """for "rename_names" (a param group's list of parameter names): the rename rules to apply to each"""
 
     @property
+    def tensor_dtype(self) -> torch.dtype:
+        """``dtype``, for a tensor target (always set there)."""
+        assert self.dtype is not None, f"{self.name}: not a tensor (kind {self.kind!r})"
+        return self.dtype
+
+    @property
     def nbytes(self) -> int:
         return Entry(self.name, self.kind, self.dtype, self.shape).nbytes
 

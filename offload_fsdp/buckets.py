@@ -106,6 +106,7 @@ def build_buckets(
     """
     buckets: list[HostBucket] = []
     for record in (r for r in records if r.offloaded):
+        assert record.grad_dtype is not None  # chosen for every offloaded record before bucketing
         key = _bucket_key(record)
         last = buckets[-1] if buckets else None
         if (
@@ -136,7 +137,7 @@ def build_buckets(
     handles = []
     for b in buckets:
         separate = b.master_dtype != b.param_dtype
-        h = {"grad": add(pin_grads, b.numel, b.grad_dtype, "staging")}
+        h: dict[str, tuple[HostLayout, int] | None] = {"grad": add(pin_grads, b.numel, b.grad_dtype, "staging")}
         # The H2D source is pinned; a separate fp32 master never crosses the bus.
         h["param_stage"] = add(pin_params, b.numel, b.param_dtype, "staging") if separate else None
         h["master"] = add(pin_params and not separate, b.numel, b.master_dtype, "master")

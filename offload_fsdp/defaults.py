@@ -40,7 +40,7 @@ def class_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
         if "__init__" not in vars(klass):
             continue
         try:
-            parameters = inspect.signature(klass.__init__).parameters.values()
+            parameters = inspect.signature(vars(klass)["__init__"]).parameters.values()
         except (TypeError, ValueError):
             return {}
         named = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}

@@ -40,7 +40,7 @@ def _inner_groups(
     for r in records:
         by_group.setdefault(r.group_index, []).append(r)
     indices = sorted(by_group)
-    return indices, [{**view(g, groups[g]), "params": [r.working for r in by_group[g]]} for g in indices]
+    return indices, [{**view(g, groups[g]), "params": [r.working_tensor for r in by_group[g]]} for g in indices]
 
 
 class DelegatedOptimizer:
@@ -66,7 +66,8 @@ class DelegatedOptimizer:
         self.view = view if view is not None else _same_hyperparameters
         self.group_indices, inner_groups = _inner_groups(records, groups, self.view)
         try:
-            self.inner = cls(inner_groups)
+            # torch.optim subclasses take (params, **hyper-parameters); only the base takes defaults=
+            self.inner = cls(inner_groups)  # type: ignore[call-arg]
         except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
             raise self._unsupported(exc) from exc
         self.records = list(records)
@@ -102,8 +103,8 @@ class DelegatedOptimizer:
         """
         self.sync_hyperparameters(groups)
         for r in self.records:
-            if r.placeholder_state and r.working.grad is not None:
-                self.inner.state.pop(r.working, None)
+            if r.placeholder_state and r.working_tensor.grad is not None:
+                self.inner.state.pop(r.working_tensor, None)
                 r.placeholder_state = False
         self.step_inner_only()
         self.expose(self.records)
@@ -111,7 +112,7 @@ class DelegatedOptimizer:
     def expose(self, records: list[ParamShard]) -> None:
         """(Re)build each record's public state from the inner state, sharing its storage."""
         for r in records:
-            inner = self.inner.state.get(r.working)
+            inner = self.inner.state.get(r.working_tensor)
             if not inner:
                 continue
             public = r.state if r.state is not None else {}
@@ -126,12 +127,12 @@ class DelegatedOptimizer:
                 ):
                     public[k] = r.wrap(v)
             if r.has_separate_master and "master_param" not in public:
-                public["master_param"] = r.wrap(r.working)
+                public["master_param"] = r.wrap(r.working_tensor)
             r.state, r.inner_state = public, inner
 
     def forget(self, record: ParamShard) -> None:
         """Drop ``record``'s state, so its next step starts fresh as in torch."""
-        self.inner.state.pop(record.working, None)
+        self.inner.state.pop(record.working_tensor, None)
         record.state = record.inner_state = None
         record.placeholder_state = False
 
@@ -147,9 +148,9 @@ class DelegatedOptimizer:
         """
         if not records:
             return
-        snapshot = [r.working.clone() for r in records]
+        snapshot = [r.working_tensor.clone() for r in records]
         for r in records:
-            r.working.grad = torch.zeros_like(r.working)
+            r.working_tensor.grad = torch.zeros_like(r.working_tensor)
         self.sync_hyperparameters(groups)
         saved = []
         for inner_group in self.inner.param_groups:
@@ -162,10 +163,10 @@ class DelegatedOptimizer:
             for inner_group, lr in zip(self.inner.param_groups, saved):
                 inner_group["lr"] = lr
             for r, before in zip(records, snapshot):
-                r.working.copy_(before)
-                r.working.grad = None
+                r.working_tensor.copy_(before)
+                r.working_tensor.grad = None
         for r in records:
-            inner = self.inner.state.get(r.working, {})
+            inner = self.inner.state.get(r.working_tensor, {})
             for k, v in inner.items():
                 if isinstance(v, torch.Tensor):
                     v.zero_()

@@ -32,7 +32,7 @@ this module's piece grid (:func:`pieces`) and noise counters (:func:`noise_count
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,7 +135,7 @@ def noise_counter(first: ParamShard, start: int, scratch: FusedScratch) -> int:
     moments add a salt of 0 and 1. Shared with :mod:`offload_fsdp.compiled_step`,
     which must pick the same windows to stay bit-identical.
     """
-    return int(first.state["step"]) * 7919 + start // scratch.numel * 104729
+    return int(first.created_state["step"]) * 7919 + start // scratch.numel * 104729
 
 
 def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, list[tuple[int, int, ParamShard]]]]:
@@ -165,7 +165,9 @@ def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, lis
             yield start, stop, segs
 
 
-def _kernel_call(kernel, hyper: AdamHyper, p, g, m, v, steps) -> None:
+def _kernel_call(kernel, hyper: AdamHyper, tensors: Iterable[list[torch.Tensor]], steps: list[torch.Tensor]) -> None:
+    """``tensors``: the param, grad, exp_avg and exp_avg_sq lists, in that order."""
+    p, g, m, v = tensors
     kernel(
         p, g, m, v, [], steps, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
         weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
@@ -185,12 +187,15 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
     active = sorted(active, key=lambda r: r.offset)
     m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
+    assert master is not None and grads is not None  # allocated with the bucket
     flats = (master, grads, m_flat, v_flat)
     if stage is None and all(t.dtype == torch.float32 for t in flats):
         nonempty = [(r, n) for r in active if (n := r.numel)]  # numel is a property, not free
         if nonempty:
             spans = [slice(r.offset, r.offset + n) for r, n in nonempty]
-            _kernel_call(kernel, hyper, *([t[s] for s in spans] for t in flats), [r.state["step"] for r, _ in nonempty])
+            _kernel_call(
+                kernel, hyper, ([t[s] for s in spans] for t in flats), [r.created_state["step"] for r, _ in nonempty]
+            )
         return
     for start, stop, segs in pieces(active, scratch.numel):
         p = _as_fp32(master, start, stop, scratch, "param")
@@ -199,7 +204,7 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         v = _as_fp32(v_flat, start, stop, scratch, "exp_avg_sq")
         views = [slice(b - start, e - start) for b, e, _ in segs]
         _kernel_call(
-            kernel, hyper, *([t[s] for s in views] for t in (p, g, m, v)), [r.state["step"] for _, _, r in segs]
+            kernel, hyper, ([t[s] for s in views] for t in (p, g, m, v)), [r.created_state["step"] for _, _, r in segs]
         )
         # Cast back whole pieces: records without a grad in the piece are unchanged,
         # and a cast of an unchanged exact upcast is the identity.

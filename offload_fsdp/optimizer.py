@@ -381,7 +381,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for r in bucket.records:
                 bucket.engine.fetch(r.push_source, r.local)
                 if r.param_stage is not None:
-                    r.master.copy_(r.param_stage)
+                    r.host_master.copy_(r.param_stage)
                 r.working = r.master
                 r.mark_synced()
             if not bucket.fused:
@@ -430,7 +430,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _warn_unused_precision(self, records: list[ParamShard]) -> None:
         low = {self.precision.exp_avg_dtype, self.precision.exp_avg_sq_dtype} != {torch.float32}
-        delegated = any(not r.offloaded or not r.bucket.fused for r in records if r.trainable)
+        delegated = any(not r.offloaded or not r.host_bucket.fused for r in records if r.trainable)
         if low and delegated:
             warnings.warn(
                 "PrecisionPolicy exp_avg/exp_avg_sq dtypes apply to the host fused Adam(W) path only; "
@@ -577,8 +577,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         key = (id(grad), grad.data_ptr(), grad._version)
         if record.staged_grad_key == key:
             return
-        with self._bucket_stage("d2h", record.bucket):
-            record.bucket.engine.stage_grad(record.bucket, record.grad_stage, grad)
+        with self._bucket_stage("d2h", record.host_bucket):
+            record.host_bucket.engine.stage_grad(record.host_bucket, record.host_grad_stage, grad)
         record.staged_grad_key = key
 
     def _bucket_stage(self, stage: str, bucket: HostBucket) -> contextlib.AbstractContextManager[None]:
@@ -666,24 +666,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         wrapped = self._wrapped() if self._wrapped is not None else None
         if wrapped is not None:
-            wrapped._opt_called = True
+            wrapped._opt_called = True  # type: ignore[attr-defined]  # set by torch's patched step; see above
 
     def _step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
         if not active:
             return
         assert self._device_delegate is not None
-        previous = [(r, r.working.grad) for r, _ in active]
+        previous = [(r, r.working_tensor.grad) for r, _ in active]
         for r, g in active:
-            r.working.grad = g if g.dtype == r.working.dtype else g.to(r.working.dtype)
+            r.working_tensor.grad = g if g.dtype == r.working_tensor.dtype else g.to(r.working_tensor.dtype)
         try:
             self._device_delegate.step(self.param_groups)
         finally:
             # Restore, not clear: when the working tensor IS the param, its .grad is the user's grad.
             for r, before in previous:
-                r.working.grad = before
+                r.working_tensor.grad = before
         for r, _ in active:
             if r.working is not r.local:
-                r.local.copy_(r.working)  # the param is the cast of its fp32 master
+                r.local.copy_(r.working_tensor)  # the param is the cast of its fp32 master
                 r.mark_synced()
 
     def _step_bucket(self, bucket: HostBucket, active: list[ParamShard]) -> None:
@@ -700,22 +700,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for r in active:
                     if r.state is None:
                         self._materialize_fused(r)
-                torch._foreach_add_([r.state["step"] for r in active], 1.0)
+                torch._foreach_add_([r.created_state["step"] for r in active], 1.0)
                 hyper = AdamHyper.from_group(group, decoupled_default=self.cpu_optimizer_cls is torch.optim.AdamW)
                 self._adam_step(bucket, active, hyper, self._scratch)
             else:
                 for r in active:
-                    r.working.grad = (
-                        r.grad_stage if r.grad_stage.dtype == r.working.dtype else r.grad_stage.to(r.working.dtype)
-                    )
+                    staged, working = r.host_grad_stage, r.working_tensor
+                    working.grad = staged if staged.dtype == working.dtype else staged.to(working.dtype)
+                assert bucket.delegate is not None  # attached to every bucket without the fused kernel
                 try:
                     bucket.delegate.step(self.param_groups)
                 finally:
                     for r in active:
-                        r.working.grad = None
+                        r.working_tensor.grad = None
                 for r in active:
                     if r.param_stage is not None:
-                        r.param_stage.copy_(r.master)
+                        r.param_stage.copy_(r.host_master)
         with record_function("HybridDeviceOptimizer.h2d"), self._bucket_stage("h2d", bucket):
             bucket.engine.push_params(bucket, [(r.local, r.push_source) for r in active])
         for r in active:
@@ -731,11 +731,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sl = slice(r.offset, r.offset + r.numel)
         shape = r.local.shape
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for name, flat in r.bucket.state.items():
+        for name, flat in r.host_bucket.state.items():
             flat[sl].zero_()
             state[name] = r.wrap(flat[sl].view(shape))
         if r.has_separate_master:
-            state["master_param"] = r.wrap(r.master)
+            state["master_param"] = r.wrap(r.host_master)
         r.state = state
 
     def _forget(self, r: ParamShard) -> None:
@@ -749,7 +749,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _delegate_of(self, r: ParamShard) -> DelegatedOptimizer | None:
         if r.offloaded:
-            return r.bucket.delegate
+            return r.host_bucket.delegate
         return self._device_delegate
 
     @torch.no_grad()
@@ -820,15 +820,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.engine.wait_params_free(bucket)
             for r in mine:
                 if r.param_stage is None:
-                    bucket.engine.fetch(r.master, r.local)
+                    bucket.engine.fetch(r.host_master, r.local)
                     continue
                 bucket.engine.fetch(r.param_stage, r.local)
                 # Against the master's cast, not the staging: a master written in place (DCP
                 # loading into state_dict()'s views) leaves the staging holding the old cast.
-                _adopt_written(r.master, r.param_stage)
+                _adopt_written(r.host_master, r.param_stage)
         for r in records:
             if not r.offloaded and r.has_master:
-                _adopt_written(r.working, r.local)
+                _adopt_written(r.working_tensor, r.local)
         for r in records:
             if r.has_master:
                 r.mark_synced()
@@ -870,8 +870,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params, then overwritten by a saved ``master_param``, and the params are set
         to their master's cast. Hyper-parameters come from the saved groups.
         """
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         saved_groups = state_dict["param_groups"]
@@ -896,5 +896,5 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # torch.distributed.checkpoint's set_state_dict loads the optimizer BEFORE the model
         # weights: re-check the masters against the params at the next step.
         self._refresh_masters_before_step = True
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -57,7 +57,7 @@ def register_per_element(cls: type[torch.optim.Optimizer]) -> type[torch.optim.O
     return cls
 
 
-def _step_owner(cls: type) -> str:
+def _step_owner(cls: type[torch.optim.Optimizer]) -> str:
     """Qualified name of the class whose ``step`` ``cls`` runs.
 
     Unwrapped first: torch's ``Optimizer.__init__`` stores a profiling wrapper of the
@@ -69,12 +69,12 @@ def _step_owner(cls: type) -> str:
     return f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', '').rpartition('.')[0]}"
 
 
-def is_per_element(cls: type) -> bool:
+def is_per_element(cls: type[torch.optim.Optimizer]) -> bool:
     """True when the class implementing ``cls.step`` (``cls`` or a base) is registered as elementwise."""
     return _qualified(cls) in PER_ELEMENT_OPTIMIZERS or _step_owner(cls) in PER_ELEMENT_OPTIMIZERS
 
 
-def check_steps_without_closure(cls: type, arg: str) -> None:
+def check_steps_without_closure(cls: type[torch.optim.Optimizer], arg: str) -> None:
     """Raise ``ValueError`` when ``cls.step`` requires a closure (``torch.optim.LBFGS``).
 
     The delegated instances are stepped per bucket without one; such a class also
@@ -89,7 +89,9 @@ def check_steps_without_closure(cls: type, arg: str) -> None:
         )
 
 
-def check_per_element(cls: type, param_name: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...]) -> None:
+def check_per_element(
+    cls: type[torch.optim.Optimizer], param_name: str, local_shape: tuple[int, ...], global_shape: tuple[int, ...]
+) -> None:
     """Raise ``ValueError`` unless ``cls`` may update the local shard of the named sharded parameter."""
     if is_per_element(cls):
         return

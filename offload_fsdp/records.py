@@ -75,6 +75,39 @@ class ParamShard:
     update starts from the class's own fresh state instead, as in torch (a first step may need
     non-zero initial values: Rprop's step sizes and ASGD's ``eta`` start at ``lr``)"""
 
+    # Views of the optional fields above for code that runs only where they are set
+    # (an AssertionError names the record otherwise: an internal invariant, not a user error).
+
+    @property
+    def working_tensor(self) -> torch.Tensor:
+        """``working``, for trainable records (always set there)."""
+        assert self.working is not None, f"{self.name}: no working tensor (a frozen parameter)"
+        return self.working
+
+    @property
+    def host_bucket(self) -> HostBucket:
+        """``bucket``, for offloaded records (always set there)."""
+        assert self.bucket is not None, f"{self.name}: no host bucket (not offloaded)"
+        return self.bucket
+
+    @property
+    def host_master(self) -> torch.Tensor:
+        """``master``, for offloaded records (always set there)."""
+        assert self.master is not None, f"{self.name}: no host master (not offloaded)"
+        return self.master
+
+    @property
+    def host_grad_stage(self) -> torch.Tensor:
+        """``grad_stage``, for offloaded records (always set there)."""
+        assert self.grad_stage is not None, f"{self.name}: no host grad staging (not offloaded)"
+        return self.grad_stage
+
+    @property
+    def created_state(self) -> dict[str, Any]:
+        """``state``, for code that runs after it was created (materialised or stepped)."""
+        assert self.state is not None, f"{self.name}: optimizer state used before it was created"
+        return self.state
+
     @property
     def local(self) -> torch.Tensor:
         """The rank-local data (re-read each time: FSDP may swap the DTensor's local tensor)."""
@@ -104,8 +137,7 @@ class ParamShard:
     @property
     def push_source(self) -> torch.Tensor:
         """The host tensor holding the updated param in its own dtype (what H2D copies)."""
-        assert self.master is not None
-        return self.param_stage if self.param_stage is not None else self.master
+        return self.param_stage if self.param_stage is not None else self.host_master
 
     @property
     def has_master(self) -> bool:
@@ -142,9 +174,9 @@ class ParamShard:
         Only tensors shaped like the local shard are wrapped; scalars (``step``) stay plain,
         as in torch's own optimizers over DTensor params.
         """
-        if not self.is_dtensor or tensor.shape != self.local.shape:
-            return tensor
         param = self.param
+        if not isinstance(param, DTensor) or tensor.shape != self.local.shape:
+            return tensor
         return DTensor.from_local(
             _own_storage(tensor), param.device_mesh, param.placements, run_check=False,
             shape=param.shape, stride=param.stride(),

@@ -52,7 +52,7 @@ class ShardSpec:
                     f"ShardSpec.offsets {self.offsets} has {len(self.offsets)} dims but the global "
                     f"shape {self.global_shape} has {len(self.global_shape)}"
                 )
-        elif not 0 <= self.flat_start <= self.global_numel:
+        elif self.flat_start is not None and not 0 <= self.flat_start <= self.global_numel:
             raise ValueError(
                 f"ShardSpec.flat_start={self.flat_start} is outside the global tensor of "
                 f"{self.global_numel} elements (shape {self.global_shape})"
@@ -68,7 +68,7 @@ class ShardSpec:
 
     def check_local(self, local: torch.Tensor, *, name: str = "tensor") -> None:
         """Raise ``ValueError`` naming ``name`` if ``local`` cannot be this shard."""
-        if self.is_flat:
+        if self.flat_start is not None:
             if self.flat_start + local.numel() > self.global_numel:
                 raise ValueError(
                     f"{name}: flat range [{self.flat_start}, {self.flat_start + local.numel()}) runs past "
@@ -80,6 +80,7 @@ class ShardSpec:
                 f"{name}: a box shard must have the global rank {len(self.global_shape)}, "
                 f"got local shape {tuple(local.shape)}"
             )
+        assert self.offsets is not None  # __post_init__: exactly one of offsets / flat_start
         for dim, (off, size, full) in enumerate(zip(self.offsets, local.shape, self.global_shape)):
             if off < 0 or off + size > full:
                 raise ValueError(

@@ -39,6 +39,7 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
 
     Changes nothing: a load checks every param first, so a failed load leaves the optimizer as it was.
     """
+    assert r.state is not None and r.working is not None  # materialised before any load
     expected = set(r.state) - {"master_param"}
     got = set(saved) - {"master_param"}
     if expected != got:
@@ -83,6 +84,7 @@ def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> 
 
 
 def _load_value(r: ParamShard, key: str, value: Any) -> None:
+    assert r.state is not None  # materialised before any load
     dst = r.state[key]
     if not isinstance(dst, torch.Tensor):  # a plain number kept by some optimizer classes
         r.state[key] = value
@@ -94,8 +96,10 @@ def _load_value(r: ParamShard, key: str, value: Any) -> None:
 
 
 def _load_master(r: ParamShard, src: torch.Tensor) -> None:
+    assert r.working is not None  # a record with a separate master
     r.working.copy_(src)
     if r.offloaded:
+        assert r.param_stage is not None  # an offloaded separate master is cast through its staging
         r.param_stage.copy_(r.working)
         r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
     else:

@@ -169,7 +169,7 @@ def _reduce_device(group: object) -> torch.device:
     if accelerator is None:
         return torch.device("cpu")
     config = dist.get_backend_config(group)  # type: ignore[arg-type]  # e.g. "cpu:gloo,cuda:nccl"
-    backends = dict(tuple(entry.split(":", 1)) for entry in config.split(",") if ":" in entry)
+    backends = dict(entry.split(":", 1) for entry in config.split(",") if ":" in entry)
     if backends.get(accelerator.type, "gloo") == "gloo":
         return torch.device("cpu")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())

@@ -235,7 +235,8 @@ def fused_adam_class(backend: str, plan: FusedAdamPlan, *, adam_w_mode: bool) ->
     cls, kwargs = _RESOLVERS[backend](plan, adam_w_mode)
 
     def __init__(self: torch.optim.Optimizer, params: Any, **hp: Any) -> None:
-        cls.__init__(self, params, **{**hp, **kwargs})
+        # the base is resolved at run time, so a class statement with super() cannot name it
+        cls.__init__(self, params, **{**hp, **kwargs})  # type: ignore[misc]
 
     return type(
         f"Planned{cls.__name__}",
