@@ -239,7 +239,7 @@ def _probe_vec_width(library: ctypes.CDLL) -> int:
             )
             kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
             for step in (1.0, 2.0, 3.0):
-                kernel(*([t] for t in ref), [], [torch.tensor(step)], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                kernel([ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(step)], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
                        weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)  # fmt: skip
                 p, g, m, v = ours
                 args = _AdamArgs(param=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
@@ -289,11 +289,13 @@ def _moment_mode(flat: torch.Tensor, beta: float) -> int | None:
 def _covered(bucket: HostBucket) -> bool:
     """Whether the C loop steps this bucket (else the fused path does, with the same results)."""
     m, v = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
-    needs_cast = bucket.param_stage is not None or any(t.dtype != torch.float32 for t in (bucket.grad_stage, m, v))
+    master, grads = bucket.master, bucket.grad_stage
+    assert master is not None and grads is not None, "a host bucket has its master and grad staging"
+    needs_cast = bucket.param_stage is not None or any(t.dtype != torch.float32 for t in (grads, m, v))
     return (
         needs_cast
-        and bucket.master.dtype == torch.float32
-        and bucket.grad_stage.dtype in (torch.float32, torch.bfloat16)
+        and master.dtype == torch.float32
+        and grads.dtype in (torch.float32, torch.bfloat16)
         and m.dtype in (torch.float32, torch.bfloat16)
         and v.dtype in (torch.float32, torch.bfloat16)
         and (bucket.param_stage is None or bucket.param_stage.dtype == torch.bfloat16)
@@ -324,6 +326,7 @@ def _run(items: list[_AdamArgs], threads: int = 1) -> None:
     if not items:
         return
     batch = (_AdamArgs * len(items))(*items)
+    assert _library is not None, "compiled_step_available() loads the library before any step"
     if _library.offload_fsdp_adam_batch(batch, len(items), threads) != 0:
         raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
 
@@ -345,6 +348,7 @@ def compiled_adam_bucket_step(
     active = sorted(active, key=lambda r: r.offset)
     m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
+    assert master is not None and grads is not None, "a host bucket has its master and grad staging"
     m_mode, v_mode = _moment_mode(m_flat, hyper.beta1), _moment_mode(v_flat, hyper.beta2)
     sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
     bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
@@ -358,7 +362,7 @@ def compiled_adam_bucket_step(
         "grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
         "has_stage": int(stage is not None), "vec_width": _vec_width,
     }  # fmt: skip
-    steps = {id(r): float(r.state["step"]) for r in active}
+    steps = {id(r): float(r.created_state["step"]) for r in active}
     items = []
     for start, stop, segs in pieces(active, scratch.numel):
         if sr_m or sr_v:

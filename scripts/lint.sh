@@ -6,3 +6,4 @@ cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
+"$PY" -m mypy
