@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-# set_element: DCP's own way to rebuild a nested dict from planner_data paths (no public name)
+# set_element: DCP's own way to rebuild a nested dict from planner_data paths (no public name);
+# renamed -> import fails, changed path format -> loaded values land in the wrong place
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful

@@ -109,6 +109,8 @@ class _TensorRef:
             stride.append(step)
             step *= size
         args: tuple[Any, ...] = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+        # the rebuild function torch.save's format names in data.pkl (private, fixed by the format): renamed
+        # -> torch.load of older files breaks too
         return torch._utils._rebuild_tensor_v2, args
 
 
@@ -210,7 +212,7 @@ def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout 
     if sys.byteorder != "little":
         return None
     numel = math.prod(shape)
-    nbytes = numel * torch._utils._element_size(dtype)
+    nbytes = numel * dtype.itemsize
     if nbytes > _MAX_PLAIN_ZIP:
         return None
     pkl = _data_pkl(dtype, shape, numel)

@@ -27,6 +27,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+# _StorageInfo: the (file, offset, length) FileSystemReader expects in storage_data, no public name;
+# renamed -> commit cannot write metadata DCP reads
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,

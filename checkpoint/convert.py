@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from checkpoint.shard import CheckpointShard
 from offload_fsdp.shard_spec import ShardSpec, shard_spec_of
@@ -68,12 +67,14 @@ def _from_dtensor(value: DTensor, *, name: str, replicas_on_rank0_only: bool, ma
         raise ValueError(f"{name}: a DTensor with Partial placements cannot be checkpointed; reduce it first")
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()
-    local = value._local_tensor.detach()
+    with torch.no_grad():  # no autograd node; the same storage, so a load writes into the DTensor
+        local = value.to_local().detach()
     if coordinate is None:
         # This rank is not in the DTensor's mesh: it holds nothing of it.
         spec = ShardSpec(tuple(value.shape), offsets=(0,) * value.dim())
         return CheckpointShard(local.new_empty((0,) * value.dim()), spec, writes=False, max_chunk_bytes=max_chunk_bytes)
-    local_shape, offsets = compute_local_shape_and_global_offset(value.shape, mesh, value.placements)
+    (chunk,) = value.__create_chunk_list__()  # DTensor's checkpoint box of this rank: one local shard
+    local_shape, offsets = chunk.sizes, chunk.offsets
     if tuple(local.shape) != tuple(local_shape):
         raise ValueError(f"{name}: DTensor local shape {tuple(local.shape)} is not the expected {tuple(local_shape)}")
     writes = True

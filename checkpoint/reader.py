@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# _StorageInfo: what FileSystemReader's storage_data holds per item (no public name); renamed -> import fails
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -142,7 +144,7 @@ class DirectReader(FileSystemReader):
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
         chunk_sizes = _chunk_sizes(md, item)
-        itemsize = torch._utils._element_size(md.properties.dtype)
+        itemsize = md.properties.dtype.itemsize
         target = planner.resolve_tensor(item).detach()
         if location is None or location[1] != math.prod(chunk_sizes) * itemsize:
             saved = self._load_whole(f, info, path)  # not a plain chunk archive: DCP's way

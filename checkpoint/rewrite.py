@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-# _StorageInfo is what FileSystemReader expects in Metadata.storage_data: (file, offset, length)
+# _StorageInfo is what FileSystemReader expects in Metadata.storage_data: (file, offset, length);
+# no public name, renamed -> rewrites cannot write metadata DCP reads
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,

@@ -66,7 +66,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     )
 }
 _ALLOWED[("torch", "Size")] = torch.Size
-# DCP pickles a layout as a call of this function on its name (it only looks the name up)
+# DCP pickles a layout as a call of this function on its name (it only looks the name up);
+# private, but the name DCP's own pickles carry: renamed -> old metadata fails the allow-list
 _ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
 # plain dcp.save records the checkpoint id, often a Path (constructing one only stores a string)
 _ALLOWED.update(
@@ -87,7 +88,9 @@ _ALLOWED.update(
 )
 _ALLOWED[("builtins", "set")] = set
 _ALLOWED[("builtins", "frozenset")] = frozenset
-try:  # where DCP's filesystem writer keeps each item's place; absent in other storage layers
+# where DCP's filesystem writer keeps each item's place (private, the name in DCP's pickles); absent in other
+# storage layers
+try:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
@@ -228,6 +231,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         loaded = load_value(value, where=f"{self.where}: value {fqn!r}")
         # the same placement DefaultLoadPlanner.load_bytes does, with the safely loaded value
         if self.flatten_state_dict:
+            # DefaultLoadPlanner's own private helper (no public name): renamed -> flattened loads fail here
             from torch.distributed.checkpoint._traverse import set_element
 
             set_element(self.original_state_dict, self.mappings[fqn], loaded)

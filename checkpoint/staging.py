@@ -34,6 +34,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+
+# flatten_state_dict: DCP's own key flattening, so our keys equal the planner's (no public name);
+# renamed -> import fails, changed key format -> staged buffers no longer match write items
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem

@@ -30,6 +30,9 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+# flatten_state_dict/set_element: DCP's key flattening and its inverse (no public names); needed because
+# load_flat loads flat keys itself; renamed -> import fails, changed key format -> loads miss keys
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException

@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# _StorageInfo/_StoragePrefix: what FileSystemWriter puts in WriteResult/SavePlan storage_data and
+# FileSystemReader reads back (no public names); renamed -> import fails, our files stop matching DCP's
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,

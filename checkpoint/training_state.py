@@ -206,7 +206,11 @@ def optimizer_entries(
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     # Not offload_fsdp.grad.local_tensor: checkpoint/ must import without the optim package.
-    return t._local_tensor if isinstance(t, DTensor) else t
+    # Only compared here, so to_local()'s fresh view of a Parameter(DTensor) is as good as the shard.
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 def _master_is_redundant(master: torch.Tensor, param: torch.Tensor) -> bool:

@@ -183,6 +183,8 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
     exposed state. Side effects: master, moments and param staging of the active
     records are updated in place.
     """
+    # Private kernels kept: torch.optim.adam.adam(fused=True) increments every step tensor per call, and a
+    # record split across scratch pieces is passed to several calls; renamed in torch -> every fused step raises.
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     active = sorted(active, key=lambda r: r.offset)
     m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]

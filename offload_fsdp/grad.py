@@ -44,8 +44,10 @@ def set_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local data of a tensor: a DTensor's local shard, else the tensor itself."""
-    # `_local_tensor` rather than `to_local()`: no autograd node, and the very same
-    # storage the DTensor wraps, so in-place writes reach the parameter.
+    # Private `_local_tensor` (kept): for an nn.Parameter(DTensor), as FSDP2 params are, `to_local()`
+    # returns a fresh view on every call (gh-166156), which breaks the identity checks of
+    # ParamShard.has_master/_local_key; with grad enabled it adds an autograd node. If torch renames
+    # it, every DTensor param/grad access here fails (tests/test_torch_private_uses.py names it).
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -78,6 +80,7 @@ def _clear_slots(params: Iterable[torch.Tensor], attrs: tuple[str, ...], set_to_
                 groups[(local.device, local.dtype)].append(local)
     with torch.no_grad():
         for grads in groups.values():
+            # `_foreach_zero_`: what Optimizer.zero_grad calls, no public name; removed -> zero_grad raises.
             torch._foreach_zero_(grads)
 
 

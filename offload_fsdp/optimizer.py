@@ -588,6 +588,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         trace shows the pipeline per bucket (``scripts/plot_offload_timeline.py``).
         """
         # Runs once per staged grad, in backward hooks too: free when nobody is profiling or timing.
+        # Private `_profiler_enabled` (no public "is a profiler on?"); if torch drops it every step raises.
         if self._stage_hook is None and not torch.autograd._profiler_enabled():
             return contextlib.nullcontext()
         return self._profiled_stage(stage, bucket)
@@ -700,6 +701,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for r in active:
                     if r.state is None:
                         self._materialize_fused(r)
+                # `_foreach_add_`: torch's multi-tensor op, no public name (optimizers use it); removed -> step raises.
                 torch._foreach_add_([r.created_state["step"] for r in active], 1.0)
                 hyper = AdamHyper.from_group(group, decoupled_default=self.cpu_optimizer_cls is torch.optim.AdamW)
                 self._adam_step(bucket, active, hyper, self._scratch)

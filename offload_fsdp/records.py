@@ -224,7 +224,7 @@ def _validate(param: torch.Tensor, name: str) -> None:
                 f"parameter {name!r} is a DTensor with a Partial placement {param.placements}; "
                 "only Shard/Replicate parameters have a well-defined local shard to update"
             )
-        if not param._local_tensor.is_contiguous():
+        if not local_tensor(param).is_contiguous():
             raise ValueError(f"parameter {name!r}: its local shard is not contiguous; cannot stage it in flat buffers")
         return
     if not param.is_contiguous():

@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+# the device list torch.optim consults for fused=True (no public name); renamed -> import fails
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from offload_fsdp import HybridDeviceOptimizer

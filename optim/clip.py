@@ -154,6 +154,8 @@ def _norms(
     """Per-tensor norms of one (device, dtype) group: one foreach kernel where the backend has it."""
     if foreach is not False:
         try:
+            # not nn.utils.get_total_norm: it returns a finished norm, and the cross-rank sum needs the
+            # per-tensor norms (re-powering a norm is not bit-identical); renamed -> clip_grad_norm_ raises
             return list(torch._foreach_norm(group, norm_type, dtype=acc_dtype))
         except (NotImplementedError, RuntimeError):
             if foreach:  # asked for explicitly: the backend's error stands
@@ -255,5 +257,7 @@ def clip_grad_norm_(
             for t in group:
                 t.mul_(scale)
         else:
+            # not nn.utils.clip_grads_with_norm_: it scales `p.grad` only, not decoupled grads or local
+            # shards of DTensor grads; renamed -> clip_grad_norm_ raises
             torch._foreach_mul_(group, scale)
     return total
