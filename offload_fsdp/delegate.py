@@ -148,15 +148,19 @@ class DelegatedOptimizer:
         if not records:
             return
         self.sync_hyperparameters(groups)
-        create_fresh_state(self.inner, [r.working_tensor for r in records])
+        working = [r.working_tensor for r in records]
+        self._on_host_or_type_error(lambda: create_fresh_state(self.inner, working))
         for r in records:
             r.placeholder_state = True
         self.expose(records)
 
     def step_inner_only(self) -> None:
         """``inner.step()``, turning a host-incompatible class's failure into a TypeError that says so."""
+        self._on_host_or_type_error(self.inner.step)
+
+    def _on_host_or_type_error(self, run: Callable[[], Any]) -> None:
         try:
-            self.inner.step()
+            run()
         except (RuntimeError, NotImplementedError) as exc:
             if self.where != "host":
                 raise
