@@ -28,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from checkpoint.shard import CheckpointShard
+from offload_fsdp.fresh_state import materialize_state
 from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = [
@@ -222,33 +223,10 @@ def _master_is_redundant(master: torch.Tensor, param: torch.Tensor) -> bool:
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> set[int]:
-    """Create the lazy state of every parameter that has none, without changing any parameter.
+    """Give every parameter without optimizer state its fresh state (to load into); return their ids.
 
-    Uses the optimizer's own ``materialize_state()`` when it has one
-    (``HybridDeviceOptimizer``); otherwise one step with zero gradients and
-    ``lr = 0`` on exactly the parameters without state (the others get no
-    gradient, so their state does not move). Returns the ids of the
-    parameters whose state was created here.
+    :func:`offload_fsdp.fresh_state.materialize_state`: no parameter changes and no
+    update runs (``step`` stays 0); an optimizer that keeps its state elsewhere
+    (``HybridDeviceOptimizer``) creates its own through ``materialize_state()``.
     """
-    params = _params_in_order(optimizer)
-    missing = [p for p in params if not optimizer.state.get(p)]
-    if not missing:
-        return set()
-    if hasattr(optimizer, "materialize_state"):
-        optimizer.materialize_state()
-        return {id(p) for p in missing}
-    missing_ids = {id(p) for p in missing}
-    saved_grads = [(p, p.grad) for p in params]
-    saved_lrs = [group["lr"] for group in optimizer.param_groups]
-    try:
-        for group in optimizer.param_groups:
-            group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
-        for p in params:
-            p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, saved_lrs):
-            group["lr"] = lr
-        for p, grad in saved_grads:
-            p.grad = grad
-    return missing_ids
+    return materialize_state(optimizer)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from offload_fsdp.fresh_state import create_fresh_state
 from offload_fsdp.records import ParamShard
 
 __all__ = ["DelegatedOptimizer", "hyperparameters"]
@@ -137,48 +138,29 @@ class DelegatedOptimizer:
         record.placeholder_state = False
 
     def materialize(self, records: list[ParamShard], groups: list[dict[str, Any]]) -> None:
-        """Create the inner state of ``records`` without changing them: a zero-grad step at lr=0, state zeroed.
+        """Create the inner state of ``records`` without changing them: the class's fresh state
+        (:func:`offload_fsdp.fresh_state.create_fresh_state`), to load into.
 
-        The zeros are a placeholder to load into (``placeholder_state``); stepped without a
-        load, a record starts from the class's own fresh state (:meth:`step`).
-
-        The working tensors are snapshotted and restored, so even a class that moves
-        params at lr=0 (or decays them) leaves them bit-identical; all state values
-        (``step`` included) are then set to zero.
+        Marked ``placeholder_state``: stepped without a load, a record drops it and the class
+        creates its first-step state itself (:meth:`step`), which matters for a class whose
+        fresh state could only be zero-filled.
         """
         if not records:
             return
-        snapshot = [r.working_tensor.clone() for r in records]
-        for r in records:
-            r.working_tensor.grad = torch.zeros_like(r.working_tensor)
         self.sync_hyperparameters(groups)
-        saved = []
-        for inner_group in self.inner.param_groups:
-            saved.append(inner_group["lr"])
-            lr = inner_group["lr"]
-            inner_group["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
-        try:
-            self.step_inner_only()
-        finally:
-            for inner_group, lr in zip(self.inner.param_groups, saved):
-                inner_group["lr"] = lr
-            for r, before in zip(records, snapshot):
-                r.working_tensor.copy_(before)
-                r.working_tensor.grad = None
+        working = [r.working_tensor for r in records]
+        self._on_host_or_type_error(lambda: create_fresh_state(self.inner, working))
         for r in records:
-            inner = self.inner.state.get(r.working_tensor, {})
-            for k, v in inner.items():
-                if isinstance(v, torch.Tensor):
-                    v.zero_()
-                elif isinstance(v, (int, float)):
-                    inner[k] = type(v)(0)
             r.placeholder_state = True
         self.expose(records)
 
     def step_inner_only(self) -> None:
         """``inner.step()``, turning a host-incompatible class's failure into a TypeError that says so."""
+        self._on_host_or_type_error(self.inner.step)
+
+    def _on_host_or_type_error(self, run: Callable[[], Any]) -> None:
         try:
-            self.inner.step()
+            run()
         except (RuntimeError, NotImplementedError) as exc:
             if self.where != "host":
                 raise

@@ -756,15 +756,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def materialize_state(self) -> None:
-        """Create every trainable parameter's state (zeros, ``step`` 0) without changing any parameter.
+        """Create every trainable parameter's fresh state (``step`` 0) without changing any parameter.
 
-        The state has exactly the keys the wrapped class creates on its first step
-        (plus ``master_param`` for low-precision params), so an in-place checkpoint
+        The state is what the wrapped class creates on its first step before updating
+        (:mod:`offload_fsdp.fresh_state`; the fused host path's Adam state is zeros), plus
+        ``master_param`` for low-precision params, so an in-place checkpoint
         load has tensors to fill. Uses no gradients of the user and no randomness;
         parameters and their gradients are left untouched. Idempotent.
         """
         for bucket in self._buckets:
-            # a host-delegate materialisation rewrites masters an in-flight H2D may still read
+            # nothing in flight may still use the masters or bucket state while state is created
             bucket.engine.wait_params_free(bucket)
         pending: dict[int, tuple[DelegatedOptimizer, list[ParamShard]]] = {}
         for r in self._records:

@@ -71,9 +71,9 @@ class ParamShard:
     inner_state: dict[str, Any] | None = field(default=None, repr=False)
     """the delegated optimizer's own state dict for ``working`` (delegated records only)"""
     placeholder_state: bool = False
-    """delegated state made by ``materialize_state`` (zeros) and not loaded since: its next
-    update starts from the class's own fresh state instead, as in torch (a first step may need
-    non-zero initial values: Rprop's step sizes and ASGD's ``eta`` start at ``lr``)"""
+    """delegated state made by ``materialize_state`` and not loaded since: its next update lets
+    the class create its first-step state itself, as in torch. Same values for torch's classes
+    (:mod:`offload_fsdp.fresh_state`); for another class the materialised state is zero-filled"""
 
     # Views of the optional fields above for code that runs only where they are set
     # (an AssertionError names the record otherwise: an internal invariant, not a user error).
