@@ -1,7 +1,8 @@
 """DCP storage writer for the ``fsdp_dtensor`` format: deterministic, checksummed, committed last.
 
-:class:`FsdpWriter` is DCP's ``FileSystemWriter`` with these changes, all made
-through its public extension points (subclass overrides, no patching):
+:class:`FsdpWriter` is DCP's ``FileSystemWriter`` with these changes, made by
+overriding its methods in a subclass (nothing in DCP is patched; the one private
+DCP name used is ``_StorageInfo``, the storage record its reader expects):
 
 * ``write_data`` writes the rank's one file itself, in DCP's layout (same
   order, same write results, each chunk a ``torch.save`` archive so plain DCP

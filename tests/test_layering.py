@@ -43,3 +43,10 @@ def test_sibling_packages_import_the_base_downward_only():
             assert not pattern.search(path.read_text()), (
                 f"{path.relative_to(REPO)} imports {forbidden}: siblings meet only through offload_fsdp"
             )
+
+
+def test_importing_checkpoint_loads_only_the_base_leaf_modules_not_the_optimizer():
+    code = "import sys, checkpoint; print('offload_fsdp.optimizer' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "import checkpoint loaded HybridDeviceOptimizer's module"
