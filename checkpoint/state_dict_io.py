@@ -159,6 +159,7 @@ def save_state_dict(
     from checkpoint.async_save import wait_for_async_save
 
     wait_for_async_save()
+    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
 
 
@@ -170,10 +171,13 @@ def write_state_dict(
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs)."""
+    """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs).
+
+    The caller has checked the values with :func:`~checkpoint.safe_unpickle.check_saved_values`
+    (an async save does so before staging, so its writer thread does not repeat it).
+    """
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
-    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     rank, world_size, distributed = _dist_info(process_group)
     convert = partial(
         convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
