@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 import checkpoint
 from checkpoint.cli import main as cli_main
+from tests.bounded import run_bounded
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -84,18 +84,7 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _bounded(fn):
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - classified by the caller
-            box["exc"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(_TIMEOUT_S)
-    return thread.is_alive(), box.get("value"), box.get("exc")
+    return run_bounded(fn, _TIMEOUT_S)
 
 
 def _damages(pristine: Path, rng: random.Random) -> list[tuple[str, str, int]]:

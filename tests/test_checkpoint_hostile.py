@@ -17,7 +17,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 import checkpoint
 from checkpoint.cli import main as cli_main
+from tests.bounded import run_bounded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -261,19 +261,9 @@ def _api_runs(ck: Path) -> dict:
 
 def _bounded(fn):
     """``fn()`` on a thread; (returned, raised), or a test failure when it blocks (a FIFO / device read)."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - classified by the caller
-            box["exc"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(_TIMEOUT_S)
-    assert not thread.is_alive(), f"{fn} hung for {_TIMEOUT_S} s"
-    return box.get("value"), box.get("exc")
+    hung, value, exc = run_bounded(fn, _TIMEOUT_S)
+    assert not hung, f"{fn} hung for {_TIMEOUT_S} s"
+    return value, exc
 
 
 @pytest.fixture(scope="module")
