@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
@@ -39,6 +38,7 @@ from checkpoint.training_state import (
     param_fqns,
     tied_aliases,
 )
+from offload_fsdp.grad import local_tensor
 
 __all__ = ["LoadResult", "async_save", "load", "save"]
 
@@ -257,9 +257,7 @@ def _check_ties(
 
 
 def _local_part(t: torch.Tensor) -> torch.Tensor:
-    if isinstance(t, CheckpointShard):
-        return t.local
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.local if isinstance(t, CheckpointShard) else local_tensor(t)
 
 
 def _load_stateful_extra(saved: dict[str, Any], objects: dict[str, Any], strict: bool, report: LoadReport) -> None:

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.shard import CheckpointShard
 from offload_fsdp.fresh_state import materialize_state
+from offload_fsdp.grad import local_tensor
 from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = [
@@ -205,17 +206,8 @@ def optimizer_entries(
     return OptimizerEntries(state, groups, index_of, members, indexed)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # Not offload_fsdp.grad.local_tensor: checkpoint/ must import without the optim package.
-    # Only compared here, so to_local()'s fresh view of a Parameter(DTensor) is as good as the shard.
-    if not isinstance(t, DTensor):
-        return t
-    with torch.no_grad():
-        return t.to_local()
-
-
 def _master_is_redundant(master: torch.Tensor, param: torch.Tensor) -> bool:
-    master, weight = _local(master), _local(param)
+    master, weight = local_tensor(master), local_tensor(param)
     if master.shape != weight.shape:
         return False
     # Exactly the weight, widened: it can be rebuilt from the saved weight with no loss.
