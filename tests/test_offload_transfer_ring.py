@@ -1,0 +1,299 @@
+"""Bounded pinned memory (``pinned_transfer_slots``): the ring engine against an emulated async device.
+
+On a CPU the ring engine runs over ``tests/fakes/deferred_queues.py``: copies
+complete only when waited on, an in-flight destination reads as NaN and an
+in-flight source must not change. So a slot drained before its D2H landed, or
+overwritten while its H2D still reads it, gives NaN or raises, never a lucky
+match. Results are compared bit for bit with the default mode. The accelerator
+tests at the end check the real pinned bytes and results on a device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.transfer_ring import RingCopyEngine
+from tests.fakes.deferred_queues import DeferredEvent, DeferredQueues, SlotOverwritten
+
+# ------------------------------------------------------------------ the engine alone
+
+
+def _bucket(numel: int, dtype: torch.dtype = torch.float32) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        numel=numel, grad_dtype=dtype, param_dtype=dtype, grad_stage=torch.zeros(numel, dtype=dtype), h2d_done=None
+    )
+
+
+def _engine(buckets, slots: int) -> RingCopyEngine:
+    engine = RingCopyEngine(torch.device("cpu"), slots, queues=DeferredQueues(), pin=False)
+    engine.fit(buckets)
+    return engine
+
+
+def _grads_by_param(buckets, sizes, seed=0):
+    """Per bucket, (staging view, grad) per param: the bucket's grad staging cut into ``sizes``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for b in buckets:
+        views, start = [], 0
+        for n in sizes:
+            views.append((b.grad_stage[start : start + n], torch.randn(n, generator=gen, dtype=b.grad_dtype)))
+            start += n
+        out.append(views)
+    return out
+
+
+def test_d2h_ring_holds_at_most_its_slots_and_every_grad_lands_in_its_bucket_staging():
+    sizes = (5, 1, 7)
+    buckets = [_bucket(sum(sizes)) for _ in range(5)]
+    engine = _engine(buckets, slots=2)
+    grads = _grads_by_param(buckets, sizes)
+    engine.begin_step()
+    # grads arrive param by param, buckets in reverse (backward order), one param of bucket 4 late
+    for b in reversed(range(5)):
+        for view, g in grads[b][: 2 if b == 4 else 3]:
+            engine.stage_grad(buckets[b], view, g)
+            assert engine.d2h_ring.in_use <= 2
+    engine.stage_grad(buckets[4], *grads[4][2])  # bucket 4 was drained for bucket 2: it takes a slot again
+    for b in range(5):
+        engine.wait_grads(buckets[b])
+        torch.testing.assert_close(buckets[b].grad_stage, torch.cat([g for _, g in grads[b]]), rtol=0, atol=0)
+    engine.end_step()
+    assert engine.d2h_ring.peak_in_use == 2 and engine.d2h_ring.in_use == 0
+
+
+def test_a_regrad_staged_twice_into_a_held_slot_lands_its_last_value():
+    buckets = [_bucket(6)]
+    engine = _engine(buckets, slots=1)
+    view = buckets[0].grad_stage[2:5]
+    engine.begin_step()
+    engine.stage_grad(buckets[0], view, torch.full((3,), 1.0))
+    engine.stage_grad(buckets[0], view, torch.full((3,), 2.0))  # accumulated, copied again
+    engine.wait_grads(buckets[0])
+    assert buckets[0].grad_stage.tolist() == [0, 0, 2, 2, 2, 0]  # unstaged elements untouched
+    engine.end_step()
+
+
+def test_h2d_slots_are_rewritten_only_after_their_copy_ran_and_params_get_their_values():
+    buckets = [_bucket(8, torch.bfloat16) for _ in range(5)]
+    engine = _engine(buckets, slots=2)
+    params = [(torch.zeros(3, 2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16)) for _ in buckets]
+    sources = [(torch.randn(3, 2).bfloat16(), torch.randn(2).bfloat16()) for _ in buckets]
+    engine.begin_step()
+    for b, (dst, src) in enumerate(zip(params, sources)):
+        engine.push_params(buckets[b], list(zip(dst, src)))
+        assert engine.h2d_ring.in_use <= 2
+    assert all(p.isnan().all() for p in params[-1])  # the last copy has not run: its params are undefined
+    engine.end_step()  # the main stream waits for the last H2D (the lane runs in order: all of them)
+    for dst, src in zip(params, sources):
+        assert all(torch.equal(d, s) for d, s in zip(dst, src))
+    assert engine.h2d_ring.peak_in_use == 2
+
+
+class _NoWait(DeferredQueues):
+    """A broken device binding: events that return before their copies ran."""
+
+    def d2h(self, dst, src):
+        super().d2h(dst, src)
+        return DeferredEvent(None, 0)
+
+    def h2d(self, pairs, after):
+        super().h2d(pairs, after)
+        return DeferredEvent(None, 0)
+
+
+def test_the_emulated_device_catches_a_slot_read_before_its_d2h_landed():
+    buckets = [_bucket(4)]
+    engine = RingCopyEngine(torch.device("cpu"), 1, queues=_NoWait(), pin=False)
+    engine.fit(buckets)
+    engine.begin_step()
+    engine.stage_grad(buckets[0], buckets[0].grad_stage, torch.ones(4))
+    engine.wait_grads(buckets[0])
+    assert buckets[0].grad_stage.isnan().all()
+
+
+def test_the_emulated_device_catches_a_slot_overwritten_while_its_h2d_reads_it():
+    buckets = [_bucket(4), _bucket(4)]
+    engine = RingCopyEngine(torch.device("cpu"), 1, queues=_NoWait(), pin=False)
+    engine.fit(buckets)
+    engine.begin_step()
+    engine.push_params(buckets[0], [(torch.zeros(4), torch.ones(4))])
+    engine.push_params(buckets[1], [(torch.zeros(4), torch.full((4,), 2.0))])  # reuses the only slot too early
+    with pytest.raises(SlotOverwritten):
+        engine.queues.h2d_lane.run_until(2)
+
+
+def test_slots_are_sized_to_the_largest_bucket_per_direction_and_grow_for_a_later_larger_bucket():
+    small, large = _bucket(10, torch.bfloat16), _bucket(7, torch.float32)
+    engine = _engine([small], slots=3)
+    assert engine.slot_bytes == (24, 24)  # 20 bytes, whole 8-byte words
+    assert engine.reserved_bytes >= 3 * 2 * 24
+    engine.fit([large])
+    assert engine.slot_bytes == (32, 32) and engine.d2h_ring.capacity == engine.h2d_ring.capacity == 3
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
+def test_pinned_transfer_slots_other_than_none_or_a_positive_int_is_refused_naming_the_option(value):
+    with pytest.raises(ValueError, match="pinned_transfer_slots"):
+        HybridDeviceOptimizer([torch.nn.Parameter(torch.ones(3))], lr=0.1, pinned_transfer_slots=value)
+
+
+# ------------------------------------------------------------------ through the optimizer
+
+
+def _ring_engines(monkeypatch, slots):
+    """Make every optimizer built in this context use a ring engine on the emulated device."""
+    engines: list[RingCopyEngine] = []
+
+    def engine_for(self, device):
+        if device not in self._engines:
+            engines.append(RingCopyEngine(device, slots, queues=DeferredQueues(), pin=False))
+            self._engines[device] = engines[-1]
+        return self._engines[device]
+
+    monkeypatch.setattr(HybridDeviceOptimizer, "_engine_for", engine_for)
+    return engines
+
+
+SHAPES = [(7, 13), (7,), (9, 7), (9,), (1, 9), (31,), (4, 5)]
+
+
+def _params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype)) for s in SHAPES]
+
+
+def _loss(params, x):
+    w1, b1, w2, b2, w3, extra, w4 = params
+    h = torch.tanh(x @ w1.T + b1)
+    h = torch.tanh(h @ w2.T + b2)
+    out = (h @ w3.T).squeeze(-1)  # (B,)
+    return out.float().square().mean() + extra.float().square().sum() * 1e-2 + w4.float().abs().sum() * 1e-3
+
+
+def _train(opt, params, *, steps=3, micro_batches=2, defer=False, dtype=torch.float32):
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for i in range(micro_batches):
+            x = torch.randn(4, 13, generator=gen).to(dtype)
+            ctx = opt.defer_grad_copies() if defer and i < micro_batches - 1 else contextlib.nullcontext()
+            with ctx:
+                _loss(params, x).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+def _build(params, cls, fraction, slots):
+    kwargs = {"lr": 0.05, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 0.05, "weight_decay": 0.1}
+    return HybridDeviceOptimizer(
+        params, fraction, cpu_optimizer_cls=cls, bucket_numel=64, pinned_transfer_slots=slots, **kwargs
+    )
+
+
+def _state_bits(opt):
+    return [
+        {k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)}
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
+
+
+@pytest.mark.parametrize(("defer", "slots"), [(False, 1), (True, 2)])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD])
+def test_ring_mode_is_bit_identical_to_full_pinning_with_accumulation_and_a_scheduler(
+    monkeypatch, cls, dtype, fraction, defer, slots
+):
+    ref_params = _params(dtype)
+    ref = _build(ref_params, cls, fraction, None)
+    _train(ref, ref_params, defer=defer, dtype=dtype)
+
+    params = _params(dtype)
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, slots)
+        opt = _build(params, cls, fraction, slots)
+    assert len(opt._buckets) >= 2 and engines and all(b.engine is engines[0] for b in opt._buckets)
+    _train(opt, params, defer=defer, dtype=dtype)
+
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    for ours, theirs in zip(_state_bits(opt), _state_bits(ref)):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    engine = engines[0]
+    # the ring was exercised to its bound and never past it; nothing is left in flight
+    assert engine.d2h_ring.peak_in_use == engine.h2d_ring.peak_in_use == slots
+    assert engine.d2h_ring.in_use == 0 and engine.queues.d2h_lane.pending == []
+
+
+def test_a_group_added_later_with_a_larger_bucket_grows_the_slots_and_stays_bit_identical(monkeypatch):
+    def run(slots):
+        params = _params(torch.bfloat16)
+        opt = _build(params[1:], torch.optim.AdamW, 1.0, slots)  # largest bucket: 63 elements
+        _train(opt, params, steps=1, dtype=torch.bfloat16)
+        opt.add_param_group({"params": params[:1]})  # a 91-element bucket
+        _train(opt, params, steps=2, dtype=torch.bfloat16)
+        return params, opt
+
+    ref_params, _ = run(None)
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, 2)
+        params, opt = run(2)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert engines[0].slot_bytes[0] >= max(b.numel for b in opt._buckets) * 2
+
+
+def test_without_an_accelerator_nothing_is_pinned_in_either_mode():
+    for slots in (None, 2):
+        opt = HybridDeviceOptimizer(_params(torch.float32), 1.0, lr=0.1, pinned_transfer_slots=slots)
+        assert opt.pinned_bytes == 0
+
+
+# ------------------------------------------------------------------ on a device
+
+
+def _device_model(dtype):
+    device = torch.accelerator.current_accelerator()
+    torch.manual_seed(0)
+    # low arithmetic intensity: a forward that ran before its params' H2D landed would read stale values
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).to(device, dtype)
+
+
+def _device_train(model, opt, steps=3, micro_batches=2):
+    device = torch.accelerator.current_accelerator()
+    gen = torch.Generator(device=device).manual_seed(1)
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            x = torch.randn(64, 256, device=device, generator=gen, dtype=next(model.parameters()).dtype)
+            model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.accelerator.synchronize()
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_device_ring_pinning_registers_only_the_slots_and_matches_full_pinning(dtype):
+    bucket_numel = 256 * 256 + 256
+    ref_model, model = _device_model(dtype), _device_model(dtype)
+    ref = HybridDeviceOptimizer(ref_model.parameters(), 1.0, lr=1e-2, bucket_numel=bucket_numel)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2, bucket_numel=bucket_numel, pinned_transfer_slots=2)
+    assert ref.pinned_bytes >= sum(p.numel() * p.element_size() for p in ref_model.parameters())
+    (engine,) = opt._engines.values()
+    assert isinstance(engine, RingCopyEngine) and engine.arena is not None and engine.arena.pinned
+    largest = max(b.numel for b in opt._buckets) * dtype.itemsize
+    assert engine.slot_bytes == (-(-largest // 8) * 8,) * 2
+    assert opt.pinned_bytes == engine.reserved_bytes < 2 * 2 * engine.slot_bytes[0] + 4 * 64
+    assert opt._host_buffers.pinned.layout.used_bytes == 0  # masters, moments, staging: all pageable
+    assert not any(b.grad_stage.is_pinned() or b.master.is_pinned() for b in opt._buckets)
+    _device_train(ref_model, ref)
+    _device_train(model, opt)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
