@@ -250,6 +250,28 @@ def test_a_group_added_later_with_a_larger_bucket_grows_the_slots_and_stays_bit_
     assert engines[0].slot_bytes[0] >= max(b.numel for b in opt._buckets) * 2
 
 
+def test_buckets_of_mixed_dtypes_and_an_empty_param_share_one_ring_bit_identically(monkeypatch):
+    specs = [(50, torch.float32), (70, torch.bfloat16), (0, torch.float32), (33, torch.bfloat16), (41, torch.float32)]
+
+    def run(slots):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(d)) for n, d in specs]
+        opt = HybridDeviceOptimizer(params, 1.0, lr=0.05, bucket_numel=64, pinned_transfer_slots=slots)
+        for step in range(3):
+            sum((p.float() * (i + 1 + step)).sin().sum() for i, p in enumerate(params)).backward()
+            opt.step()
+            opt.zero_grad()
+        return params, opt
+
+    ref_params, _ = run(None)
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, 1)
+        params, opt = run(1)
+    assert {b.grad_dtype for b in opt._buckets} == {torch.float32, torch.bfloat16}
+    assert engines[0].slot_bytes == (200, 200)  # the largest bucket in bytes: 50 fp32 elements (not 70 bf16)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
 def test_without_an_accelerator_nothing_is_pinned_in_either_mode():
     for slots in (None, 2):
         opt = HybridDeviceOptimizer(_params(torch.float32), 1.0, lr=0.1, pinned_transfer_slots=slots)
