@@ -280,9 +280,10 @@ class RingCopyEngine:
                 slot.owner = bucket
                 self._held[id(bucket)] = slot
             part = slot.typed(bucket.grad_dtype)[offset : offset + dst.numel()]
-            slot.event = self.queues.d2h(part, src.reshape(-1))
+            flat = src.reshape(-1)  # a view of the grad, or (non-contiguous grad) a copy the D2H reads
+            slot.event = self.queues.d2h(part, flat)
             slot.ranges[offset] = dst.numel()
-            slot.sources.append(src)
+            slot.sources.append(flat)
 
     def _drain(self, slot: _Slot) -> None:
         """Wait for the slot's D2H copies, move the grads into the owner's pageable staging, free the slot."""

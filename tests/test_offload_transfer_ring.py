@@ -281,41 +281,26 @@ def test_without_an_accelerator_nothing_is_pinned_in_either_mode():
 # ------------------------------------------------------------------ on a device
 
 
-def _device_model(dtype):
-    device = torch.accelerator.current_accelerator()
-    torch.manual_seed(0)
-    # low arithmetic intensity: a forward that ran before its params' H2D landed would read stale values
-    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).to(device, dtype)
-
-
-def _device_train(model, opt, steps=3, micro_batches=2):
-    device = torch.accelerator.current_accelerator()
-    gen = torch.Generator(device=device).manual_seed(1)
-    for _ in range(steps):
-        for _ in range(micro_batches):
-            x = torch.randn(64, 256, device=device, generator=gen, dtype=next(model.parameters()).dtype)
-            model(x).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    torch.accelerator.synchronize()
-
-
 @pytest.mark.accelerator
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_a_device_ring_pinning_registers_only_the_slots_and_matches_full_pinning(dtype):
-    bucket_numel = 256 * 256 + 256
-    ref_model, model = _device_model(dtype), _device_model(dtype)
-    ref = HybridDeviceOptimizer(ref_model.parameters(), 1.0, lr=1e-2, bucket_numel=bucket_numel)
-    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2, bucket_numel=bucket_numel, pinned_transfer_slots=2)
-    assert ref.pinned_bytes >= sum(p.numel() * p.element_size() for p in ref_model.parameters())
+    from tests.test_offload_cuda import _low_intensity_model, _train
+
+    n = 1 << 16
+    ref_model, model = (_low_intensity_model(n).to(dtype) for _ in range(2))  # 12 params, one bucket each
+    ref = HybridDeviceOptimizer(ref_model.parameters(), 1.0, lr=1e-2, bucket_numel=n)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2, bucket_numel=n, pinned_transfer_slots=2)
+    assert ref.pinned_bytes >= 2 * sum(p.numel() * p.element_size() for p in ref_model.parameters())
     (engine,) = opt._engines.values()
     assert isinstance(engine, RingCopyEngine) and engine.arena is not None and engine.arena.pinned
-    largest = max(b.numel for b in opt._buckets) * dtype.itemsize
-    assert engine.slot_bytes == (-(-largest // 8) * 8,) * 2
-    assert opt.pinned_bytes == engine.reserved_bytes < 2 * 2 * engine.slot_bytes[0] + 4 * 64
+    assert engine.slot_bytes == (n * dtype.itemsize,) * 2 and len(opt._buckets) == 12
+    assert opt.pinned_bytes == engine.reserved_bytes < 4 * (n * dtype.itemsize + 64)
     assert opt._host_buffers.pinned.layout.used_bytes == 0  # masters, moments, staging: all pageable
     assert not any(b.grad_stage.is_pinned() or b.master.is_pinned() for b in opt._buckets)
-    _device_train(ref_model, ref)
-    _device_train(model, opt)
+    # low arithmetic intensity: a forward that ran before its params' H2D landed would read stale values
+    ours = _train(model, opt, 4, n, micro_batches=3, clip=0.5)
+    theirs = _train(ref_model, ref, 4, n, micro_batches=3, clip=0.5)
+    assert torch.equal(ours, theirs)
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
+    assert engine.d2h_ring.peak_in_use == engine.h2d_ring.peak_in_use == 2
