@@ -272,6 +272,8 @@ class RingCopyEngine:
 
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None:
         assert bucket.grad_stage is not None
+        if dst.numel() == 0:
+            return  # nothing to move (and an empty view's data_ptr says nothing about its place)
         offset = _offset_in(dst, bucket.grad_stage)
         with self._d2h_lock:
             slot = self._held.get(id(bucket))
@@ -333,9 +335,10 @@ class RingCopyEngine:
     def end_step(self) -> None:
         # The next forward reads the updated params: the main stream (not the host)
         # waits for the last H2D; H2D copies are stream-ordered, so the last covers all.
-        if self._last_h2d is not None:
-            self.queues.main_waits(self._last_h2d)
-        self._step_begin = None
+        with self._h2d_lock:
+            last, self._last_h2d, self._step_begin = self._last_h2d, None, None
+        if last is not None:
+            self.queues.main_waits(last)
         # Grads staged for buckets that took no step (their grads were dropped before
         # step()) would otherwise hold slots across steps.
         with self._d2h_lock:

@@ -11,10 +11,13 @@ tests at the end check the real pinned bytes and results on a device.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.transfer_ring import RingCopyEngine
@@ -65,6 +68,36 @@ def test_d2h_ring_holds_at_most_its_slots_and_every_grad_lands_in_its_bucket_sta
         torch.testing.assert_close(buckets[b].grad_stage, torch.cat([g for _, g in grads[b]]), rtol=0, atol=0)
     engine.end_step()
     assert engine.d2h_ring.peak_in_use == 2 and engine.d2h_ring.in_use == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    slots=st.integers(1, 3),
+    layout=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=4), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_any_order_of_staged_grads_and_drains_lands_each_params_last_grad_within_the_slot_bound(slots, layout, data):
+    buckets = [_bucket(sum(sizes)) for sizes in layout]
+    engine = _engine(buckets, slots)
+    params = [
+        (b, start, n) for b, sizes in enumerate(layout) for start, n in zip(itertools.accumulate([0, *sizes]), sizes)
+    ]
+    expected = [torch.zeros(b.numel) for b in buckets]
+    engine.begin_step()
+    for step in range(data.draw(st.integers(1, 25), label="events")):
+        if data.draw(st.booleans(), label="drain?"):
+            engine.wait_grads(buckets[data.draw(st.integers(0, len(buckets) - 1), label="drained bucket")])
+        else:
+            b, start, n = data.draw(st.sampled_from(params), label="staged param")
+            grad = torch.full((n,), float(step + 1))
+            engine.stage_grad(buckets[b], buckets[b].grad_stage[start : start + n], grad)
+            expected[b][start : start + n] = grad
+        assert engine.d2h_ring.in_use <= slots
+    for bucket in buckets:
+        engine.wait_grads(bucket)
+    assert all(torch.equal(b.grad_stage, e) for b, e in zip(buckets, expected))
+    engine.end_step()
+    assert engine.d2h_ring.in_use == 0 and engine.d2h_ring.peak_in_use <= slots
 
 
 def test_a_regrad_staged_twice_into_a_held_slot_lands_its_last_value():
