@@ -13,8 +13,11 @@ grads, an H2D slot the size of the largest bucket's params. Pinned bytes:
   the host drains it. Each grad is copied (D2H side stream) into the slot at its
   offset in the bucket; draining waits for the slot's event, copies the written
   ranges into the bucket's pageable grad staging and frees the slot. With no slot
-  free, the oldest held slot is drained first (so a backward hook may wait for an
-  earlier bucket's copy to land).
+  free, a backward hook drains the oldest held slot first (waiting for that
+  earlier bucket's copy to land); inside ``step()`` (between ``begin_step`` and
+  ``end_step``) the grads wait, uncopied, and ``wait_grads`` starts the next
+  waiting bucket's copies in the slot it just freed, so that D2H overlaps the
+  host step of the bucket just drained.
 * H2D: the host writes a bucket's updated params into a free slot (with none
   free it waits for the oldest in-flight H2D), the H2D side stream copies the
   slot into the device params, and the slot is free once that copy's event has
@@ -163,6 +166,10 @@ class TransferRing:
         self.peak_in_use = max(self.peak_in_use, len(self._in_use))
         return slot
 
+    @property
+    def has_free(self) -> bool:
+        return bool(self._free)
+
     def release(self, slot: _Slot) -> None:
         self._in_use.remove(slot)
         slot.event, slot.owner = None, None
@@ -217,6 +224,9 @@ class RingCopyEngine:
         self.d2h_ring = TransferRing()
         self.h2d_ring = TransferRing()
         self._held: dict[int, _Slot] = {}  # id(bucket) -> its D2H slot
+        self._waiting: dict[int, tuple[HostBucket, dict[int, torch.Tensor]]] = {}
+        """inside step(): buckets whose grads wait for a free D2H slot, in staging order
+        (id(bucket) -> (bucket, element offset -> flat device grad))"""
         self._d2h_lock = threading.Lock()
         self._h2d_lock = threading.Lock()
         self._step_begin: Completion | None = None
@@ -257,6 +267,8 @@ class RingCopyEngine:
     def flush(self) -> None:
         """Complete every copy in flight: drain held grads into their staging, wait for every H2D."""
         with self._d2h_lock:
+            while self._waiting:  # each takes a slot, draining the oldest held when none is free
+                self._start_waiting(next(iter(self._waiting)))
             while (slot := self.d2h_ring.oldest()) is not None:
                 self._drain(slot)
         with self._h2d_lock:
@@ -275,17 +287,38 @@ class RingCopyEngine:
         if dst.numel() == 0:
             return  # nothing to move (and an empty view's data_ptr says nothing about its place)
         offset = _offset_in(dst, bucket.grad_stage)
+        flat = src.reshape(-1)  # a view of the grad, or (non-contiguous grad) a copy the D2H reads
         with self._d2h_lock:
             slot = self._held.get(id(bucket))
-            if slot is None:  # the bucket's first grad: it holds this slot until it is drained
-                slot = self.d2h_ring.acquire(self._drain)
-                slot.owner = bucket
-                self._held[id(bucket)] = slot
-            part = slot.typed(bucket.grad_dtype)[offset : offset + dst.numel()]
-            flat = src.reshape(-1)  # a view of the grad, or (non-contiguous grad) a copy the D2H reads
-            slot.event = self.queues.d2h(part, flat)
-            slot.ranges[offset] = dst.numel()
-            slot.sources.append(flat)
+            in_step = self._step_begin is not None
+            if slot is None and in_step and (self._waiting or not self.d2h_ring.has_free):
+                # Inside step() the host drains buckets in order: queue this copy when a slot
+                # frees (wait_grads) rather than block here, so it overlaps a host step.
+                self._waiting.setdefault(id(bucket), (bucket, {}))[1][offset] = flat
+                return
+            if slot is None:  # a backward hook with no slot free: wait for the oldest bucket's copy
+                slot = self._take_slot(bucket)
+            self._copy_in(slot, bucket, offset, flat)
+
+    def _take_slot(self, bucket: HostBucket) -> _Slot:
+        """A D2H slot for ``bucket``, which holds it until drained (the oldest held is drained if none is free)."""
+        slot = self.d2h_ring.acquire(self._drain)
+        slot.owner = bucket
+        self._held[id(bucket)] = slot
+        return slot
+
+    def _copy_in(self, slot: _Slot, bucket: HostBucket, offset: int, flat: torch.Tensor) -> None:
+        part = slot.typed(bucket.grad_dtype)[offset : offset + flat.numel()]
+        slot.event = self.queues.d2h(part, flat)  # later copies into the slot are stream-ordered after it
+        slot.ranges[offset] = flat.numel()
+        slot.sources.append(flat)
+
+    def _start_waiting(self, key: int) -> None:
+        """Queue the D2H copies of a bucket that waited for a slot (taking one)."""
+        bucket, grads = self._waiting.pop(key)
+        slot = self._take_slot(bucket)
+        for offset, flat in grads.items():
+            self._copy_in(slot, bucket, offset, flat)
 
     def _drain(self, slot: _Slot) -> None:
         """Wait for the slot's D2H copies, move the grads into the owner's pageable staging, free the slot."""
@@ -301,9 +334,14 @@ class RingCopyEngine:
     def wait_grads(self, bucket: HostBucket) -> None:
         # The host step reads the bucket's pageable grad staging: its slot must be drained into it.
         with self._d2h_lock:
+            if id(bucket) in self._waiting:  # its grads never got a slot: copy them now
+                self._start_waiting(id(bucket))
             slot = self._held.get(id(bucket))
             if slot is not None:
                 self._drain(slot)
+            # The freed slot starts the next waiting bucket's D2H, which overlaps this bucket's host step.
+            while self._waiting and self.d2h_ring.has_free:
+                self._start_waiting(next(iter(self._waiting)))
 
     def wait_params_free(self, bucket: HostBucket) -> None:
         # No copy ever reads or writes the pageable masters / staging: the H2D reads its slot.
@@ -340,8 +378,9 @@ class RingCopyEngine:
         if last is not None:
             self.queues.main_waits(last)
         # Grads staged for buckets that took no step (their grads were dropped before
-        # step()) would otherwise hold slots across steps.
+        # step()) would otherwise hold slots, or device grads, across steps.
         with self._d2h_lock:
+            self._waiting.clear()
             for slot in list(self._held.values()):
                 self._drain(slot)
 

@@ -72,18 +72,22 @@ def test_d2h_ring_holds_at_most_its_slots_and_every_grad_lands_in_its_bucket_sta
 
 @settings(max_examples=60, deadline=None)
 @given(
+    in_step=st.booleans(),
     slots=st.integers(1, 3),
     layout=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=4), min_size=1, max_size=5),
     data=st.data(),
 )
-def test_any_order_of_staged_grads_and_drains_lands_each_params_last_grad_within_the_slot_bound(slots, layout, data):
+def test_any_order_of_staged_grads_and_drains_lands_each_params_last_grad_within_the_slot_bound(
+    in_step, slots, layout, data
+):
     buckets = [_bucket(sum(sizes)) for sizes in layout]
     engine = _engine(buckets, slots)
     params = [
         (b, start, n) for b, sizes in enumerate(layout) for start, n in zip(itertools.accumulate([0, *sizes]), sizes)
     ]
     expected = [torch.zeros(b.numel) for b in buckets]
-    engine.begin_step()
+    if in_step:  # grads staged by step() wait for a slot; else (backward hooks) the oldest is drained
+        engine.begin_step()
     for step in range(data.draw(st.integers(1, 25), label="events")):
         if data.draw(st.booleans(), label="drain?"):
             engine.wait_grads(buckets[data.draw(st.integers(0, len(buckets) - 1), label="drained bucket")])
@@ -98,6 +102,26 @@ def test_any_order_of_staged_grads_and_drains_lands_each_params_last_grad_within
     assert all(torch.equal(b.grad_stage, e) for b, e in zip(buckets, expected))
     engine.end_step()
     assert engine.d2h_ring.in_use == 0 and engine.d2h_ring.peak_in_use <= slots
+
+
+def test_inside_step_grads_without_a_slot_wait_and_each_drain_starts_the_next_buckets_copy():
+    buckets = [_bucket(4) for _ in range(4)]
+    engine = _engine(buckets, slots=2)
+    lane = engine.queues.d2h_lane
+    grads = [torch.full((4,), float(i + 1)) for i in range(4)]
+    engine.begin_step()
+    for b, g in zip(buckets, grads):
+        engine.stage_grad(b, b.grad_stage, g)
+    assert lane.queued == 2 and lane.ran == 0  # staging never blocked: buckets 2 and 3 wait uncopied
+    engine.wait_grads(buckets[0])
+    assert lane.queued == 3 and lane.ran == 1  # bucket 0 drained; bucket 2's copy now in flight
+    engine.wait_grads(buckets[3])  # out of order: it takes a slot (draining bucket 1) and is drained
+    assert torch.equal(buckets[3].grad_stage, grads[3]) and torch.equal(buckets[1].grad_stage, grads[1])
+    for b, g in zip(buckets, grads):
+        engine.wait_grads(b)
+        assert torch.equal(b.grad_stage, g)
+    engine.end_step()
+    assert engine.d2h_ring.peak_in_use == 2 and engine.d2h_ring.in_use == 0
 
 
 def test_a_regrad_staged_twice_into_a_held_slot_lands_its_last_value():
@@ -209,7 +233,7 @@ def _loss(params, x):
     return out.float().square().mean() + extra.float().square().sum() * 1e-2 + w4.float().abs().sum() * 1e-3
 
 
-def _train(opt, params, *, steps=3, micro_batches=2, defer=False, dtype=torch.float32):
+def _train(opt, params, *, steps=3, micro_batches=2, defer=False, dtype=torch.float32, clip=None):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -218,6 +242,8 @@ def _train(opt, params, *, steps=3, micro_batches=2, defer=False, dtype=torch.fl
             ctx = opt.defer_grad_copies() if defer and i < micro_batches - 1 else contextlib.nullcontext()
             with ctx:
                 _loss(params, x).backward()
+        if clip is not None:  # grads changed after backward: step() copies every one again
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -264,6 +290,27 @@ def test_ring_mode_is_bit_identical_to_full_pinning_with_accumulation_and_a_sche
     # the ring was exercised to its bound and never past it; nothing is left in flight
     assert engine.d2h_ring.peak_in_use == engine.h2d_ring.peak_in_use == slots
     assert engine.d2h_ring.in_use == 0 and engine.queues.d2h_lane.pending == []
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_grads_clipped_after_backward_are_recopied_inside_step_through_waiting_slots_bit_identically(
+    monkeypatch, slots
+):
+    ref_params = _params(torch.bfloat16)
+    ref = _build(ref_params, torch.optim.AdamW, 1.0, None)
+    _train(ref, ref_params, dtype=torch.bfloat16, clip=0.1)
+
+    params = _params(torch.bfloat16)
+    waited = []
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, slots)
+        opt = _build(params, torch.optim.AdamW, 1.0, slots)
+    real = RingCopyEngine._start_waiting
+    monkeypatch.setattr(RingCopyEngine, "_start_waiting", lambda self, key: (waited.append(key), real(self, key)))
+    _train(opt, params, dtype=torch.bfloat16, clip=0.1)
+    assert len(waited) >= 3 * (len(opt._buckets) - slots)  # every step: all buckets past the ring waited
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert engines[0].d2h_ring.peak_in_use == slots
 
 
 def test_a_group_added_later_with_a_larger_bucket_grows_the_slots_and_stays_bit_identical(monkeypatch):
