@@ -11,6 +11,7 @@ tests at the end check the real pinned bytes and results on a device.
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import types
 
@@ -328,6 +329,27 @@ def test_a_group_added_later_with_a_larger_bucket_grows_the_slots_and_stays_bit_
         params, opt = run(2)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert engines[0].slot_bytes[0] >= max(b.numel for b in opt._buckets) * 2
+
+
+def test_a_ring_mode_state_dict_saves_only_state_and_resumes_a_full_pinning_optimizer_bit_identically(monkeypatch):
+    ref_params = _params(torch.bfloat16)
+    ref = _build(ref_params, torch.optim.AdamW, 1.0, None)
+    _train(ref, ref_params, steps=2, dtype=torch.bfloat16)
+    params = _params(torch.bfloat16)
+    with monkeypatch.context() as m:
+        _ring_engines(m, 1)
+        opt = _build(params, torch.optim.AdamW, 1.0, 1)
+        _train(opt, params, steps=2, dtype=torch.bfloat16)
+    saved, ref_saved = io.BytesIO(), io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    torch.save(ref.state_dict(), ref_saved)
+    assert saved.getbuffer().nbytes == ref_saved.getbuffer().nbytes  # the same tensors, no staging written
+    saved.seek(0)
+    resumed = _build(params, torch.optim.AdamW, 1.0, None)  # full pinning (the default) resumes it
+    resumed.load_state_dict(torch.load(saved, weights_only=True))
+    _train(resumed, params, steps=1, dtype=torch.bfloat16)
+    _train(ref, ref_params, steps=1, dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
 def test_buckets_of_mixed_dtypes_and_an_empty_param_share_one_ring_bit_identically(monkeypatch):
