@@ -406,3 +406,43 @@ def test_on_a_device_ring_pinning_registers_only_the_slots_and_matches_full_pinn
     for a, b in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(a, b)
     assert engine.d2h_ring.peak_in_use == engine.h2d_ring.peak_in_use == 2
+
+
+# ------------------------------------------------------------------ FSDP2 over gloo
+
+
+def _fsdp_ring_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_offload_distributed import _model, _shard
+    from tests.test_offload_distributed import _train as train_fsdp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = {}
+    default_engine_for = HybridDeviceOptimizer._engine_for
+    for slots in (None, 1):
+        model = _shard(_model(), mesh)
+        if slots is not None:  # the emulated device, in this rank's process
+            HybridDeviceOptimizer._engine_for = lambda self, device, s=slots: self._engines.setdefault(  # type: ignore[method-assign]
+                device, RingCopyEngine(device, s, queues=DeferredQueues(), pin=False)
+            )
+        try:
+            opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01, bucket_numel=8, pinned_transfer_slots=slots)
+        finally:
+            HybridDeviceOptimizer._engine_for = default_engine_for  # type: ignore[method-assign]
+        train_fsdp(model, opt, 3, rank, micro_batches=2)
+        results[slots] = [p.to_local().clone() for p in model.parameters()]
+        if slots is not None:
+            (engine,) = opt._engines.values()
+            results["peak"] = engine.d2h_ring.peak_in_use
+            results["ring_used"] = isinstance(engine, RingCopyEngine) and len(opt._buckets) > 1
+    results["equal"] = all(torch.equal(a, b) for a, b in zip(results[None], results[1]))
+    return {k: results[k] for k in ("equal", "peak", "ring_used")}
+
+
+@pytest.mark.parametrize("world_size", [3])  # uneven and empty local shards
+def test_fsdp2_local_shards_through_a_one_slot_ring_match_full_pinning_bit_for_bit(world_size):
+    from tests.distributed import run_ranks
+
+    for result in run_ranks(_fsdp_ring_body, world_size):
+        assert result == {"equal": True, "peak": 1, "ring_used": True}
