@@ -7,7 +7,7 @@ page. With ``HybridDeviceOptimizer(..., pinned_transfer_slots=n)`` every host
 buffer stays pageable and each device gets a :class:`RingCopyEngine`: ``n``
 page-locked slots per direction, a D2H slot the size of the largest bucket's
 grads, an H2D slot the size of the largest bucket's params. Pinned bytes:
-``n * (largest bucket's grad bytes + largest bucket's param bytes)``.
+``n * (largest bucket's grad bytes + largest bucket's param bytes)``, each rounded up to 64.
 
 * D2H: a bucket takes a free slot at its first staged grad and keeps it until
   the host drains it. Each grad is copied (D2H side stream) into the slot at its
@@ -188,9 +188,10 @@ def _offset_in(view: torch.Tensor, flat: torch.Tensor) -> int:
     return offset
 
 
-def _whole_words(nbytes: int) -> int:
-    """``nbytes`` rounded up to 8: a slot sized for a bf16 bucket may be viewed as fp32 by another bucket."""
-    return -(-nbytes // 8) * 8
+def _slot_size(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole 64-byte lines: the arena aligns each slot to 64 anyway, and a
+    slot sized for a bf16 bucket may be viewed as fp32 by another bucket."""
+    return -(-nbytes // 64) * 64
 
 
 def _coalesced(ranges: dict[int, int]) -> list[tuple[int, int]]:
@@ -251,8 +252,8 @@ class RingCopyEngine:
         """
         buckets = list(buckets)
         need = (
-            max([_whole_words(b.numel * b.grad_dtype.itemsize) for b in buckets] + [self.slot_bytes[0]]),
-            max([_whole_words(b.numel * b.param_dtype.itemsize) for b in buckets] + [self.slot_bytes[1]]),
+            max([_slot_size(b.numel * b.grad_dtype.itemsize) for b in buckets] + [self.slot_bytes[0]]),
+            max([_slot_size(b.numel * b.param_dtype.itemsize) for b in buckets] + [self.slot_bytes[1]]),
         )
         if need == self.slot_bytes and self.arena is not None:
             return

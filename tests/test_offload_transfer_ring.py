@@ -187,12 +187,13 @@ def test_the_emulated_device_catches_a_slot_overwritten_while_its_h2d_reads_it()
 
 
 def test_slots_are_sized_to_the_largest_bucket_per_direction_and_grow_for_a_later_larger_bucket():
-    small, large = _bucket(10, torch.bfloat16), _bucket(7, torch.float32)
+    small, large = _bucket(10, torch.bfloat16), _bucket(70, torch.float32)
     engine = _engine([small], slots=3)
-    assert engine.slot_bytes == (24, 24)  # 20 bytes, whole 8-byte words
-    assert engine.reserved_bytes >= 3 * 2 * 24
+    assert engine.slot_bytes == (64, 64)  # 20 bytes, in whole 64-byte lines
+    assert engine.reserved_bytes == 3 * 2 * 64
     engine.fit([large])
-    assert engine.slot_bytes == (32, 32) and engine.d2h_ring.capacity == engine.h2d_ring.capacity == 3
+    assert engine.slot_bytes == (320, 320) and engine.reserved_bytes == 3 * 2 * 320
+    assert engine.d2h_ring.capacity == engine.h2d_ring.capacity == 3
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "2"])
@@ -370,7 +371,7 @@ def test_buckets_of_mixed_dtypes_and_an_empty_param_share_one_ring_bit_identical
         engines = _ring_engines(m, 1)
         params, opt = run(1)
     assert {b.grad_dtype for b in opt._buckets} == {torch.float32, torch.bfloat16}
-    assert engines[0].slot_bytes == (200, 200)  # the largest bucket in bytes: 50 fp32 elements (not 70 bf16)
+    assert engines[0].slot_bytes == (256, 256)  # the largest bucket: 50 fp32 elements (200 bytes, not 70 bf16)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
@@ -378,6 +379,16 @@ def test_without_an_accelerator_nothing_is_pinned_in_either_mode():
     for slots in (None, 2):
         opt = HybridDeviceOptimizer(_params(torch.float32), 1.0, lr=0.1, pinned_transfer_slots=slots)
         assert opt.pinned_bytes == 0
+
+
+def test_the_construction_log_reports_the_slots_and_their_pinned_bytes(monkeypatch, caplog):
+    caplog.set_level("INFO", logger="offload_fsdp.optimizer")
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, 3)
+        _build(_params(torch.bfloat16), torch.optim.AdamW, 1.0, 3)
+    (line,) = [r.getMessage() for r in caplog.records if "partition" in r.getMessage()]
+    assert "pinned_transfer_slots=3, page-locked slot bytes 0" in line  # the emulated device pins nothing
+    assert engines[0].reserved_bytes == 3 * sum(engines[0].slot_bytes) == 3 * 2 * 192  # 91 bf16 elements, in lines
 
 
 # ------------------------------------------------------------------ on a device
@@ -396,7 +407,7 @@ def test_on_a_device_ring_pinning_registers_only_the_slots_and_matches_full_pinn
     (engine,) = opt._engines.values()
     assert isinstance(engine, RingCopyEngine) and engine.arena is not None and engine.arena.pinned
     assert engine.slot_bytes == (n * dtype.itemsize,) * 2 and len(opt._buckets) == 12
-    assert opt.pinned_bytes == engine.reserved_bytes < 4 * (n * dtype.itemsize + 64)
+    assert opt.pinned_bytes == engine.reserved_bytes == 4 * n * dtype.itemsize  # 2 slots per direction, nothing else
     assert opt._host_buffers.pinned.layout.used_bytes == 0  # masters, moments, staging: all pageable
     assert not any(b.grad_stage.is_pinned() or b.master.is_pinned() for b in opt._buckets)
     # low arithmetic intensity: a forward that ran before its params' H2D landed would read stale values
