@@ -371,12 +371,22 @@ class RingCopyEngine:
         slot.event.synchronize()  # the H2D that reads this slot has finished: the host may overwrite it
         self.h2d_ring.release(slot)
 
-    def end_step(self) -> None:
+    def note_params_read(self) -> None:
+        """A step begun during backward: H2D queued from now on waits for the main stream's work so far.
+
+        (The overlapped step calls it each time backward has queued every read of a
+        bucket's params; the H2D already queued stays tracked for :meth:`end_step`.)
+        """
+        with self._h2d_lock:
+            self._step_begin = self.queues.mark_main()
+
+    def end_step(self, main_waits: bool = True) -> None:
+        """``main_waits=False``: each module's forward waits for its own buckets (:meth:`wait_pushed`) instead."""
         # The next forward reads the updated params: the main stream (not the host)
         # waits for the last H2D; H2D copies are stream-ordered, so the last covers all.
         with self._h2d_lock:
             last, self._last_h2d, self._step_begin = self._last_h2d, None, None
-        if last is not None:
+        if last is not None and main_waits:
             self.queues.main_waits(last)
         # Grads staged for buckets that took no step (their grads were dropped before
         # step()) would otherwise hold slots, or device grads, across steps.
@@ -384,6 +394,12 @@ class RingCopyEngine:
             self._waiting.clear()
             for slot in list(self._held.values()):
                 self._drain(slot)
+
+    def wait_pushed(self, bucket: HostBucket) -> None:
+        # A forward about to read this bucket's params: the main stream (not the host)
+        # waits for the bucket's latest H2D.
+        if bucket.h2d_done is not None:
+            self.queues.main_waits(bucket.h2d_done)
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # Blocking by design (construction, reload, load), from pageable memory: copy_ orders it

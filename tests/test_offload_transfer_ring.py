@@ -153,6 +153,37 @@ def test_h2d_slots_are_rewritten_only_after_their_copy_ran_and_params_get_their_
     assert engine.h2d_ring.peak_in_use == 2
 
 
+def test_a_forward_waits_only_for_its_own_buckets_h2d_when_the_step_leaves_the_main_stream_free():
+    buckets = [_bucket(2) for _ in range(3)]
+    engine = _engine(buckets, slots=3)
+    params = [torch.zeros(2) for _ in buckets]
+    engine.begin_step()
+    for b, p in zip(buckets, params):
+        engine.push_params(b, [(p, torch.full((2,), 7.0))])
+    engine.end_step(main_waits=False)  # per-module forward waits (the overlapped step's model=)
+    assert all(p.isnan().all() for p in params)
+    engine.wait_pushed(buckets[1])  # the lane runs in order: buckets 0 and 1 have landed, 2 has not
+    assert params[0].eq(7).all() and params[1].eq(7).all() and params[2].isnan().all()
+    engine.wait_pushed(buckets[2])
+    assert params[2].eq(7).all()
+
+
+def test_an_h2d_queued_after_note_params_read_waits_for_the_later_main_stream_mark():
+    buckets = [_bucket(2) for _ in range(2)]
+    engine = _engine(buckets, slots=2)
+    marks = []
+    engine.queues.mark_main = lambda: marks.append(DeferredEvent(None, 0)) or marks[-1]
+    afters = []
+    real_h2d = engine.queues.h2d
+    engine.queues.h2d = lambda pairs, after: afters.append(after) or real_h2d(pairs, after)
+    engine.begin_step()
+    engine.push_params(buckets[0], [(torch.zeros(2), torch.ones(2))])
+    engine.note_params_read()
+    engine.push_params(buckets[1], [(torch.zeros(2), torch.ones(2))])
+    assert afters == marks and len(marks) == 2
+    engine.end_step()
+
+
 class _NoWait(DeferredQueues):
     """A broken device binding: events that return before their copies ran."""
 
