@@ -240,8 +240,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
         self._stage_hook: Callable[[str, HostBucket, bool], None] | None = None
 
-        self._pin = (pin_cpu_grads, pin_cpu_params)
         self._transfer_slots = check_transfer_slots(pinned_transfer_slots)
+        # With transfer slots every host buffer stays pageable: only the slots are page-locked.
+        self._pin = (pin_cpu_grads, pin_cpu_params) if self._transfer_slots is None else (False, False)
         self._bucket_numel = bucket_numel
         self._records: list[ParamShard] = []
         self._buckets: list[HostBucket] = []
@@ -362,7 +363,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         partition(records, self.offload_fraction, host_resident_is_offloaded=accelerated)
         self._check_classes_fit_shards(records)
-        pin = accelerated and self._transfer_slots is None  # a transfer ring: all buffers pageable
         for r in records:
             if r.offloaded:
                 r.grad_dtype = self.precision.grad_staging_dtype(r.param.dtype)
@@ -373,7 +373,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             master_dtype_of=self._master_dtype,
             state_dtypes={"exp_avg": self.precision.exp_avg_dtype, "exp_avg_sq": self.precision.exp_avg_sq_dtype},
             is_fused=self._bucket_is_fused,
-            pin=(self._pin[0] and pin, self._pin[1] and pin),
+            pin=(self._pin[0] and accelerated, self._pin[1] and accelerated),
             engine_for=self._engine_for,
         )
         for engine in {id(b.engine): b.engine for b in buckets}.values():
