@@ -376,12 +376,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin=(self._pin[0] and accelerated, self._pin[1] and accelerated),
             engine_for=self._engine_for,
         )
-        for engine in {id(b.engine): b.engine for b in buckets}.values():
-            if isinstance(engine, RingCopyEngine):
-                engine.fit(b for b in buckets if b.engine is engine)
         self._init_host_copies(buckets)
         # The last step that can fail (building the device class); self is changed only from here on.
         self._join_device_delegate(records)
+        self._fit_transfer_slots(buckets)
         if self.overlap:
             self._hook_handles.extend(self._register_hooks(records))
         self._accelerated = accelerated
@@ -390,6 +388,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._warn_unused_precision(records)
         self._log_partition(records, buckets, buffers, what)
         return buffers
+
+    @staticmethod
+    def _fit_transfer_slots(buckets: list[HostBucket]) -> None:
+        """Size the pinned slots of each ``RingCopyEngine`` (``pinned_transfer_slots``) for these new buckets too."""
+        for engine in {id(b.engine): b.engine for b in buckets}.values():
+            if isinstance(engine, RingCopyEngine):
+                engine.fit(b for b in buckets if b.engine is engine)
 
     def _check_classes_fit_shards(self, records: list[ParamShard]) -> None:
         """Refuse, naming class and param, a non-elementwise class on a sharded param (:mod:`offload_fsdp.per_element`)."""
