@@ -7,7 +7,8 @@ page. With ``HybridDeviceOptimizer(..., pinned_transfer_slots=n)`` every host
 buffer stays pageable and each device gets a :class:`RingCopyEngine`: ``n``
 page-locked slots per direction, a D2H slot the size of the largest bucket's
 grads, an H2D slot the size of the largest bucket's params. Pinned bytes:
-``n * (largest bucket's grad bytes + largest bucket's param bytes)``, each rounded up to 64.
+``n * (largest bucket's grad bytes + largest bucket's param bytes)``, plus under 64 bytes of
+alignment per slot.
 
 * D2H: a bucket takes a free slot at its first staged grad and keeps it until
   the host drains it. Each grad is copied (D2H side stream) into the slot at its
@@ -189,9 +190,9 @@ def _offset_in(view: torch.Tensor, flat: torch.Tensor) -> int:
 
 
 def _slot_size(nbytes: int) -> int:
-    """``nbytes`` rounded up to whole 64-byte lines: the arena aligns each slot to 64 anyway, and a
-    slot sized for a bf16 bucket may be viewed as fp32 by another bucket."""
-    return -(-nbytes // 64) * 64
+    """``nbytes`` rounded up to whole 8-byte words: a slot sized for a bf16 bucket may be viewed as
+    fp32 (or any dtype up to 8 bytes) by another bucket."""
+    return -(-nbytes // 8) * 8
 
 
 def _coalesced(ranges: dict[int, int]) -> list[tuple[int, int]]:
