@@ -52,18 +52,20 @@ def _grads_by_param(buckets, sizes, seed=0):
     return out
 
 
-def test_d2h_ring_holds_at_most_its_slots_and_every_grad_lands_in_its_bucket_staging():
+def test_backward_hooks_hold_at_most_the_ring_drain_the_oldest_and_every_grad_lands_in_its_staging():
     sizes = (5, 1, 7)
     buckets = [_bucket(sum(sizes)) for _ in range(5)]
     engine = _engine(buckets, slots=2)
     grads = _grads_by_param(buckets, sizes)
-    engine.begin_step()
-    # grads arrive param by param, buckets in reverse (backward order), one param of bucket 4 late
+    # backward (no begin_step yet): grads arrive param by param, buckets in reverse, one of bucket 4 late
     for b in reversed(range(5)):
         for view, g in grads[b][: 2 if b == 4 else 3]:
             engine.stage_grad(buckets[b], view, g)
             assert engine.d2h_ring.in_use <= 2
+    # the copies of buckets 4, 3 and 2 (2 + 3 + 3 grads) ran: they were drained to make room for 2, 1 and 0
+    assert engine.queues.d2h_lane.ran == 2 + 3 + 3 and engine.d2h_ring.in_use == 2
     engine.stage_grad(buckets[4], *grads[4][2])  # bucket 4 was drained for bucket 2: it takes a slot again
+    engine.begin_step()
     for b in range(5):
         engine.wait_grads(buckets[b])
         torch.testing.assert_close(buckets[b].grad_stage, torch.cat([g for _, g in grads[b]]), rtol=0, atol=0)
