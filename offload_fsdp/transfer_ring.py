@@ -39,6 +39,7 @@ result on a CPU.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -412,9 +413,9 @@ def check_transfer_slots(value: object) -> int | None:
     """``pinned_transfer_slots`` validated: None, or an int >= 1 (``ValueError`` naming the value otherwise)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(
             f"pinned_transfer_slots must be None (pin every host buffer that crosses the bus) or an int >= 1 "
             f"(that many pinned transfer slots per direction; 2-4 is typical), got {value!r}"
         )
-    return value
+    return int(value)
