@@ -6,9 +6,11 @@ copies them, and writeback of each large piece is started right away
 (``sync_file_range``) so the file's final fsync waits for less.
 :func:`write_tensor` appends one tensor as the ``torch.save``-compatible
 archive DCP stores per chunk, from the tensor's raw bytes
-(:mod:`checkpoint.chunk_archive`). Both writers of data files use these:
-DCP's (:class:`checkpoint.storage.FsdpWriter`) and the tensor-major one behind
-reshard / import (:mod:`checkpoint.rewrite`).
+(:mod:`checkpoint.chunk_archive`). :class:`DataFile` is the one way a data
+file is written: DCP's writer (:class:`checkpoint.storage.FsdpWriter`) and the
+tensor-major one behind reshard / import (:mod:`checkpoint.rewrite`) both
+append through it, each item returning the :data:`StorageInfo` that
+``.metadata`` records for it (:mod:`checkpoint.dcp_metadata`).
 """
 
 from __future__ import annotations
@@ -24,11 +26,24 @@ from typing import Literal
 
 import torch
 
+# _StorageInfo: the (file, offset, length) DCP's FileSystemReader expects per stored item in
+# Metadata.storage_data; no public name. Renamed in torch -> this import fails, and no writer can
+# record where an item is stored in a way plain DCP reads.
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+
 from checkpoint.chunk_archive import crc32_combine, plan_archive
 from checkpoint.durable import disk_full_is_clear
 from checkpoint.manifest import FileRecord
 
-__all__ = ["CrcStream", "tensor_bytes", "write_tensor"]
+__all__ = ["CrcStream", "DataFile", "StorageInfo", "data_file_name", "tensor_bytes", "write_tensor"]
+
+StorageInfo = _StorageInfo
+"""Where one stored item is: ``StorageInfo(relative_path, offset, length)``."""
+
+
+def data_file_name(prefix: str) -> str:
+    """A rank's one data file, named as DCP's ``FileSystemWriter`` names it: ``__<rank>_`` -> ``__<rank>_0.distcp``."""
+    return f"{prefix}0{DEFAULT_SUFFIX}"
 
 
 class CrcStream(io.RawIOBase):
@@ -43,8 +58,10 @@ class CrcStream(io.RawIOBase):
     _pool: ThreadPoolExecutor | None = None
     _writeback: ThreadPoolExecutor | None = None
 
-    def __init__(self, raw: io.RawIOBase | io.BufferedWriter) -> None:
+    def __init__(self, raw: io.RawIOBase | io.BufferedWriter, *, owns_raw: bool = True) -> None:
         self.raw = raw
+        self.owns_raw = owns_raw
+        """close ``raw`` with this stream (``False``: the caller opened it and closes it)"""
         self.crc = 0
         self.size = 0
         self._hints: list = []  # pending writeback hints; they use the file, so they end before it closes
@@ -124,9 +141,43 @@ class CrcStream(io.RawIOBase):
             self.raw.flush()
 
     def close(self) -> None:
-        if not self.closed:
+        if not self.closed and self.owns_raw:
             self.raw.close()
         super().close()
+
+
+class DataFile:
+    """One data file being written in DCP's layout: values appended one after another, each where it landed.
+
+    Tensors go in as ``torch.save``-compatible archives (:func:`write_tensor`),
+    non-tensor values as the bytes given; size and CRC-32 are kept on the way
+    (:class:`CrcStream`). :meth:`finish` makes the file durable.
+    """
+
+    def __init__(self, directory: str | os.PathLike, name: str) -> None:
+        self.name = name
+        self.stream = CrcStream.create(os.path.join(directory, name))
+
+    def add_tensor(
+        self, tensor: torch.Tensor, write: Callable[[CrcStream, torch.Tensor], None] | None = None
+    ) -> StorageInfo:
+        """Append ``tensor`` as a chunk archive (``write``: :func:`write_tensor` unless given)."""
+        start = self.stream.tell()
+        (write or write_tensor)(self.stream, tensor)
+        return StorageInfo(self.name, start, self.stream.tell() - start)
+
+    def add_bytes(self, data) -> StorageInfo:
+        start = self.stream.tell()
+        self.stream.write(data)
+        return StorageInfo(self.name, start, self.stream.tell() - start)
+
+    def finish(self) -> FileRecord:
+        """fsync and close; the file's size and CR-32. Closes the file even when the fsync fails."""
+        return self.stream.finish()
+
+    def abort(self) -> None:
+        """Close without the fsync (the file is being given up)."""
+        self.stream.abort()
 
 
 _sync_file_range: Callable[..., int] | Literal[False] | None = None  # resolved on first use; False where unavailable
