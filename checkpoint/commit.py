@@ -35,6 +35,7 @@ from checkpoint.manifest import METADATA_NAME, FileRecord, KeyRecord, Manifest, 
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
+from checkpoint.storage_backend import storage_for
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -95,14 +96,16 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
 def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
     """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0)."""
     staged = staging_path(path)
+    store = storage_for(staged)
     records = []
     for rank in range(world_size):
         record_path = staged / rank_record_name(rank)
-        if not record_path.exists():
+        if store.stat(record_path, follow_symlinks=True) is None:
             raise ValueError(
                 f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)"
             )
-        record = json.loads(record_path.read_text())
+        with store.open_read(record_path) as f:
+            record = json.loads(f.read())
         if record.get("world_size") != world_size:
             raise ValueError(
                 f"cannot commit {str(path)!r}: {record_path} was written for world size "
@@ -171,10 +174,11 @@ def commit_staged(
     referenced = {info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_NAME}
     keep = {name: rec for name, rec in files.items() if name in referenced}
     assert METADATA_NAME in keep, "write_metadata's record must be among the files committed"
-    for entry in staged.iterdir():
-        if entry.name not in keep and entry.name not in (METADATA_NAME, MARKER_NAME):
+    store = storage_for(staged)
+    for name in store.list(staged):
+        if name not in keep and name not in (METADATA_NAME, MARKER_NAME):
             # Leftovers of an earlier, killed save (another world size) or per-rank files now merged.
-            entry.unlink()
+            store.delete(staged / name)
     write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info))
     swap_into_place(staged, path)
     logger.info("committed checkpoint %s (%d files, %d keys)", path, len(keep), len(metadata.state_dict_metadata))

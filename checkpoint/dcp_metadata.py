@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from checkpoint.data_file import CrcStream, StorageInfo
-from checkpoint.durable import durable_write
-from checkpoint.manifest import METADATA_NAME, FileRecord
+from checkpoint.data_file import StorageInfo
+from checkpoint.manifest import METADATA_NAME
+from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
 
 __all__ = ["MetadataBuilder", "write_metadata"]
 
@@ -126,17 +126,17 @@ class MetadataBuilder:
 
 
 def write_metadata(directory: str | os.PathLike, metadata: Metadata) -> FileRecord:
-    """Pickle ``metadata`` into ``directory/.metadata`` durably (temp file, fsync, rename); its size and CRC-32.
+    """Pickle ``metadata`` into ``directory/.metadata``, replaced whole and durably; its size and CRC-32.
 
     The record is computed from the bytes as they are written, for the manifest.
     """
     record: list[FileRecord] = []
 
     def dump(f) -> None:
-        stream = CrcStream(f, owns_raw=False)  # durable_write fsyncs and closes f
+        stream = CrcStream(f, owns_raw=False)  # write_file fsyncs and closes f
         pickle.dump(metadata, stream)
         stream.wait_for_hints()
         record.append(FileRecord(size=stream.size, crc32=stream.crc))
 
-    durable_write(Path(directory) / METADATA_NAME, dump)
+    storage_for(directory).write_file(Path(directory) / METADATA_NAME, dump)
     return record[0]

@@ -59,9 +59,9 @@ from torch.futures import Future
 
 from checkpoint.data_file import DataFile, data_file_name, write_tensor
 from checkpoint.dcp_metadata import write_metadata
-from checkpoint.durable import durable_write
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, dtype_name
 from checkpoint.staging import StagedShard
+from checkpoint.storage_backend import storage_for
 
 __all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
 
@@ -116,9 +116,7 @@ class FsdpWriter(FileSystemWriter):
             self.prepare()  # the coordinator's plan is gathered before any rank writes: it runs first
         if self.rank in (None, 0):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
-            stale = Path(self.path) / MANIFEST_NAME
-            if stale.exists():
-                stale.unlink()
+            storage_for(self.path).delete(Path(self.path) / MANIFEST_NAME, missing_ok=True)
         if not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
@@ -184,7 +182,8 @@ class FsdpWriter(FileSystemWriter):
             record = rank_record(metadata, clean[0] if clean else [], files)
             record["world_size"] = self.world_size
             assert self.rank is not None  # set up by DCP (or force_rank) before any write
-            durable_write(Path(self.path) / rank_record_name(self.rank), json.dumps(record, sort_keys=True))
+            where = Path(self.path) / rank_record_name(self.rank)
+            storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
             return
         # What FileSystemWriter.finish does, but through the one .metadata writer, which also gives the
         # file's size and CRC-32 for the manifest (DCP's would leave a `.metadata.tmp` to re-read).
