@@ -23,15 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# _StorageInfo: what FileSystemReader's storage_data holds per item (no public name); renamed -> import fails
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from checkpoint.chunk_archive import archive_layout
 from checkpoint.content_check import ContentCheck
+from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.storage_backend import storage_for
 
@@ -80,7 +79,7 @@ class DirectReader(FileSystemReader):
             with self._store.open_read(path) as f:
                 tensor_locations: dict[int, tuple[int, int] | None] = {}
                 for item in items:
-                    info: _StorageInfo = self.storage_data[item.storage_index]
+                    info: StorageInfo = self.storage_data[item.storage_index]
                     if item.type == LoadItemType.BYTE_IO:
                         f.seek(info.offset)
                         data = _read_exact(f, info.length, path)
@@ -100,7 +99,7 @@ class DirectReader(FileSystemReader):
         if self._check is not None:
             self._check.add(name, offset, data)
 
-    def _read_known_archive(self, f, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_known_archive(self, f, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
         """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
 
         Reads head, data (straight into the destination) and tail with one
@@ -142,7 +141,7 @@ class DirectReader(FileSystemReader):
         planner.commit_tensor(item, target)
         return True
 
-    def _read_tensor(self, f, path: Path, info: _StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_tensor(self, f, path: Path, info: StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
         chunk_sizes = _chunk_sizes(md, item)
@@ -172,7 +171,7 @@ class DirectReader(FileSystemReader):
         target.copy_(saved)
         planner.commit_tensor(item, target)
 
-    def _load_whole(self, f, info: _StorageInfo, path: Path) -> torch.Tensor:
+    def _load_whole(self, f, info: StorageInfo, path: Path) -> torch.Tensor:
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
         self._verified(info.relative_path, info.offset, data)
@@ -212,7 +211,7 @@ def _contiguous_run(sizes, offsets, lengths) -> tuple[int, int | None]:
     return start, math.prod(lengths)
 
 
-def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
+def _tensor_bytes(f, info: StorageInfo) -> tuple[int, int] | None:
     """(offset within the item, size) of the one data record of a torch.save archive, or None."""
     try:
         return _find_tensor_bytes(f, info)
@@ -220,7 +219,7 @@ def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
         return None
 
 
-def _find_tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
+def _find_tensor_bytes(f, info: StorageInfo) -> tuple[int, int] | None:
     if info.length < _EOCD.size:
         return None
     f.seek(info.offset + info.length - _EOCD.size)

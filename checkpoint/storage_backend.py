@@ -198,11 +198,6 @@ class CrcStream(io.RawIOBase):
         self.size += len(view)
         return piece_crc
 
-    @classmethod
-    def create(cls, path: str | os.PathLike) -> CrcStream:
-        """A new file at ``path`` in the storage that holds it (:meth:`Storage.create`)."""
-        return storage_for(path).create(path)
-
     def finish(self) -> FileRecord:
         """fsync the file and close it; its size and CRC-32. Closes the file even when the fsync fails."""
         try:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,17 @@ import torch
 
 import checkpoint
 from checkpoint.errors import CheckpointCorruptError
-from checkpoint.storage_backend import LOCAL, LocalStorage, Storage, mount, storage_for, unmount
+from checkpoint.storage_backend import (
+    LOCAL,
+    CrcStream,
+    FileRecord,
+    FileStat,
+    LocalStorage,
+    Storage,
+    mount,
+    storage_for,
+    unmount,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,3 +181,153 @@ def test_local_stat_tells_absent_file_directory_and_link(tmp_path):
     assert LOCAL.stat(tmp_path).kind == "directory"
     assert LOCAL.stat(tmp_path / "l").kind == "symlink"
     assert LOCAL.stat(tmp_path / "l", follow_symlinks=True) is None  # dangling: nothing there, as Path.exists says
+
+
+class _MemoryStorage:
+    """A second backend: every object and directory in a dict, nothing on disk, no fsync, no flock.
+
+    Objects appear whole when their writer finishes (as on an object store); a directory rename moves every
+    name under it. It implements exactly the methods of ``Storage``, nothing more, so a save and a load
+    through it show that the library needs no other file-system access.
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.dirs: set[str] = set()
+        self.versions: dict[str, int] = {}
+        self._locks: dict[str, threading.Lock] = {}
+
+    def _put(self, path, data: bytes) -> None:
+        key = os.path.abspath(path)
+        assert os.path.dirname(key) in self.dirs, f"{key}: parent directory missing"
+        assert key not in self.dirs, f"{key} is a directory"
+        self.objects[key] = data
+        self.versions[key] = self.versions.get(key, 0) + 1
+
+    def create(self, path) -> CrcStream:
+        storage = self
+
+        class Stream(CrcStream):
+            def finish(self) -> FileRecord:  # the object appears whole, now
+                self.wait_for_hints()
+                storage._put(path, bytes(self.raw.getbuffer()))
+                self.close()
+                return FileRecord(size=self.size, crc32=self.crc)
+
+        return Stream(io.BytesIO())
+
+    def write_file(self, path, data, *, sync_dir: bool = False) -> None:
+        buffer = io.BytesIO()
+        if callable(data):
+            data(buffer)
+        else:
+            buffer.write(data.encode() if isinstance(data, str) else data)
+        self._put(path, buffer.getvalue())
+
+    def open_read(self, path, *, follow_symlinks: bool = False):
+        key = os.path.abspath(path)
+        if key in self.dirs:
+            raise CheckpointCorruptError(f"{path}: a directory, not a regular file")
+        if key not in self.objects:
+            raise FileNotFoundError(path)
+        return io.BytesIO(self.objects[key])
+
+    def read_into(self, f, buffers, offset: int) -> int:
+        f.seek(offset)
+        done = 0
+        for buffer in buffers:
+            got = f.readinto(memoryview(buffer).cast("B"))
+            done += got
+            if got < len(buffer):
+                break
+        return done
+
+    def _children(self, key: str) -> list[str]:
+        return [name for name in (*self.objects, *self.dirs) if os.path.dirname(name) == key]
+
+    def list(self, directory) -> list[str]:
+        key = os.path.abspath(directory)
+        if key not in self.dirs:
+            raise FileNotFoundError(directory)
+        return [os.path.basename(name) for name in self._children(key)]
+
+    def stat(self, path, *, follow_symlinks: bool = False) -> FileStat | None:
+        key = os.path.abspath(path)
+        if key in self.objects:
+            return FileStat("file", len(self.objects[key]), "a regular file")
+        return FileStat("directory", 0, "a directory") if key in self.dirs else None
+
+    def version(self, path):
+        key = os.path.abspath(path)
+        return (key, self.versions[key]) if key in self.objects else None
+
+    def delete(self, path, *, missing_ok: bool = False) -> None:
+        if self.objects.pop(os.path.abspath(path), None) is None and not missing_ok:
+            raise FileNotFoundError(path)
+
+    def make_dir(self, path) -> None:
+        key = os.path.abspath(path)
+        while key not in self.dirs and key != os.path.dirname(key):
+            assert key not in self.objects, f"{key} is an object"
+            self.dirs.add(key)
+            key = os.path.dirname(key)
+
+    def remove_dir(self, path) -> None:
+        key = os.path.abspath(path)
+        assert not self._children(key), f"{key} is not empty"
+        self.dirs.discard(key)
+
+    def remove_tree(self, path, *, ignore_errors: bool = False) -> None:
+        key = os.path.abspath(path)
+        for name in [n for n in (*self.objects, *self.dirs) if n == key or n.startswith(key + os.sep)]:
+            self.objects.pop(name, None)
+            self.dirs.discard(name)
+
+    def rename(self, src, dst) -> None:
+        src, dst = os.path.abspath(src), os.path.abspath(dst)
+        assert not self._children(dst), f"rename onto the non-empty {dst}"
+        self.dirs.discard(dst)
+        for table in (self.objects, self.versions):
+            for name in [n for n in table if n == src or n.startswith(src + os.sep)]:
+                table[dst + name[len(src) :]] = table.pop(name)  # type: ignore[assignment]
+        for name in [n for n in self.dirs if n == src or n.startswith(src + os.sep)]:
+            self.dirs.discard(name)
+            self.dirs.add(dst + name[len(src) :])
+
+    def sync_dir(self, path) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def lock(self, path):
+        with self._locks.setdefault(os.path.abspath(path), threading.Lock()):
+            yield
+
+
+def test_a_checkpoint_saved_replaced_and_committed_by_rank_through_an_in_memory_backend_loads_back(tmp_path):
+    backend = _MemoryStorage()
+    root = tmp_path / "bucket"
+    assert sorted(name for name in vars(_MemoryStorage) if not name.startswith("_")) == sorted(_protocol_methods())
+    mount(root, backend)
+    try:
+        first = {"w": torch.arange(12.0).reshape(3, 4), "extra": {"step": 1}}
+        checkpoint.save_state_dict(first, root / "ck")
+        second = {"w": -torch.arange(12.0).reshape(3, 4), "extra": {"step": 2}}
+        checkpoint.save_state_dict(second, root / "ck")  # replaces the first: the swap, in memory
+        target = {"w": torch.zeros(3, 4), "extra": {"step": None}}
+        checkpoint.load_state_dict(target, root / "ck", verify="full")
+        assert torch.equal(target["w"], second["w"]) and target["extra"] == {"step": 2}
+
+        full = torch.arange(20.0).reshape(5, 4)
+        for rank in range(2):  # scale mode: ranks written apart, then one commit merges their records
+            rows = full[3 * rank : 3 * rank + 3]  # rows [0, 3) and [3, 5)
+            checkpoint.write_rank(root / "ranks", rank, 2, {"w": checkpoint.shard(rows, (5, 4), offsets=(3 * rank, 0))})
+        checkpoint.commit(root / "ranks", 2)
+        target = {"w": torch.zeros(5, 4)}
+        checkpoint.load_state_dict(target, root / "ranks")
+        assert torch.equal(target["w"], full)
+    finally:
+        unmount(root)
+    assert not root.exists()  # nothing reached the local disk
+    names = {os.path.relpath(k, root) for k in backend.objects}
+    assert {"ck/manifest.json", "ck/.metadata", "ranks/manifest.json"} <= names
+    assert not any(".fsdp-ckpt" in name for name in names)  # no staging, swap dir or lock left behind
