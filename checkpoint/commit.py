@@ -7,8 +7,8 @@ Scale mode and single-process layouts for M ranks use the same two calls::
     checkpoint.commit(path, M)                   # once, after every rank's write_rank returned
 
 ``write_rank`` writes ``__<rank>_0.distcp`` and then its record
-``__<rank>.rank.json`` into the staging directory ``<path>.tmp`` and talks to
-nobody. ``commit`` merges the per-rank records into one DCP ``.metadata``
+``__<rank>.rank.json`` into the staging directory ``.<name>.fsdp-ckpt-staging``
+and talks to nobody. ``commit`` merges the per-rank records into one DCP ``.metadata``
 (validating bounds, overlaps and exact cover), drops the per-rank files,
 writes ``manifest.json`` last and swaps the directory into ``path``
 (:mod:`checkpoint.atomic`). The result is an ordinary checkpoint that any

@@ -185,8 +185,8 @@ class FsdpWriter(FileSystemWriter):
             where = Path(self.path) / rank_record_name(self.rank)
             storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
             return
-        # What FileSystemWriter.finish does, but through the one .metadata writer, which also gives the
-        # file's size and CRC-32 for the manifest (DCP's would leave a `.metadata.tmp` to re-read).
+        # What FileSystemWriter.finish does, but through the one .metadata writer and the storage
+        # interface (DCP's goes through its own FileSystem), which also gives the manifest its CRC-32.
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in clean for wr in rank_results}
         metadata.storage_meta = self.storage_meta()

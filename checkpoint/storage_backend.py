@@ -1,8 +1,8 @@
 """Where checkpoint bytes live: the storage interface the format library writes and reads through.
 
-Every filesystem call of the format library (the modules ``durable``,
-``data_file``, ``storage``, ``commit``, ``manifest``, ``atomic``, ``opener``,
-``content_check``, ``reader``) goes through a :class:`Storage`, found by
+Every filesystem call of the format library (the modules ``atomic``,
+``commit``, ``content_check``, ``data_file``, ``dcp_metadata``, ``manifest``,
+``opener``, ``reader``, ``storage``) goes through a :class:`Storage`, found by
 :func:`storage_for`; :class:`LocalStorage` (a POSIX file system) is the one
 implementation, with :mod:`checkpoint.durable` (temp file, fsync, rename) as
 its small-file replace. ``tests/test_storage_backend.py`` checks that no other
@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FileRecord:
+    """One stored file's size and CRC-32, as written (and as ``manifest.json`` records them)."""
+
     size: int
     """bytes"""
     crc32: int
@@ -147,11 +149,15 @@ class Storage(Protocol):
 
 
 class CrcStream(io.RawIOBase):
-    """A write-only file that keeps the CRC-32 and size of what went through it.
+    """A write-only stream over ``raw`` that keeps the CRC-32 and size of what went through it.
 
     A large buffer's CRC is computed on a helper thread while the main thread
     hands the same buffer to the OS (both release the GIL), and joined before
-    ``write`` returns: the caller may free the buffer right after.
+    ``write`` returns: the caller may free the buffer right after. Over a local
+    file it also starts writeback of large pieces (``sync_file_range``) and its
+    :meth:`finish` fsyncs; a backend whose objects become durable otherwise
+    (e.g. an upload completed on ``finish``) returns a subclass overriding
+    :meth:`finish` from its :meth:`Storage.create`.
     """
 
     _OVERLAP_BYTES = 1 << 20
