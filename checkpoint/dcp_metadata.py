@@ -1,7 +1,8 @@
 """DCP's ``.metadata``: the one place this library builds a ``Metadata`` by hand, and the one that writes it.
 
-A collective save lets DCP build the ``Metadata`` (its planner's global plan);
-everything else assembles one from where its chunks landed:
+A collective save lets DCP build the ``Metadata`` (its planner's global plan)
+and completes it with :func:`with_storage`; everything else assembles one
+from where its chunks landed:
 :func:`checkpoint.commit.merge_metadata` (the per-rank records of a scale-mode
 save) and the tensor-major writer behind reshard / import. Both go through
 :class:`MetadataBuilder`, and every writer (DCP's path in
@@ -32,7 +33,7 @@ from checkpoint.data_file import StorageInfo
 from checkpoint.manifest import METADATA_NAME
 from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
 
-__all__ = ["MetadataBuilder", "write_metadata"]
+__all__ = ["MetadataBuilder", "with_storage", "write_metadata"]
 
 
 class MetadataBuilder:
@@ -123,6 +124,15 @@ class MetadataBuilder:
                     yield key, MetadataIndex(key, chunk.offsets)
             else:
                 yield key, MetadataIndex(key)
+
+
+def with_storage(metadata: Metadata, storage: Mapping[MetadataIndex, StorageInfo]) -> Metadata:
+    """Complete the ``Metadata`` DCP's planner built (a collective save) as ``FileSystemWriter.finish`` would:
+    where every item is stored, the DCP version, and no ``storage_meta`` (see :meth:`MetadataBuilder.build`)."""
+    metadata.storage_data = dict(storage)
+    metadata.storage_meta = None
+    metadata.version = CURRENT_DCP_VERSION
+    return metadata
 
 
 def write_metadata(directory: str | os.PathLike, metadata: Metadata) -> FileRecord:

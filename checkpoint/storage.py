@@ -51,14 +51,14 @@ import torch
 
 # _StoragePrefix: what FileSystemWriter puts in a SavePlan's storage_data (the rank's file prefix; no
 # public name); renamed -> import fails, and scale-mode ranks can no longer name their own files
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemWriter, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint.data_file import DataFile, data_file_name, write_tensor
-from checkpoint.dcp_metadata import write_metadata
+from checkpoint.dcp_metadata import with_storage, write_metadata
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, dtype_name
 from checkpoint.staging import StagedShard
 from checkpoint.storage_backend import storage_for
@@ -187,10 +187,8 @@ class FsdpWriter(FileSystemWriter):
             return
         # What FileSystemWriter.finish does, but through the one .metadata writer and the storage
         # interface (DCP's goes through its own FileSystem), which also gives the manifest its CRC-32.
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rank_results in clean for wr in rank_results}
-        metadata.storage_meta = self.storage_meta()
-        files[METADATA_NAME] = write_metadata(self.path, metadata)
+        stored = {wr.index: wr.storage_data for rank_results in clean for wr in rank_results}
+        files[METADATA_NAME] = write_metadata(self.path, with_storage(metadata, stored))
         if self.on_commit is not None:
             self.on_commit(metadata, files)
 
