@@ -102,11 +102,6 @@ def _absent(path: Path) -> bool:
     return storage_for(path).stat(path) is None
 
 
-def _is_link(path: Path) -> bool:
-    found = storage_for(path).stat(path)
-    return found is not None and found.kind == "symlink"
-
-
 def _is_empty_dir(path: Path) -> bool:
     return _is(path, "directory") and not storage_for(path).list(path)
 
