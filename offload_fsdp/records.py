@@ -55,6 +55,9 @@ class ParamShard:
     """host buffer the gradient is copied into (its own dtype)"""
     staged_grad_key: tuple[int, int, int] | None = None
     """(id, data_ptr, version) of the device grad last copied into ``grad_stage`` this step"""
+    master_is_upcast: bool = False
+    """the master holds exactly the param's values, widened (copied from the param, not updated or loaded
+    since): a checkpoint need not store it, the saved weight rebuilds it (records with a separate master)"""
     synced_key: tuple[int, int, int, int] | None = None
     """(id, data_ptr, version, the DTensor's version) of the local param when the optimizer last made it and its
     master agree (records with a separate master only): a different key means the user
@@ -165,7 +168,7 @@ class ParamShard:
 
     @property
     def has_separate_master(self) -> bool:
-        """True when a master of higher precision than the param exists (stored as ``master_param``)."""
+        """True when a master of higher precision than the param exists (stored as ``offload_fsdp.master.MASTER_KEY``)."""
         return self.working is not None and self.working.dtype != self.param.dtype
 
     def wrap(self, tensor: torch.Tensor) -> torch.Tensor:
