@@ -196,5 +196,3 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, osd: dict[str, Any], fqn
         # Once per group: what get_state_dict's default (unflattened) layout asks dcp.load for.
         indexed[str(g_index)] = {**{k: v for k, v in osd_group.items() if k != "params"}, "params": list(names)}
     return OptimizerEntries(state, groups, index_of, members, indexed)
-
-

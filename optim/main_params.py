@@ -176,9 +176,7 @@ class _MainParamsHooks:
         return optimizer.state_dict()
 
 
-def enable_main_params(
-    optimizer: torch.optim.Optimizer, main_params_dtype: torch.dtype | None = torch.float32
-) -> None:
+def enable_main_params(optimizer: torch.optim.Optimizer, main_params_dtype: torch.dtype | None = torch.float32) -> None:
     """Make ``optimizer`` step main copies in ``main_params_dtype`` and read gradients via ``get_grad``.
 
     ``main_params_dtype=None``: no master copies (every param is stepped in its own
