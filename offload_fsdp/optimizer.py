@@ -44,6 +44,8 @@ from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
     zero_grad as zero_grads,  # both slots: .grad and decoupled_grad
 )
+from offload_fsdp.graph_safe import GraphSafeGrads
+from offload_fsdp.graph_safe import graph_safe_grads as pin_grads
 from offload_fsdp.master import MASTER_KEY, adopt_written, canonical_state, master_dtype, policy_with_fp32_update
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
@@ -159,6 +161,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             cast, saved as ``master_param``; ``None``: params are updated in their own dtype;
             :mod:`offload_fsdp.master`), ``main_grads_dtype`` (when set) of host grad staging.
         bucket_numel: elements per host bucket (the pipelining unit).
+        graph_safe_grads: every trainable param's gradient becomes a view of a persistent
+            flat buffer (:mod:`offload_fsdp.graph_safe`; ``main_grads_dtype`` views go to
+            ``decoupled_grad``), and :meth:`zero_grad` zeroes those buffers in place whatever
+            ``set_to_none`` says, so a CUDA graph captured over forward + backward keeps
+            writing into the gradients the step reads. Plain (local-shard) params only: FSDP2
+            allocates DTensor gradients itself (``TypeError``). As with any persistent
+            gradient, a param left out of a backward is stepped with a zero gradient.
         **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
 
     Side effects of construction: host buffers are allocated once (exact size),
@@ -180,6 +189,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         overlap_cpu_optimizer_d2h_h2d: bool = True,
         precision: PrecisionPolicy | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        graph_safe_grads: bool = False,
         **defaults: Any,
     ) -> None:
         self._built = False
@@ -230,7 +240,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
         self._accelerated = False
-        self._host_buffers = self._place(build_records(self.param_groups), "construction")
+        self.graph_safe_grads = graph_safe_grads
+        self._grad_buffers: list[GraphSafeGrads] = []  # one per group batch placed (graph_safe_grads only)
+        records = build_records(self.param_groups)
+        self._keep_grad_buffers(records)
+        self._host_buffers = self._place(records, "construction")
         # Arenas of groups added by add_param_group, held like _host_buffers (their pinned
         # registration is undone when an arena's storage object dies).
         self._later_host_buffers: list[HostBuffers] = []
@@ -483,6 +497,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 explicit = user_keys | self._explicit_defaults
                 self._device_defaults.add_group(index, self.param_groups[index], explicit)
             records = build_records([self.param_groups[index]], first_group_index=index)
+            self._keep_grad_buffers(records)
             self._later_host_buffers.append(self._place(records, f"param group {index} added"))
             self._groups_placed = len(self.param_groups)
         except BaseException:
@@ -877,9 +892,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._forget(r)
             raise
 
+    def _keep_grad_buffers(self, records: list[ParamShard]) -> None:
+        """With ``graph_safe_grads``: the trainable ``records``' gradients become views of persistent buffers."""
+        if self.graph_safe_grads:
+            trainable = [r.param for r in records if r.trainable]
+            self._grad_buffers.append(pin_grads(trainable, grad_dtype=self.precision.main_grads_dtype))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
-        zero_grads((r.param for r in self._records), set_to_none=set_to_none)
+        """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers.
+
+        With ``graph_safe_grads=True`` the trainable params' gradient buffers are always
+        kept and zeroed in place (a slot set to something else is pointed back at its
+        buffer): their addresses are what a captured CUDA graph writes.
+        """
+        if self.graph_safe_grads:
+            for handle in self._grad_buffers:
+                handle.zero_()
+            zero_grads((r.param for r in self._records if not r.trainable), set_to_none=set_to_none)
+        else:
+            zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
             r.staged_grad_key = None
 
