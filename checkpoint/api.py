@@ -149,9 +149,10 @@ def load(
     file only it read) raises on every rank, the others raising
     :class:`~checkpoint.save_errors.CheckpointLoadError`. ``no_dist=True``: a
     rank-local load (one rank alone), no communication. The optimizer's lazy state
-    is created first (so parameters that never had a gradient load fine); a
-    ``HybridDeviceOptimizer`` keeps the masters saved in the checkpoint and
-    refreshes the others from the loaded weights.
+    is created first (so parameters that never had a gradient load fine); an
+    optimizer with masters (``HybridDeviceOptimizer``, or ``optim.enable_main_params``)
+    keeps the masters saved in the checkpoint and rebuilds the others from the
+    loaded weights.
     ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
     ``verify`` (``"crc"``, the default: every byte read is checked against the

@@ -26,15 +26,16 @@ BF16 = torch.bfloat16
 NO_MASTER = PrecisionPolicy(main_params_dtype=None)
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(BF16)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(device, BF16)
 
 
 def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
     for step in range(start, stop):
         gen = torch.Generator().manual_seed(step)
-        model(torch.randn(4, 6, generator=gen).to(BF16)).float().square().mean().backward()
+        x = torch.randn(4, 6, generator=gen).to(model[0].weight.device, BF16)
+        model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
 
@@ -250,20 +251,32 @@ def _count_fetches(opt: HybridDeviceOptimizer) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("stepped", [False, True], ids=["masters rebuilt from weights", "masters saved"])
-def test_a_resume_copies_each_offloaded_param_device_to_host_once(tmp_path, stepped):
-    model = _model()
+def _resume_copies_each_offloaded_param_device_to_host_once(path, stepped: bool, device: str) -> None:
+    model = _model(0, device)
     opt = _hybrid(model)
     if stepped:
         _steps(model, opt, 0, 1)
-    checkpoint.save(tmp_path / "c", model=model, optimizer=opt)
-    assert bool(_stored_masters(tmp_path / "c")) == stepped
-    fresh_model = _model(7)
+    checkpoint.save(path, model=model, optimizer=opt)
+    assert bool(_stored_masters(path)) == stepped
+    fresh_model = _model(7, device)
     fresh = _hybrid(fresh_model)
     fetches = _count_fetches(fresh)
-    checkpoint.load(tmp_path / "c", model=fresh_model, optimizer=fresh)
+    checkpoint.load(path, model=fresh_model, optimizer=fresh)
     _steps(fresh_model, fresh, 1, 2)  # the one refresh of a resume runs here
     assert sorted(fetches) == sorted(p.numel() for p in fresh_model.parameters())
     _steps(model, opt, 1, 2)
     for a, b in zip(model.parameters(), fresh_model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["masters rebuilt from weights", "masters saved"])
+def test_a_resume_copies_each_offloaded_param_device_to_host_once(tmp_path, stepped):
+    _resume_copies_each_offloaded_param_device_to_host_once(tmp_path / "c", stepped, "cpu")
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("stepped", [False, True], ids=["masters rebuilt from weights", "masters saved"])
+def test_a_resume_copies_each_offloaded_param_device_to_host_once_on_an_accelerator(tmp_path, stepped):
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None  # the marker skips this test without one
+    _resume_copies_each_offloaded_param_device_to_host_once(tmp_path / "c", stepped, accelerator.type)
