@@ -935,10 +935,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_groups_match(self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
-        pairs = [
-            (r, canonical_state(saved) if saved is not None else None)
-            for r, saved in ((r, saved_state.get(sid)) for r, sid in zip(self._records, saved_ids))
-        ]
+        pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []
+        for r, sid in zip(self._records, saved_ids):
+            saved = saved_state.get(sid)
+            pairs.append((r, canonical_state(saved) if saved is not None else None))  # a legacy key read as ours
         self._materialize_for_load(pairs)  # checks everything first: a failed load changes nothing
         for r, saved in pairs:
             if saved is None or not r.trainable:

@@ -161,14 +161,22 @@ class _MainParamsHooks:
     def checkpoint_state(self, *, for_save: bool) -> dict[str, Any]:
         """The state dict a checkpoint saves, or (``for_save=False``) loads into in place.
 
-        For a load, every param gets its fresh state (:func:`offload_fsdp.fresh_state.create_fresh_state`)
-        and each param that needs a master and has none gets one (its param widened), so
-        a saved master has a tensor to land in.
+        For a load, every param gets its fresh state (:func:`offload_fsdp.fresh_state.create_fresh_state`),
+        in the main dtype where the param has a master (as its first step would create it, on
+        the master), and each param that needs a master and has none gets one (its param
+        widened), so saved fp32 values have fp32 tensors to land in.
         """
         optimizer = self.optimizer
         if not for_save:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            create_fresh_state(optimizer, [p for p in params if not optimizer.state.get(p)])
+            fresh = [p for p in params if not optimizer.state.get(p)]
+            create_fresh_state(optimizer, fresh)
+            for p in fresh:
+                if has_master(p.dtype, self.main_dtype):
+                    state = optimizer.state[p]
+                    for name, value in state.items():
+                        if name != "step" and torch.is_tensor(value) and value.is_floating_point():
+                            state[name] = value.to(self.main_dtype)
             for p in params:
                 if p.requires_grad and has_master(p.dtype, self.main_dtype) and MASTER_KEY not in optimizer.state[p]:
                     assert self.main_dtype is not None  # has_master said so
