@@ -226,6 +226,7 @@ def test_a_master_is_saved_exactly_when_an_update_or_a_load_made_it_more_than_it
     opt.materialize_state()
     checkpoint.save(tmp_path / "fresh", model=model, optimizer=opt)
     assert not _stored_masters(tmp_path / "fresh"), "a master equal to its weight is stored twice"
+    assert all(MASTER_KEY in opt.state[p] for p in model.parameters()), "a save changed the optimizer's state"
     with torch.no_grad():
         model[0].weight.mul_(0.5)  # a written weight is adopted: the master is still its weight widened
     checkpoint.save(tmp_path / "written", model=model, optimizer=opt)
