@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from offload_fsdp.grad import get_grad, set_grad
-from offload_fsdp.host_memory import _ALIGN_BYTES  # the same alignment as the host buffers
+from offload_fsdp.host_memory import ALIGN_BYTES
 
 __all__ = ["GraphSafeGrads", "graph_safe_grads", "keep_grad_buffers"]
 
@@ -61,7 +61,7 @@ class GraphSafeGrads:
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:
-    per = max(1, _ALIGN_BYTES // dtype.itemsize)
+    per = max(1, ALIGN_BYTES // dtype.itemsize)  # each view starts as aligned as a host arena's
     return -(-numel // per) * per
 
 

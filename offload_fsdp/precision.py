@@ -28,7 +28,7 @@ class PrecisionPolicy:
     setting (:mod:`offload_fsdp.master`)."""
 
     main_grads_dtype: torch.dtype | None = None
-    """dtype gradients are accumulated / reduced into; None = ``main_params_dtype`` (with no master: the param's)."""
+    """dtype gradients are accumulated / reduced into; None = ``main_params_dtype``."""
 
     grad_comm_dtype: torch.dtype | None = None
     """dtype gradients travel in over collectives; None = the resolved ``main_grads_dtype``."""
