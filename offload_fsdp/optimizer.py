@@ -389,8 +389,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if r.param_stage is not None:
                     r.host_master.copy_(r.param_stage)
                 r.working = r.master
-                r.master_is_upcast = True
-                r.mark_synced()
+                r.mark_synced(master_is_upcast=True)
             if not bucket.fused:
                 bucket.delegate = DelegatedOptimizer(
                     self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
@@ -404,8 +403,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             master_dtype = self._master_dtype(r.param.dtype)
             # A device fp32 master for low-precision params; otherwise the local param itself.
             r.working = r.local.to(master_dtype, copy=True) if master_dtype != r.param.dtype else r.local
-            r.master_is_upcast = True
-            r.mark_synced()
+            r.mark_synced(master_is_upcast=True)
         if not records:
             return
         if self._device_delegate is None:
@@ -628,8 +626,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         active = self._collect_active()
         if not active:
             return loss
-        for r, _ in active:
-            r.master_is_upcast = False  # this update makes each master more than its param widened
         if self._refresh_masters_before_step:
             self.reload_model_params()
         else:
@@ -843,7 +839,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 adopt_written(r.working_tensor, r.local)
         for r in records:
             if r.has_master:
-                r.mark_synced()
+                # adopting a written param keeps a master that was exactly its param widened exactly so
+                r.mark_synced(master_is_upcast=r.master_is_upcast)
 
     def state_dict(self) -> dict[str, Any]:
         """As torch; a ``master_param`` in it is first refreshed from a param written since the last step."""

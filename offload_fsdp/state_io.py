@@ -106,5 +106,4 @@ def _load_master(r: ParamShard, src: torch.Tensor) -> None:
         r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
     else:
         r.local.copy_(r.working)
-    r.master_is_upcast = False  # loaded: it may hold more than the param (a checkpoint keeps it)
-    r.mark_synced()  # param and master agree: only a later write to the param makes them differ
+    r.mark_synced()  # agree now (and the master may hold more than the param: a checkpoint keeps it)

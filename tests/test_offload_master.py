@@ -219,10 +219,15 @@ def _stored_masters(path) -> set[str]:
     return {k for k in keys if k.endswith(f".{MASTER_KEY}")}
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.SGD], ids=["fused host step", "delegated host step"])
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
-def test_a_master_is_saved_exactly_when_an_update_or_a_load_made_it_more_than_its_weight(tmp_path, fraction):
+def test_a_master_is_saved_exactly_when_an_update_or_a_load_made_it_more_than_its_weight(tmp_path, fraction, cls):
+    def build(model):
+        hyper = {"lr": 1e-2, "momentum": 0.9} if cls is torch.optim.SGD else {"lr": 1e-2}
+        return HybridDeviceOptimizer(cls(model.parameters(), **hyper), fraction)
+
     model = _model()
-    opt = _hybrid(model, fraction)
+    opt = build(model)
     opt.materialize_state()
     checkpoint.save(tmp_path / "fresh", model=model, optimizer=opt)
     assert not _stored_masters(tmp_path / "fresh"), "a master equal to its weight is stored twice"
@@ -237,7 +242,7 @@ def test_a_master_is_saved_exactly_when_an_update_or_a_load_made_it_more_than_it
         f"optimizer.state.{n}.{MASTER_KEY}" for n, _ in model.named_parameters()
     }
     loaded_model = _model(7)
-    loaded = _hybrid(loaded_model, fraction)
+    loaded = build(loaded_model)
     checkpoint.load(tmp_path / "stepped", model=loaded_model, optimizer=loaded)
     checkpoint.save(tmp_path / "again", model=loaded_model, optimizer=loaded)
     assert _stored_masters(tmp_path / "again") == _stored_masters(tmp_path / "stepped")
