@@ -29,15 +29,16 @@ from checkpoint.state_dict_io import (
     save_state_dict,
 )
 from checkpoint.training_state import (
+    LEGACY_MASTER_KEYS,
     MASTER_PARAM,
     TIED_SECTION,
     key_path,
-    materialize_optimizer_state,
     model_entries,
     optimizer_entries,
     param_fqns,
     tied_aliases,
 )
+from offload_fsdp.fresh_state import checkpoint_state
 from offload_fsdp.grad import local_tensor
 
 __all__ = ["LoadResult", "async_save", "load", "save"]
@@ -72,7 +73,9 @@ def _training_state(model, optimizer, extra) -> dict[str, Any]:
             # both names stay stored (plain dcp.load asks for both); export reads this to write one
             state[TIED_SECTION] = aliases
     if optimizer is not None:
-        entries = optimizer_entries(optimizer, optimizer.state_dict(), param_fqns(model), for_save=True)
+        # The optimizer leaves out what is redundant (a master equal to its weight) by itself.
+        osd, _ = checkpoint_state(optimizer, for_save=True)
+        entries = optimizer_entries(optimizer, osd, param_fqns(model))
         state["optimizer"] = {
             "state": entries.state,
             "param_groups": {**entries.param_groups, **entries.indexed_groups},
@@ -146,9 +149,10 @@ def load(
     file only it read) raises on every rank, the others raising
     :class:`~checkpoint.save_errors.CheckpointLoadError`. ``no_dist=True``: a
     rank-local load (one rank alone), no communication. The optimizer's lazy state
-    is created first (so parameters that never had a gradient load fine); a
-    ``HybridDeviceOptimizer`` keeps the masters saved in the checkpoint and
-    refreshes the others from the loaded weights.
+    is created first (so parameters that never had a gradient load fine); an
+    optimizer with masters (``HybridDeviceOptimizer``, or ``optim.enable_main_params``)
+    keeps the masters saved in the checkpoint and rebuilds the others from the
+    loaded weights.
     ``strict=False`` skips and reports missing / unexpected / mis-shaped keys
     on the returned dict's ``missing_keys`` / ``unexpected_keys`` / ``mismatched_keys``.
     ``verify`` (``"crc"``, the default: every byte read is checked against the
@@ -304,9 +308,9 @@ class _OptimizerLoad:
         self.optimizer = optimizer
         self.saved_keys = set(saved)
         fqns = param_fqns(model)
-        fresh = {fqns[i] for i in materialize_optimizer_state(optimizer) if i in fqns}
-        self.osd = optimizer.state_dict()
-        self.entries = optimizer_entries(optimizer, self.osd, fqns, for_save=False)
+        self.osd, created = checkpoint_state(optimizer, for_save=False)
+        fresh = {fqns[i] for i in created if i in fqns}
+        self.entries = optimizer_entries(optimizer, self.osd, fqns)
         saved_fqns = _fqns_under("optimizer.state.", saved)
         # State created here for a parameter the checkpoint has none for is dropped again after the load.
         self.unsaved = {f for f in fresh if f not in saved_fqns}
@@ -325,16 +329,16 @@ class _OptimizerLoad:
                     self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
-                key = f"optimizer.state.{fqn}.{name}"
+                key = _stored_key(fqn, name, saved)
                 self.targets[key] = value
                 self.state_keys[key] = (fqn, name)
                 if name == MASTER_PARAM:
                     self.optional.add(key)  # not stored when equal to the weight; rebuilt from it
         # Saved masters of parameters whose optimizer here keeps none (a plain torch optimizer).
         self.unheld_masters = {
-            f"optimizer.state.{fqn}.{MASTER_PARAM}": fqn
+            _stored_key(fqn, MASTER_PARAM, saved): fqn
             for fqn, entry in self.entries.state.items()
-            if MASTER_PARAM not in entry and f"optimizer.state.{fqn}.{MASTER_PARAM}" in saved
+            if MASTER_PARAM not in entry and _stored_key(fqn, MASTER_PARAM, saved) in saved
         }
         self.group_keys: list[tuple[int, str, str]] = []
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
@@ -377,9 +381,19 @@ class _OptimizerLoad:
         for g_index, hyper, key in self.group_keys:
             if key in values:
                 self.osd["param_groups"][g_index][hyper] = values[key]
-        # HybridDeviceOptimizer.load_state_dict refreshes masters from the just-loaded weights
-        # itself, except those saved in the checkpoint (already loaded in place: they win).
+        # A loaded master is the truth (its param becomes its cast); a master not saved is rebuilt
+        # from the loaded weight by the optimizer (the next step compares every param with its master).
         self.optimizer.load_state_dict(self.osd)
+
+
+def _stored_key(fqn: str, name: str, saved: dict[str, Any]) -> str:
+    """The checkpoint key of state ``name`` of ``fqn``; a master saved under a legacy key is found there."""
+    key = f"optimizer.state.{fqn}.{name}"
+    if name == MASTER_PARAM and key not in saved:
+        for legacy in LEGACY_MASTER_KEYS:  # checkpoints written before the key was unified (2026-11)
+            if f"optimizer.state.{fqn}.{legacy}" in saved:
+                return f"optimizer.state.{fqn}.{legacy}"
+    return key
 
 
 def _masters_into_weights(

@@ -15,8 +15,9 @@ Keys (after DCP's dotted flattening):
   layout (``get_state_dict``'s default), so plain ``dcp.load`` reads either.
 
 ``master_param`` (the fp32 master of a low-precision parameter) is stored only
-when it carries information the saved weight does not: a master exactly equal
-to ``weight.float()`` is skipped and rebuilt from the weight on load.
+when it carries information the saved weight does not: the optimizer decides
+(``checkpoint_state(for_save=True)``, :mod:`offload_fsdp.fresh_state`), leaving out
+a master it knows to be exactly its weight widened, which a load rebuilds from the weight.
 """
 
 from __future__ import annotations
@@ -28,25 +29,24 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from checkpoint.shard import CheckpointShard
-from offload_fsdp.fresh_state import materialize_state
-from offload_fsdp.grad import local_tensor
+from offload_fsdp.master import LEGACY_MASTER_KEYS, MASTER_KEY
 from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = [
+    "LEGACY_MASTER_KEYS",
     "MASTER_PARAM",
     "PARAM_NAMES",
     "TIED_SECTION",
     "OptimizerEntries",
     "clean_fqn",
     "key_path",
-    "materialize_optimizer_state",
     "model_entries",
     "optimizer_entries",
     "param_fqns",
     "tied_aliases",
 ]
 
-MASTER_PARAM = "master_param"
+MASTER_PARAM = MASTER_KEY
 PARAM_NAMES = "param_names"
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -147,18 +147,12 @@ class OptimizerEntries:
     """str(group index) -> its options and ``params`` (FQNs): torch's unflattened layout"""
 
 
-def optimizer_entries(
-    optimizer: torch.optim.Optimizer,
-    osd: dict[str, Any],
-    fqns: dict[int, str],
-    *,
-    for_save: bool,
-) -> OptimizerEntries:
-    """Entries built from ``osd = optimizer.state_dict()`` (torch convention: params numbered across groups).
+def optimizer_entries(optimizer: torch.optim.Optimizer, osd: dict[str, Any], fqns: dict[int, str]) -> OptimizerEntries:
+    """Entries built from ``osd`` (torch convention: params numbered across groups), the state dict
+    :func:`offload_fsdp.fresh_state.checkpoint_state` gives for a save or a load.
 
     Tensors are the very tensors of ``osd`` (so a load fills them in place),
     wrapped as shards where the parameter is a flat / box shard.
-    ``for_save`` drops masters equal to their weight.
     """
     params = _params_in_order(optimizer)
     index_to_param: dict[Any, torch.Tensor] = {}
@@ -187,8 +181,6 @@ def optimizer_entries(
         spec = shard_spec_of(param)
         entry = {}
         for name, value in param_state.items():
-            if for_save and name == MASTER_PARAM and _master_is_redundant(value, param):
-                continue
             if spec is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                 if value.shape == param.shape:
                     value = CheckpointShard(value, spec)
@@ -204,21 +196,3 @@ def optimizer_entries(
         # Once per group: what get_state_dict's default (unflattened) layout asks dcp.load for.
         indexed[str(g_index)] = {**{k: v for k, v in osd_group.items() if k != "params"}, "params": list(names)}
     return OptimizerEntries(state, groups, index_of, members, indexed)
-
-
-def _master_is_redundant(master: torch.Tensor, param: torch.Tensor) -> bool:
-    master, weight = local_tensor(master), local_tensor(param)
-    if master.shape != weight.shape:
-        return False
-    # Exactly the weight, widened: it can be rebuilt from the saved weight with no loss.
-    return bool(torch.equal(master, weight.to(device=master.device, dtype=master.dtype)))
-
-
-def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> set[int]:
-    """Give every parameter without optimizer state its fresh state (to load into); return their ids.
-
-    :func:`offload_fsdp.fresh_state.materialize_state`: no parameter changes and no
-    update runs (``step`` stays 0); an optimizer that keeps its state elsewhere
-    (``HybridDeviceOptimizer``) creates its own through ``materialize_state()``.
-    """
-    return materialize_state(optimizer)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from offload_fsdp.fresh_state import create_fresh_state
+from offload_fsdp.master import MASTER_KEY
 from offload_fsdp.records import ParamShard
 
 __all__ = ["DelegatedOptimizer", "hyperparameters"]
@@ -127,8 +128,8 @@ class DelegatedOptimizer:
                     or public[k].shape != v.shape
                 ):
                     public[k] = r.wrap(v)
-            if r.has_separate_master and "master_param" not in public:
-                public["master_param"] = r.wrap(r.working_tensor)
+            if r.has_separate_master and MASTER_KEY not in public:
+                public[MASTER_KEY] = r.wrap(r.working_tensor)
             r.state, r.inner_state = public, inner
 
     def forget(self, record: ParamShard) -> None:

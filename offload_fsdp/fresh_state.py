@@ -1,7 +1,7 @@
 """Creating an optimizer's empty (fresh) per-parameter state: the one place that does it.
 
 Both callers need state to exist before a step: an in-place checkpoint load
-needs tensors to fill (:func:`materialize_state`, used by ``checkpoint/``), and
+needs tensors to fill (:func:`checkpoint_state`, used by ``checkpoint/``), and
 ``HybridDeviceOptimizer``'s delegates create their inner class's state the same
 way (:class:`offload_fsdp.delegate.DelegatedOptimizer`). Fresh means exactly what
 the class's own first step creates *before* it updates anything: ``step`` 0,
@@ -18,7 +18,37 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["StateMaterializer", "create_fresh_state", "materialize_state"]
+__all__ = ["CheckpointStateOwner", "StateMaterializer", "checkpoint_state", "create_fresh_state", "materialize_state"]
+
+
+@runtime_checkable
+class CheckpointStateOwner(Protocol):
+    """An optimizer that produces its own checkpoint state: ``HybridDeviceOptimizer``, and a torch
+    optimizer under ``optim.enable_main_params`` (which adds the method to the instance).
+
+    ``checkpoint_state(for_save=True)``: the torch-convention state dict to save (it decides
+    itself what is redundant, e.g. a master equal to its weight). ``for_save=False``: every
+    param's fresh state created first; a state dict whose tensors are the optimizer's own, for a
+    loader to fill in place and hand back to ``load_state_dict``.
+    """
+
+    def checkpoint_state(self, *, for_save: bool) -> dict[str, Any]: ...
+
+
+def checkpoint_state(optimizer: torch.optim.Optimizer, *, for_save: bool) -> tuple[dict[str, Any], set[int]]:
+    """(the state dict a checkpoint saves or loads into, the ids of params whose state was created for it).
+
+    A :class:`CheckpointStateOwner` makes its own; any other optimizer gives ``state_dict()``,
+    after :func:`create_fresh_state` for a load. The id set is empty for a save; for a load it
+    names every param that had no state (a loader drops that state again if the checkpoint has none).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fresh = set() if for_save else {id(p) for p in params if not optimizer.state.get(p)}
+    if isinstance(optimizer, CheckpointStateOwner):
+        return optimizer.checkpoint_state(for_save=for_save), fresh
+    if fresh:
+        create_fresh_state(optimizer, [p for p in params if id(p) in fresh])
+    return optimizer.state_dict(), fresh
 
 
 @runtime_checkable

@@ -44,6 +44,9 @@ from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
     zero_grad as zero_grads,  # both slots: .grad and decoupled_grad
 )
+from offload_fsdp.graph_safe import GraphSafeGrads
+from offload_fsdp.graph_safe import graph_safe_grads as pin_grads
+from offload_fsdp.master import MASTER_KEY, adopt_written, canonical_state, master_dtype, policy_with_fp32_update
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, param_name, partition
@@ -85,19 +88,6 @@ def _check_fraction(value: Any) -> float:
     if math.isnan(value) or not 0.0 <= value <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {value!r}")
     return value
-
-
-def _adopt_written(master: torch.Tensor, written: torch.Tensor) -> None:
-    """The master takes the param's value ``written`` wherever that differs from the master's cast.
-
-    Same dtype: the param is the master. Lower precision: an element whose cast
-    still equals the param keeps the master's extra precision (it was not written).
-    """
-    if written.dtype == master.dtype:
-        master.copy_(written)
-        return
-    changed = written != master.to(written.dtype)
-    master.copy_(torch.where(changed, written.to(master.dtype), master))
 
 
 def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
@@ -154,8 +144,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             changed later in ``param_groups`` apply to both shares; one left at the cpu class's
             default gets the gpu class's own default on the device share
             (:mod:`offload_fsdp.defaults`, ``docs/offload.md``).
-        param_update_in_fp32: low-precision params get an fp32 master that is the truth
-            (the param is its cast); saved as ``master_param`` in the state.
+        param_update_in_fp32: deprecated (``DeprecationWarning``): the master weight's one
+            setting is ``precision.main_params_dtype``. ``False`` = ``PrecisionPolicy(main_params_dtype=None)``.
         pin_cpu_grads / pin_cpu_params: page-lock the host buffers that cross the bus
             (ignored without an accelerator, and with ``pinned_transfer_slots``).
         pinned_transfer_slots: None (default): every host buffer that crosses the bus is
@@ -172,9 +162,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             reduce-scatter, so there too each D2H overlaps the rest of backward; the copy
             is ordered after the stream that is current when the hook runs.
         precision: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` of host Adam moments (bf16
-            halves their memory and bytes moved), ``main_params_dtype`` of masters,
-            ``main_grads_dtype`` (when set) of host grad staging.
+            halves their memory and bytes moved), ``main_params_dtype`` of masters (default
+            fp32: a low-precision param gets an fp32 master that is the truth, the param its
+            cast, saved as ``master_param``; ``None``: params are updated in their own dtype;
+            :mod:`offload_fsdp.master`), ``main_grads_dtype`` (when set) of host grad staging.
         bucket_numel: elements per host bucket (the pipelining unit).
+        graph_safe_grads: every trainable param's gradient becomes a view of a persistent
+            flat buffer (:mod:`offload_fsdp.graph_safe`; ``main_grads_dtype`` views go to
+            ``decoupled_grad``), and :meth:`zero_grad` zeroes those buffers in place whatever
+            ``set_to_none`` says, so a CUDA graph captured over forward + backward keeps
+            writing into the gradients the step reads. Plain (local-shard) params only: FSDP2
+            allocates DTensor gradients itself (``TypeError``). As with any persistent
+            gradient, a param left out of a backward is stepped with a zero gradient.
         **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
 
     Side effects of construction: host buffers are allocated once (exact size),
@@ -190,13 +189,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         *,
         cpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
         gpu_optimizer_cls: type[torch.optim.Optimizer] | None = None,
-        param_update_in_fp32: bool = True,
+        param_update_in_fp32: bool | None = None,
         pin_cpu_grads: bool = True,
         pin_cpu_params: bool = True,
         overlap_cpu_optimizer_d2h_h2d: bool = True,
         pinned_transfer_slots: int | None = None,
         precision: PrecisionPolicy | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        graph_safe_grads: bool = False,
         **defaults: Any,
     ) -> None:
         self._built = False
@@ -230,8 +230,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._device_defaults.add_group(index, group, keys)
         self.offload_fraction = fraction
         self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_cls, gpu_cls
-        self.param_update_in_fp32 = param_update_in_fp32
-        self.precision = precision if precision is not None else PrecisionPolicy()
+        self.precision = policy_with_fp32_update(precision, param_update_in_fp32)
         self.overlap = overlap_cpu_optimizer_d2h_h2d
         self._scratch = FusedScratch()
         self._adam_step = select_host_step()  # compiled loop (default) or fused kernel ($OFFLOAD_FSDP_HOST_STEP)
@@ -250,7 +249,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
         self._accelerated = False
-        self._host_buffers = self._place(build_records(self.param_groups), "construction")
+        self.graph_safe_grads = graph_safe_grads
+        self._grad_buffers: list[GraphSafeGrads] = []  # one per group batch placed (graph_safe_grads only)
+        records = build_records(self.param_groups)
+        self._keep_grad_buffers(records)
+        self._host_buffers = self._place(records, "construction")
         # Arenas of groups added by add_param_group, held like _host_buffers (their pinned
         # registration is undone when an arena's storage object dies).
         self._later_host_buffers: list[HostBuffers] = []
@@ -312,10 +315,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         probe = cls(params, **defaults)
         return [dict(g) for g in probe.param_groups], dict(probe.defaults), cls, None, explicit
 
+    @property
+    def param_update_in_fp32(self) -> bool:
+        """Deprecated view of ``precision.main_params_dtype is not None`` (read-only)."""
+        return self.precision.main_params_dtype is not None
+
     def _master_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        if not self.param_update_in_fp32:
-            return dtype
-        return torch.promote_types(dtype, self.precision.main_params_dtype)
+        return master_dtype(dtype, self.precision.main_params_dtype)
 
     def _group_is_fused(self, group: dict[str, Any]) -> bool:
         return (
@@ -412,7 +418,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if r.param_stage is not None:
                     r.host_master.copy_(r.param_stage)
                 r.working = r.master
-                r.mark_synced()
+                r.mark_synced(master_is_upcast=True)
             if not bucket.fused:
                 bucket.delegate = DelegatedOptimizer(
                     self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
@@ -426,7 +432,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             master_dtype = self._master_dtype(r.param.dtype)
             # A device fp32 master for low-precision params; otherwise the local param itself.
             r.working = r.local.to(master_dtype, copy=True) if master_dtype != r.param.dtype else r.local
-            r.mark_synced()
+            r.mark_synced(master_is_upcast=True)
         if not records:
             return
         if self._device_delegate is None:
@@ -521,6 +527,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 explicit = user_keys | self._explicit_defaults
                 self._device_defaults.add_group(index, self.param_groups[index], explicit)
             records = build_records([self.param_groups[index]], first_group_index=index)
+            self._keep_grad_buffers(records)
             self._later_host_buffers.append(self._place(records, f"param group {index} added"))
             self._groups_placed = len(self.param_groups)
         except BaseException:
@@ -769,7 +776,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             flat[sl].zero_()
             state[name] = r.wrap(flat[sl].view(shape))
         if r.has_separate_master:
-            state["master_param"] = r.wrap(r.host_master)
+            state[MASTER_KEY] = r.wrap(r.host_master)
         r.state = state
 
     def _forget(self, r: ParamShard) -> None:
@@ -858,20 +865,45 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     bucket.engine.fetch(r.host_master, r.local)
                     continue
                 bucket.engine.fetch(r.param_stage, r.local)
-                # Against the master's cast, not the staging: a master written in place (DCP
-                # loading into state_dict()'s views) leaves the staging holding the old cast.
-                _adopt_written(r.host_master, r.param_stage)
+                adopt_written(r.host_master, r.param_stage)
         for r in records:
             if not r.offloaded and r.has_master:
-                _adopt_written(r.working_tensor, r.local)
+                adopt_written(r.working_tensor, r.local)
         for r in records:
             if r.has_master:
-                r.mark_synced()
+                # adopting a written param keeps a master that was exactly its param widened exactly so
+                r.mark_synced(master_is_upcast=r.master_is_upcast)
 
     def state_dict(self) -> dict[str, Any]:
         """As torch; a ``master_param`` in it is first refreshed from a param written since the last step."""
         self._refresh_written(self._records)
         return super().state_dict()
+
+    def checkpoint_state(self, *, for_save: bool) -> dict[str, Any]:
+        """The torch-convention state dict a checkpoint saves (``for_save``) or loads into in place.
+
+        ``for_save=True``: :meth:`state_dict`, less each ``master_param`` that is exactly its
+        param widened (copied from the param and not updated or loaded since: the optimizer
+        tracks it per param, so deciding costs no copy or comparison); the saved weight
+        rebuilds it on load. A per-param dict that loses its master is a copy; every tensor is
+        the optimizer's own.
+
+        ``for_save=False``: every trainable param's state is created first
+        (:meth:`materialize_state`); the tensors are the optimizer's own (views of its host
+        buckets), for a loader to fill in place and pass to :meth:`load_state_dict`. Nothing
+        is refreshed (the values are about to be overwritten).
+        """
+        if not for_save:
+            self.materialize_state()
+            return super().state_dict()
+        saved = self.state_dict()
+        upcast = {id(r.param) for r in self._records if r.master_is_upcast}
+        params = [p for group in self.param_groups for p in group["params"]]
+        saved["state"] = {
+            index: {k: v for k, v in state.items() if k != MASTER_KEY} if id(params[index]) in upcast else state
+            for index, state in saved["state"].items()
+        }
+        return saved
 
     def _class_of(self, r: ParamShard) -> type[torch.optim.Optimizer]:
         return self.cpu_optimizer_cls if r.offloaded else self.gpu_optimizer_cls
@@ -889,9 +921,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._forget(r)
             raise
 
+    def _keep_grad_buffers(self, records: list[ParamShard]) -> None:
+        """With ``graph_safe_grads``: the trainable ``records``' gradients become views of persistent buffers."""
+        if self.graph_safe_grads:
+            trainable = [r.param for r in records if r.trainable]
+            self._grad_buffers.append(pin_grads(trainable, grad_dtype=self.precision.main_grads_dtype))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
-        zero_grads((r.param for r in self._records), set_to_none=set_to_none)
+        """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers.
+
+        With ``graph_safe_grads=True`` the trainable params' gradient buffers are always
+        kept and zeroed in place (a slot set to something else is pointed back at its
+        buffer): their addresses are what a captured CUDA graph writes.
+        """
+        if self.graph_safe_grads:
+            for handle in self._grad_buffers:
+                handle.zero_()
+            zero_grads((r.param for r in self._records if not r.trainable), set_to_none=set_to_none)
+        else:
+            zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
             r.staged_grad_key = None
 
@@ -901,9 +949,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         Saved state is copied into this optimizer's own (host or device) tensors,
         keeping dtypes (bf16 moments stay bf16) and buckets. Params absent from the
-        saved state get no state, as in torch. Masters are refreshed from the current
-        params, then overwritten by a saved ``master_param``, and the params are set
-        to their master's cast. Hyper-parameters come from the saved groups.
+        saved state get no state, as in torch. A saved master (``master_param``, or
+        the legacy ``main_param``) is loaded and its param set to its cast (one
+        host-to-device copy); the other masters are refreshed from the params once,
+        by the next :meth:`step` (which compares every param with its master: weights
+        loaded after this call, as ``set_state_dict`` does, are seen). Hyper-parameters
+        come from the saved groups.
         """
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -913,14 +964,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         check_groups_match(self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
-        pairs = [(r, saved_state.get(sid)) for r, sid in zip(self._records, saved_ids)]
+        pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []
+        for r, sid in zip(self._records, saved_ids):
+            saved = saved_state.get(sid)
+            pairs.append((r, canonical_state(saved) if saved is not None else None))  # a legacy key read as ours
         self._materialize_for_load(pairs)  # checks everything first: a failed load changes nothing
-        # Masters from the params, except where a master is saved: that one wins, and it may
-        # be this optimizer's own master already overwritten in place (DCP's load into the
-        # views state_dict() returned), which a refresh from the not-yet-loaded params would clobber.
-        self._refresh_masters([
-            r for r, saved in pairs if not (r.has_separate_master and "master_param" in (saved or {}))
-        ])  # fmt: skip
         for r, saved in pairs:
             if saved is None or not r.trainable:
                 self._forget(r)
@@ -928,8 +976,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             load_record_state(r, saved, self._class_of(r).__name__)
         for ours, theirs in zip(self.param_groups, saved_groups):
             ours.update(hyperparameters(theirs))
-        # torch.distributed.checkpoint's set_state_dict loads the optimizer BEFORE the model
-        # weights: re-check the masters against the params at the next step.
+        # The one master refresh of a resume: torch.distributed.checkpoint's set_state_dict
+        # loads the optimizer BEFORE the model weights, so it waits for the next step.
         self._refresh_masters_before_step = True
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

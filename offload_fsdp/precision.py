@@ -22,8 +22,10 @@ class PrecisionPolicy:
     ``resolved_*`` properties to read the effective dtypes.
     """
 
-    main_params_dtype: torch.dtype = torch.float32
-    """dtype of the master copy the update is applied to (the truth; the model param is its cast)."""
+    main_params_dtype: torch.dtype | None = torch.float32
+    """dtype of the master copy the update is applied to (the truth; the model param is its cast), for params
+    narrower than it; ``None`` = no master: every param is updated in its own dtype. The one master-weight
+    setting (:mod:`offload_fsdp.master`)."""
 
     main_grads_dtype: torch.dtype | None = None
     """dtype gradients are accumulated / reduced into; None = ``main_params_dtype``."""
@@ -52,15 +54,16 @@ class PrecisionPolicy:
                     f"PrecisionPolicy.{name}={value!r} is not supported; "
                     "optimizer state is kept in torch.float32 or torch.bfloat16"
                 )
-        if self.main_params_dtype not in (torch.float32, torch.float64):
+        if self.main_params_dtype not in (None, torch.float32, torch.float64):
             # A low-precision master loses small updates (lr * update << ulp(param)).
             raise ValueError(
                 f"PrecisionPolicy.main_params_dtype={self.main_params_dtype} would make the master "
-                "copy low precision and silently drop small updates; use torch.float32"
+                "copy low precision and silently drop small updates; use torch.float32 (or None: no master)"
             )
 
     @property
-    def resolved_main_grads_dtype(self) -> torch.dtype:
+    def resolved_main_grads_dtype(self) -> torch.dtype | None:
+        """``main_grads_dtype``, else ``main_params_dtype``; None (no master, unset) = each param's own dtype."""
         return self.main_grads_dtype if self.main_grads_dtype is not None else self.main_params_dtype
 
     def grad_staging_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
@@ -74,5 +77,5 @@ class PrecisionPolicy:
         return self.main_grads_dtype if self.main_grads_dtype is not None else param_dtype
 
     @property
-    def resolved_grad_comm_dtype(self) -> torch.dtype:
+    def resolved_grad_comm_dtype(self) -> torch.dtype | None:
         return self.grad_comm_dtype if self.grad_comm_dtype is not None else self.resolved_main_grads_dtype

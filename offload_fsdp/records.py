@@ -55,6 +55,9 @@ class ParamShard:
     """host buffer the gradient is copied into (its own dtype)"""
     staged_grad_key: tuple[int, int, int] | None = None
     """(id, data_ptr, version) of the device grad last copied into ``grad_stage`` this step"""
+    upcast_key: tuple[int, int, int, int] | None = None
+    """``synced_key`` taken when the master was exactly the param's values widened (copied from the param, or
+    refreshed from it while it was): see :attr:`master_is_upcast`"""
     synced_key: tuple[int, int, int, int] | None = None
     """(id, data_ptr, version, the DTensor's version) of the local param when the optimizer last made it and its
     master agree (records with a separate master only): a different key means the user
@@ -150,9 +153,24 @@ class ParamShard:
         local = self.local
         return (id(local), local.data_ptr(), local._version, self.param._version)
 
-    def mark_synced(self) -> None:
-        """Record the local param's identity and version counter after master and param were made to agree."""
+    def mark_synced(self, *, master_is_upcast: bool = False) -> None:
+        """Record the local param's identity and version counter after master and param were made to agree.
+
+        ``master_is_upcast``: the master is exactly the param widened (it was copied from it).
+        """
         self.synced_key = self._local_key()
+        if master_is_upcast:
+            self.upcast_key = self.synced_key
+
+    @property
+    def master_is_upcast(self) -> bool:
+        """True when the master is exactly the param's values widened: a checkpoint need not store it.
+
+        Every update or load writes the param afterwards (H2D of the new cast) and calls
+        :meth:`mark_synced`, whose new version key then differs from ``upcast_key``; so no
+        update path has to clear anything, and deciding costs no copy or comparison.
+        """
+        return self.upcast_key is not None and self.upcast_key == self.synced_key
 
     @property
     def written_since_sync(self) -> bool:
@@ -165,7 +183,7 @@ class ParamShard:
 
     @property
     def has_separate_master(self) -> bool:
-        """True when a master of higher precision than the param exists (stored as ``master_param``)."""
+        """True when a master of higher precision than the param exists (stored as ``offload_fsdp.master.MASTER_KEY``)."""
         return self.working is not None and self.working.dtype != self.param.dtype
 
     def wrap(self, tensor: torch.Tensor) -> torch.Tensor:

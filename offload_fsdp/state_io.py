@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from offload_fsdp.grad import local_tensor
+from offload_fsdp.master import MASTER_KEY
 from offload_fsdp.records import ParamShard
 
 __all__ = ["check_groups_match", "check_record_state", "load_record_state"]
@@ -40,18 +41,18 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
     Changes nothing: a load checks every param first, so a failed load leaves the optimizer as it was.
     """
     assert r.state is not None and r.working is not None  # materialised before any load
-    expected = set(r.state) - {"master_param"}
-    got = set(saved) - {"master_param"}
+    expected = set(r.state) - {MASTER_KEY}
+    got = set(saved) - {MASTER_KEY}
     if expected != got:
         raise ValueError(
             f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
             f"({class_name}); was it saved with another optimizer class or options (e.g. amsgrad)?"
         )
     for key, value in saved.items():
-        if key == "master_param":
+        if key == MASTER_KEY:
             if value is not None and r.has_separate_master and local_tensor(value).shape != r.working.shape:
                 raise ValueError(
-                    f"master_param of parameter {r.name!r} has local shape {tuple(local_tensor(value).shape)}, "
+                    f"{MASTER_KEY} of parameter {r.name!r} has local shape {tuple(local_tensor(value).shape)}, "
                     f"expected {tuple(r.working.shape)}"
                 )
             continue
@@ -69,16 +70,17 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
 def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> None:
     """Copy ``saved`` (one param's state) into ``r``'s materialised state; then its master, if saved.
 
-    Preconditions: ``r.state`` exists (materialised), :func:`check_record_state` passed and
-    the masters were refreshed from the params. Side effects: state tensors, the master and
-    (when a ``master_param`` is loaded) the param itself, set to the master's cast.
+    Preconditions: ``r.state`` exists (materialised) and ``saved`` uses the master key
+    :data:`~offload_fsdp.master.MASTER_KEY` (:func:`~offload_fsdp.master.canonical_state`).
+    Side effects: state tensors, the master and (when one is loaded) the param itself, set to
+    the master's cast (one blocking host-to-device copy); the master is then no upcast of the param.
     """
     check_record_state(r, saved, class_name)
     r.placeholder_state = False  # loaded: the state is real from here on
     for key, value in saved.items():
-        if key != "master_param":
+        if key != MASTER_KEY:
             _load_value(r, key, value)
-    master = saved.get("master_param")
+    master = saved.get(MASTER_KEY)
     if master is not None and r.has_separate_master:
         _load_master(r, local_tensor(master))
 
@@ -104,3 +106,4 @@ def _load_master(r: ParamShard, src: torch.Tensor) -> None:
         r.local.copy_(r.param_stage)  # blocking H2D: the param is the master's cast
     else:
         r.local.copy_(r.working)
+    r.mark_synced()  # agree now (and the master may hold more than the param: a checkpoint keeps it)

@@ -6,10 +6,10 @@ local shards, CUDA-graph-safe gradients and the memory model behind docs/optim.m
 """
 
 from offload_fsdp.grad import get_grad, local_tensor, set_grad, zero_grad
+from offload_fsdp.graph_safe import GraphSafeGrads, graph_safe_grads
 from offload_fsdp.precision import PrecisionPolicy
 from optim.build import BACKENDS, build_optimizer
 from optim.clip import clip_grad_norm_, grad_norm
-from optim.graph_safe import GraphSafeGrads, graph_safe_grads
 from optim.main_params import enable_main_params
 
 _LAZY = {"MemoryFootprint": "optim.memory", "bytes_per_param": "optim.memory"}

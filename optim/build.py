@@ -21,6 +21,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.grad import local_tensor
+from offload_fsdp.graph_safe import keep_grad_buffers
 from offload_fsdp.precision import PrecisionPolicy
 from optim.fused_adapters import (
     build_fused_adam,
@@ -127,6 +128,7 @@ def _build_offloaded(
     policy: PrecisionPolicy | None,
     offload_fraction: float,
     cuda_graphs: bool,
+    graph_safe_grads: bool,
     hp: dict[str, Any],
 ) -> torch.optim.Optimizer:
     if name == "sgd":
@@ -155,6 +157,7 @@ def _build_offloaded(
         cpu_optimizer_cls=cpu_cls,
         gpu_optimizer_cls=gpu_cls,
         precision=policy,
+        graph_safe_grads=graph_safe_grads,
         **kwargs,
     )
 
@@ -167,6 +170,7 @@ def build_optimizer(
     precision: PrecisionPolicy | None = None,
     offload_fraction: float | None = None,
     cuda_graphs: bool = False,
+    graph_safe_grads: bool = False,
     **hyperparameters: Any,
 ) -> torch.optim.Optimizer:
     """Build optimizer ``name`` on ``backend`` configured for ``precision`` (default: fp32 main params and state).
@@ -186,6 +190,11 @@ def build_optimizer(
       host moments included); its device share is stepped by the torch class or
       by the te / apex ``FusedAdam`` over the fp32 masters.
     * ``cuda_graphs=True``: a capturable optimizer (device-side step and lr).
+    * ``graph_safe_grads=True``: every trainable param's gradient is a view of a
+      persistent buffer (``decoupled_grad`` when ``precision.main_grads_dtype`` differs
+      from the param's dtype) and the optimizer's ``zero_grad`` zeroes it in place
+      whatever ``set_to_none`` says (:mod:`offload_fsdp.graph_safe`), so a captured
+      CUDA graph keeps writing the gradients the step reads. Plain tensors only.
 
     Raises ``ValueError`` for an unknown name / backend or a combination the
     backend cannot honour, ``ImportError`` (with an install hint) when the
@@ -208,10 +217,22 @@ def build_optimizer(
     if offload_fraction is not None:
         # HybridDeviceOptimizer validates offload_fraction itself (a ValueError naming it).
         return _build_offloaded(
-            params, tensors, name_key, backend_key, precision, offload_fraction, cuda_graphs, hyperparameters
+            params,
+            tensors,
+            name_key,
+            backend_key,
+            precision,
+            offload_fraction,
+            cuda_graphs,
+            graph_safe_grads,
+            hyperparameters,
         )
     policy = precision if precision is not None else PrecisionPolicy()
     if backend_key == "torch":
-        return _build_torch(params, tensors, name_key, policy, cuda_graphs, hyperparameters)
-    plan = plan_fused_adam(tensors, policy, cuda_graphs=cuda_graphs)
-    return build_fused_adam(backend_key, params, plan, adam_w_mode=(name_key == "adamw"), **hyperparameters)
+        optimizer = _build_torch(params, tensors, name_key, policy, cuda_graphs, hyperparameters)
+    else:
+        plan = plan_fused_adam(tensors, policy, cuda_graphs=cuda_graphs)
+        optimizer = build_fused_adam(backend_key, params, plan, adam_w_mode=(name_key == "adamw"), **hyperparameters)
+    if graph_safe_grads:
+        keep_grad_buffers(optimizer, grad_dtype=policy.main_grads_dtype)
+    return optimizer

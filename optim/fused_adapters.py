@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from offload_fsdp.master import has_master
 from offload_fsdp.precision import PrecisionPolicy
 
 __all__ = ["FusedAdamPlan", "plan_fused_adam", "build_fused_adam", "fused_adam_class", "plan_for_main_params"]
@@ -55,8 +56,8 @@ class FusedAdamPlan:
 
     master_weights: bool
     """a separate main copy is needed: some param's dtype is narrower than ``main_params_dtype``"""
-    master_weight_dtype: torch.dtype
-    """dtype of that main copy (the policy's ``main_params_dtype``)"""
+    master_weight_dtype: torch.dtype | None
+    """dtype of that main copy (the policy's ``main_params_dtype``; None: the policy wants no master)"""
     use_decoupled_grad: bool
     """gradients live in ``param.decoupled_grad``: their dtype differs from some param's"""
     exp_avg_dtype: torch.dtype
@@ -73,9 +74,10 @@ def plan_fused_adam(params: list[torch.Tensor], policy: PrecisionPolicy, *, cuda
     return FusedAdamPlan(
         # FSDP2 keeps fp32 sharded params: those *are* the main params, a second
         # fp32 copy inside the optimizer would only waste 4 bytes per element.
-        master_weights=any(torch.promote_types(d, policy.main_params_dtype) != d for d in param_dtypes),
+        master_weights=any(has_master(d, policy.main_params_dtype) for d in param_dtypes),
         master_weight_dtype=policy.main_params_dtype,
-        use_decoupled_grad=any(d != grads_dtype for d in param_dtypes),
+        # No dtype set (no master, no main_grads_dtype): each grad in its param's own dtype, in .grad.
+        use_decoupled_grad=grads_dtype is not None and any(d != grads_dtype for d in param_dtypes),
         exp_avg_dtype=policy.exp_avg_dtype,
         exp_avg_sq_dtype=policy.exp_avg_sq_dtype,
         capturable=cuda_graphs,
@@ -97,7 +99,8 @@ def plan_for_main_params(policy: PrecisionPolicy) -> FusedAdamPlan:
         exp_avg_dtype=policy.exp_avg_dtype,
         exp_avg_sq_dtype=policy.exp_avg_sq_dtype,
         capturable=False,
-        param_dtypes=frozenset({policy.main_params_dtype}),
+        # without masters the params keep their own dtypes, which the policy does not name
+        param_dtypes=frozenset({policy.main_params_dtype} if policy.main_params_dtype is not None else ()),
     )
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload_fsdp.master import master_dtype
 from offload_fsdp.precision import PrecisionPolicy
 
 __all__ = ["MemoryFootprint", "bytes_per_param", "memory_table", "STANDARD_CONFIGS"]
@@ -65,8 +66,8 @@ def bytes_per_param(
     if not 0.0 <= offload <= 1.0:
         raise ValueError(f"offload={offload} must lie in [0, 1] (a share of the parameter elements)")
     policy = policy if policy is not None else PrecisionPolicy()
-    grad_dtype = policy.resolved_main_grads_dtype
-    main_dtype = policy.main_params_dtype
+    grad_dtype = policy.resolved_main_grads_dtype or param_dtype  # None: no master, grads in the param's dtype
+    main_dtype = master_dtype(param_dtype, policy.main_params_dtype)
     separate_main = main_dtype != param_dtype
 
     device_parts: dict[str, float] = {"param": param_dtype.itemsize, "grad": grad_dtype.itemsize}

@@ -61,7 +61,7 @@ def test_torch_backend_steps_bf16_params_from_fp32_decoupled_grads_like_fp32_ada
     for p, r in zip(params, ref):
         assert p.dtype == BF16 and p.grad is None and getattr(p, "decoupled_grad", None) is None
         # The fp32 main copy follows fp32 AdamW exactly; the bf16 param is its rounding.
-        assert torch.equal(opt.state[p]["main_param"], r.detach())
+        assert torch.equal(opt.state[p]["master_param"], r.detach())
         assert torch.equal(p.detach(), r.detach().to(BF16))
         assert opt.state[p]["exp_avg"].dtype == torch.float32
 
@@ -75,11 +75,11 @@ def test_torch_backend_resume_from_state_dict_keeps_fp32_main_params_and_moments
     fresh = build_optimizer(params, "adamw", lr=1e-2, weight_decay=0.1)
     fresh.load_state_dict(saved)
     for p in params:
-        assert fresh.state[p]["main_param"].dtype == torch.float32
+        assert fresh.state[p]["master_param"].dtype == torch.float32
         assert torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
     _run(params, ref, steps=2, opt=fresh, ref_opt=ref_opt, start=3)
     for p, r in zip(params, ref):
-        assert torch.equal(fresh.state[p]["main_param"], r.detach())
+        assert torch.equal(fresh.state[p]["master_param"], r.detach())
 
 
 def test_fp32_param_with_fp32_decoupled_grad_is_stepped_and_grad_slot_restored():
@@ -140,7 +140,7 @@ def test_fp64_params_are_never_stepped_through_a_narrower_fp32_main_copy():
     p.grad, r.grad = torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
     opt.step()
     torch.optim.SGD([r], lr=1e-13).step()
-    assert torch.equal(p.detach(), r.detach()) and "main_param" not in opt.state[p]
+    assert torch.equal(p.detach(), r.detach()) and "master_param" not in opt.state[p]
 
 
 @pytest.mark.filterwarnings("ignore:Using backward:UserWarning")  # create_graph=True: a known cycle

@@ -2,17 +2,22 @@
 
 A captured CUDA graph replays fixed device addresses. If ``zero_grad`` frees
 gradients (``set_to_none=True``, torch's default) the next backward allocates
-new ones at other addresses and a graph captured over the optimizer step reads
-stale memory. :func:`graph_safe_grads` allocates one flat buffer per (device,
-dtype), points each parameter's gradient slot at a view of it, and zeroes in
-place, so the addresses never change.
+new ones at other addresses and a graph captured over backward or the optimizer
+step reads stale memory. :func:`graph_safe_grads` allocates one flat buffer per
+(device, dtype), points each parameter's gradient slot at a view of it, and
+zeroes in place, so the addresses never change.
 
 Autograd accumulates into an existing ``.grad`` in place, so backward writes
-straight into the views. Rules that keep it that way (also in docs/optim.md):
+straight into the views (a ``decoupled_grad`` view is written by whatever
+produces main grads, e.g. Megatron-FSDP / Transformer Engine hooks).
 
-* clear gradients with :meth:`GraphSafeGrads.zero_` (or
-  ``optimizer.zero_grad(set_to_none=False)``), never with ``set_to_none=True``;
-* do not assign ``param.grad = ...``; copy into it instead.
+The path users take keeps them: ``HybridDeviceOptimizer(..., graph_safe_grads=True)``
+and ``optim.build_optimizer(..., graph_safe_grads=True)`` (:func:`keep_grad_buffers`)
+make the optimizer's ``zero_grad`` zero the buffers in place whatever its
+``set_to_none`` says. Rules that keep it that way (also in docs/optim.md): clear
+gradients through that ``zero_grad`` or :meth:`GraphSafeGrads.zero_`; do not
+assign ``param.grad = ...`` (copy into it). A slot set to something else is
+pointed back at its view by the next ``zero_()``.
 """
 
 from __future__ import annotations
@@ -24,27 +29,39 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from offload_fsdp.grad import get_grad, set_grad
+from offload_fsdp.host_memory import ALIGN_BYTES
 
-__all__ = ["GraphSafeGrads", "graph_safe_grads"]
-
-_ALIGN_BYTES = 64  # each view starts on a 64-byte boundary: fused kernels vectorise aligned loads
+__all__ = ["GraphSafeGrads", "graph_safe_grads", "keep_grad_buffers"]
 
 
 class GraphSafeGrads:
     """The flat gradient buffers of a set of params and the views handed out to them."""
 
-    def __init__(self, buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor],
+        views: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
         self.buffers = buffers
         """(device, dtype) -> the flat buffer every gradient of that kind is a view of"""
+        self.views = views
+        """(param, its gradient view), in the order the params were given"""
 
     def zero_(self) -> None:
-        """Zero every gradient in place (one fill per buffer); addresses are kept."""
+        """Zero every gradient in place (one fill per buffer); addresses are kept.
+
+        A param whose gradient slot no longer holds its view (set to None, or assigned)
+        is pointed back at it, so the next backward writes into the buffer again.
+        """
         for buffer in self.buffers.values():
             buffer.zero_()
+        for param, view in self.views:
+            if get_grad(param) is not view:
+                set_grad(param, view)
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:
-    per = max(1, _ALIGN_BYTES // dtype.itemsize)
+    per = max(1, ALIGN_BYTES // dtype.itemsize)  # each view starts as aligned as a host arena's
     return -(-numel // per) * per
 
 
@@ -73,6 +90,7 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
         layout[key].append((param, sizes[key]))
         sizes[key] += _aligned(param.numel(), key[1])
     buffers = {key: torch.zeros(size, dtype=key[1], device=key[0]) for key, size in sizes.items()}
+    views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, entries in layout.items():
         for param, offset in entries:
             view = buffers[key][offset : offset + param.numel()].view(param.shape)
@@ -80,4 +98,24 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
             if old is not None:
                 view.copy_(old)  # casts when the gradient changes slot (dtype)
             set_grad(param, view)  # also clears the other slot, so get_grad reads the view
-    return GraphSafeGrads(buffers)
+            views[id(param)] = (param, view)
+    return GraphSafeGrads(buffers, [views[id(p)] for p in params])
+
+
+def keep_grad_buffers(optimizer: torch.optim.Optimizer, *, grad_dtype: torch.dtype | None = None) -> GraphSafeGrads:
+    """Graph-safe gradients for the trainable params of ``optimizer``, kept by its ``zero_grad``.
+
+    Side effects: every param with ``requires_grad`` gets a gradient view
+    (:func:`graph_safe_grads`); ``optimizer.zero_grad`` is replaced, on this
+    instance only (torch.optim has no zero_grad hook; the class is untouched), by
+    :meth:`GraphSafeGrads.zero_`: in place whatever ``set_to_none`` says, since
+    freeing the buffers is what a captured graph cannot survive. Returns the handle.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    handle = graph_safe_grads(params, grad_dtype=grad_dtype)
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        handle.zero_()
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    return handle
