@@ -26,6 +26,7 @@ __all__ = ["CopyEngine", "StreamCopyEngine", "SyncCopyEngine"]
 
 class CopyEngine(Protocol):
     def begin_step(self) -> None: ...
+    def note_params_read(self) -> None: ...
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def wait_grads(self, bucket: HostBucket) -> None: ...
     def wait_params_free(self, bucket: HostBucket) -> None: ...
@@ -38,6 +39,9 @@ class SyncCopyEngine:
     """Copies that are finished when the call returns: nothing is ever in flight."""
 
     def begin_step(self) -> None:
+        pass
+
+    def note_params_read(self) -> None:
         pass
 
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -79,6 +83,12 @@ class StreamCopyEngine:
         # old params (forward/backward are queued before step()).
         self._step_begin = self._main().record_event()
         self._last_h2d = None
+
+    def note_params_read(self) -> None:
+        # Overlapped step (begin_step ran during backward): the main stream has now queued every
+        # read of the params of the buckets started so far, so H2D queued from here on waits for
+        # this later point. The H2D already queued stays tracked for end_step.
+        self._step_begin = self._main().record_event()
 
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The grad is produced by kernels queued on the main stream (backward,

@@ -44,9 +44,10 @@ from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
     zero_grad as zero_grads,  # both slots: .grad and decoupled_grad
 )
+from offload_fsdp.overlap import OverlappedStep
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
-from offload_fsdp.records import ParamShard, build_records, param_name, partition
+from offload_fsdp.records import ParamShard, build_records, grad_key, param_name, partition
 from offload_fsdp.state_io import (
     check_groups_match,
     check_record_state,
@@ -169,6 +170,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             halves their memory and bytes moved), ``main_params_dtype`` of masters,
             ``main_grads_dtype`` (when set) of host grad staging.
         bucket_numel: elements per host bucket (the pipelining unit).
+        overlap_step_with_backward: run each host bucket's update during the final backward,
+            on one host worker thread, as soon as all of its params' grads are final and
+            staged (in gradient-arrival order; its H2D is queued right after); ``step()`` then
+            waits for what is still running and does the rest (buckets not complete during
+            backward, the device share). Results are bit-identical to the default mode. Costs
+            one host thread, and a backward not inside :meth:`defer_grad_copies` commits to the
+            step. Refused with an error naming the fix: ``step(closure)``, AMP's
+            ``GradScaler.step``, ``optim.clip_grad_norm_`` / ``grad_norm`` on these params, a
+            grad changed in place after its update started (torch's clipping, unscaling), a
+            second backward reaching a started bucket, hyper-parameters changed between
+            backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
+            ``docs/offload.md``, "Overlapped host step".
         **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
 
     Side effects of construction: host buffers are allocated once (exact size),
@@ -190,12 +203,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         overlap_cpu_optimizer_d2h_h2d: bool = True,
         precision: PrecisionPolicy | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        overlap_step_with_backward: bool = False,
         **defaults: Any,
     ) -> None:
         self._built = False
         fraction = _check_fraction(offload_fraction)
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+        if overlap_step_with_backward and not overlap_cpu_optimizer_d2h_h2d:
+            raise ValueError(
+                "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "
+                "that stage grads are what start the host updates"
+            )
         groups, opt_defaults, cpu_cls, wrapped, explicit = self._resolve_groups(
             params_or_optimizer, cpu_optimizer_cls, defaults
         )
@@ -240,6 +259,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._device_delegate: DelegatedOptimizer | None = None
         self._hook_handles: list[Any] = []
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
+        self._overlapped = (
+            OverlappedStep(self._before_overlapped_update, self._step_bucket, lambda i: self.param_groups[i])
+            if overlap_step_with_backward
+            else None
+        )
         self._accelerated = False
         self._host_buffers = self._place(build_records(self.param_groups), "construction")
         # Arenas of groups added by add_param_group, held like _host_buffers (their pinned
@@ -360,6 +384,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._join_device_delegate(records)
         if self.overlap:
             self._hook_handles.extend(self._register_hooks(records))
+        if self._overlapped is not None:
+            self._overlapped.register(records, self)
         self._accelerated = accelerated
         self._records.extend(records)
         self._buckets.extend(buckets)
@@ -418,12 +444,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
             def hook(param: torch.Tensor, record: ParamShard = r) -> None:
                 opt = self_ref()
+                if opt is not None and opt._overlapped is not None:
+                    opt._overlapped.check_not_started(record)  # a grad its update would miss
                 grad = get_grad(param)
                 if opt is None or opt._defer_grad_copies or grad is None or grad.layout != torch.strided:
                     return  # deferred (step() copies it), or an error step() raises with the param's name
                 local = local_tensor(grad)
                 if local.dtype == record.grad_dtype and local.shape == record.local.shape:
                     opt._stage_grad(record, local)
+                    if opt._overlapped is not None:
+                        opt._overlapped.grad_final(record)
 
             handles.append(r.param.register_post_accumulate_grad_hook(hook))
         return handles
@@ -574,7 +604,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bump it, so the grad is copied again. Keys are cleared after each step and
         by zero_grad, so a reused allocation can never match a stale key.
         """
-        key = (id(grad), grad.data_ptr(), grad._version)
+        key = grad_key(grad)
         if record.staged_grad_key == key:
             return
         with self._bucket_stage("d2h", record.host_bucket):
@@ -612,21 +642,48 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         returns the host work is done and the main stream is ordered after the H2D.
         """
         self._check_groups_placed()
-        loss = None
-        if closure is not None:
+        loss, done = None, set()
+        if self._overlapped is not None:
+            done = self._finish_overlapped_backward(closure)
+        elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            self._step_records(done)
+        finally:
+            if self._overlapped is not None:
+                self._overlapped.end_step()
+        return loss
+
+    def _finish_overlapped_backward(self, closure: Any) -> set[int]:
+        """Refusals, then wait for the updates started during backward; ids of the records they updated."""
+        assert self._overlapped is not None
+        try:
+            self._refuse_in_overlapped_step(closure)
+            return self._overlapped.finish_backward()  # raises a worker's error, naming the bucket
+        except BaseException:
+            for engine in self._overlapped.begun_engines.values():
+                engine.end_step()  # the next forward still waits for the H2D already queued
+            self._overlapped.end_step()
+            raise
+
+    def _step_records(self, done: set[int]) -> None:
+        """The step of every record with a grad, except ``done`` (updated during backward)."""
+        begun = self._overlapped.begun_engines if self._overlapped is not None else {}
         active = self._collect_active()
         if not active:
-            return loss
+            return
         if self._refresh_masters_before_step:
             self.reload_model_params()
         else:
-            self._refresh_written([r for r, _ in active])
+            self._refresh_written([r for r, _ in active])  # a no-op for `done`: synced by their update
         grads = {id(r): g for r, g in active}
-        engines = list({id(e): e for e in self._engines.values()}.values())
+        engines = list({id(e): e for e in [*self._engines.values(), *begun.values()]}.values())
         for engine in engines:
-            engine.begin_step()
+            if id(engine) in begun:
+                engine.note_params_read()  # begun during backward: keep its H2D, move the read mark to now
+            else:
+                engine.begin_step()
         try:
             with record_function("HybridDeviceOptimizer.d2h"):
                 for r, g in active:
@@ -634,7 +691,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         self._stage_grad(r, g)
             self._step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in self._buckets:
-                bucket_active = [r for r in bucket.records if id(r) in grads]
+                bucket_active = [r for r in bucket.records if id(r) in grads and id(r) not in done]
                 if bucket_active:
                     self._step_bucket(bucket, bucket_active)
         finally:
@@ -645,7 +702,40 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for r, _ in active:
             self._publish(r)
         self._mark_wrapped_stepped()
-        return loss
+
+    def _refuse_in_overlapped_step(self, closure: Any) -> None:
+        """What ``overlap_step_with_backward=True`` cannot honour: ``ValueError`` naming the fix."""
+        if closure is not None:
+            raise ValueError(
+                "step(closure) is not supported with overlap_step_with_backward=True: the host updates start "
+                "during the backward before step(), not inside the closure; call loss.backward() and then step() "
+                "without a closure, or build the optimizer without overlap_step_with_backward"
+            )
+        # GradScaler.step sets these on an optimizer with _step_supports_amp_scaling (see that property).
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            self.found_inf = self.grad_scale = None
+            raise ValueError(
+                "AMP's GradScaler.step is not supported with overlap_step_with_backward=True: the host updates "
+                "ran during backward on still-scaled gradients, before GradScaler could unscale them or skip a "
+                "step with inf/NaN gradients; train in bf16 without a GradScaler, or build the optimizer without "
+                "overlap_step_with_backward"
+            )
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """In the overlapped mode, makes ``torch.amp.GradScaler.step`` call :meth:`step` with
+        ``grad_scale`` / ``found_inf`` set (its protocol for optimizers that handle scaling), so
+        step() can refuse it instead of GradScaler silently skipping a step already applied.
+        Default mode: False, GradScaler unscales and calls step() (or skips it) as for any optimizer."""
+        return getattr(self, "_overlapped", None) is not None
+
+    def _before_overlapped_update(self, bucket: HostBucket) -> None:
+        """Main-thread preparation of a bucket update started during backward: the masters' refresh
+        that step() does first (the user's weights are the truth), for this bucket's records."""
+        if self._refresh_masters_before_step:
+            self.reload_model_params()
+        else:
+            self._refresh_written(bucket.records)
 
     def _check_groups_placed(self) -> None:
         """``ValueError`` for a param group that got no update space (added to the wrapped optimizer)."""
@@ -838,6 +928,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """As torch; a ``master_param`` in it is first refreshed from a param written since the last step."""
+        if self._overlapped is not None:
+            self._overlapped.check_idle("state_dict()")  # it would hold a half-applied step
         self._refresh_written(self._records)
         return super().state_dict()
 
@@ -859,6 +951,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
+        if self._overlapped is not None:
+            self._overlapped.check_idle("zero_grad()")  # the update of these grads already ran in part
         zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
             r.staged_grad_key = None
@@ -873,6 +967,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         params, then overwritten by a saved ``master_param``, and the params are set
         to their master's cast. Hyper-parameters come from the saved groups.
         """
+        if self._overlapped is not None:
+            self._overlapped.check_idle("load_state_dict()")  # the worker may still be updating this state
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
