@@ -93,6 +93,7 @@ def _run_jobs(jobs: queue.Queue, failures: list[_Failure]) -> None:
         except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread, never lost
             failures.append(_Failure(what, exc))
         finally:
+            job = fn = None  # the job holds the optimizer: drop it before waiting for the next one
             jobs.task_done()
 
 

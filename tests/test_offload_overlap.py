@@ -1,0 +1,379 @@
+"""overlap_step_with_backward=True: host updates during the final backward, bit-identical to the default mode.
+
+Every parity test trains the same model twice, default mode and overlapped mode,
+and compares the params bit for bit; it also checks the default mode against plain
+torch (close: the host path's fused kernel may round differently), and that the
+overlapped run really started updates during backward (else it would compare the
+default mode with itself).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import checkpoint
+import optim
+from offload_fsdp import HybridDeviceOptimizer
+from tests.distributed import run_ranks
+
+WIDTH = 8
+CONFIGS = {
+    "adamw": (torch.optim.AdamW, dict(lr=0.01, betas=(0.8, 0.95), weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),  # the delegate path
+}
+
+
+class _Net(torch.nn.Module):
+    """Linear layers; ``tied`` reuses the first weight in the last layer; ``branch`` gets a grad on even steps only."""
+
+    def __init__(self, layers: int, width: int, dtype: torch.dtype, tied: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, dtype=dtype) for _ in range(layers))
+        if tied:
+            self.layers[-1].weight = self.layers[0].weight
+        self.branch = torch.nn.Linear(width, width, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        if step % 2 == 0:
+            x = x + self.branch(x)
+        return x
+
+
+def _net(layers=6, width=WIDTH, dtype=torch.float32, tied=False) -> _Net:
+    torch.manual_seed(0)
+    return _Net(layers, width, dtype, tied)
+
+
+def _batch(step: int, micro: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(4, width, generator=torch.Generator().manual_seed(100 * step + micro)).to(dtype)
+
+
+def _train(model, opt, steps, *, micro_batches=1, sched=None, dtype=torch.float32, width=WIDTH, seen=None):
+    """Train; ``seen`` collects, per step, whether a host update was queued before backward finished."""
+    for step in range(steps):
+        for micro in range(micro_batches):
+            final = micro == micro_batches - 1
+            ctx = opt.defer_grad_copies() if not final else _nullcontext()
+            with ctx:
+                model(_batch(step, micro, width, dtype), step).float().square().mean().backward()
+        if seen is not None and opt._overlapped is not None:
+            seen.append(opt._overlapped.in_progress)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _run(name, fraction, dtype, overlap, *, steps=3, micro_batches=1, sched=False, tied=False, layers=6, **kw):
+    cls, hyper = CONFIGS[name]
+    model = _net(layers=layers, dtype=dtype, tied=tied)
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), fraction, cpu_optimizer_cls=cls, overlap_step_with_backward=overlap, **hyper, **kw
+    )
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if sched else None
+    seen: list[bool] = []
+    _train(model, opt, steps, micro_batches=micro_batches, sched=scheduler, dtype=dtype, seen=seen)
+    return model, opt, seen
+
+
+def _assert_identical(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name} differs between the default and the overlapped mode"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_overlapped_steps_are_bit_identical_to_the_default_mode(name, dtype, fraction):
+    default, _, _ = _run(name, fraction, dtype, False, bucket_numel=80)
+    overlapped, _, seen = _run(name, fraction, dtype, True, bucket_numel=80)
+    _assert_identical(default, overlapped)
+    assert all(seen), "no host update was queued during backward: the overlapped path did not run"
+
+
+def test_the_default_mode_being_compared_matches_plain_torch():
+    ours, _, _ = _run("adamw", 1.0, torch.float32, True, bucket_numel=80)
+    ref = _net()
+    cls, hyper = CONFIGS["adamw"]
+    _train(ref, cls(ref.parameters(), **hyper), 3)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_gradient_accumulation_with_deferred_copies_and_a_scheduler_is_bit_identical(name):
+    default, _, _ = _run(name, 0.5, torch.float32, False, micro_batches=3, sched=True, steps=4, bucket_numel=80)
+    overlapped, opt, seen = _run(name, 0.5, torch.float32, True, micro_batches=3, sched=True, steps=4, bucket_numel=80)
+    _assert_identical(default, overlapped)
+    assert all(seen)
+    assert opt.param_groups[0]["lr"] == CONFIGS[name][1]["lr"] * 0.5**4
+
+
+def test_tied_weights_are_updated_once_with_their_whole_gradient():
+    default, _, _ = _run("adamw", 1.0, torch.float32, False, tied=True, bucket_numel=70)
+    overlapped, _, seen = _run("adamw", 1.0, torch.float32, True, tied=True, bucket_numel=70)
+    _assert_identical(default, overlapped)
+    assert all(seen)
+
+
+def test_params_without_a_grad_in_some_steps_wait_for_step_and_match():
+    # bucket_numel 144 puts `branch` (grad on even steps only) in a bucket with the last layer's params
+    default, _, _ = _run("adamw", 1.0, torch.float32, False, steps=4, layers=5, bucket_numel=144)
+    overlapped, opt, _ = _run("adamw", 1.0, torch.float32, True, steps=4, layers=5, bucket_numel=144)
+    _assert_identical(default, overlapped)
+    assert any(any(r.name.startswith("branch") for r in b.records) and len(b.records) > 2 for b in opt._buckets)
+
+
+def test_many_tiny_buckets_race_nothing_over_several_steps():
+    # 40 low-arithmetic-intensity layers, 4 params per bucket: the worker runs while backward goes on
+    kw = dict(layers=40, steps=5, bucket_numel=20)
+    default, _, _ = _run("adamw", 1.0, torch.bfloat16, False, **kw)
+    overlapped, opt, seen = _run("adamw", 1.0, torch.bfloat16, True, **kw)
+    _assert_identical(default, overlapped)
+    assert all(seen) and len(opt._buckets) >= 40
+
+
+def test_updates_are_queued_during_backward_in_gradient_arrival_order():
+    model = _net()
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
+    )
+    order: list[int] = []
+    submit = opt._overlapped.worker.submit
+    opt._overlapped.worker.submit = lambda what, fn: (order.append(int(what.split()[1])), submit(what, fn))
+    started_before_first_layer: list[bool] = []
+    model.layers[0].register_full_backward_pre_hook(
+        lambda *_: started_before_first_layer.append(opt._overlapped.in_progress)
+    )
+    model(_batch(1, 0, WIDTH, torch.float32), 1).square().mean().backward()
+    assert started_before_first_layer == [True]
+    assert order == sorted(order, reverse=True), "the last layers' grads arrive first"
+    opt.step()
+
+
+# ---------------------------------------------------------------------------------------- refusals
+
+
+def _opt_after_backward(**kw):
+    model = _net()
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True, **kw
+    )
+    model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
+    return model, opt
+
+
+def test_step_with_a_closure_is_refused():
+    model, opt = _opt_after_backward()
+    with pytest.raises(ValueError, match="step\\(closure\\) is not supported"):
+        opt.step(lambda: torch.tensor(0.0))
+
+
+def test_optim_clip_grad_norm_and_grad_norm_refuse_params_of_an_overlapped_optimizer():
+    model, opt = _opt_after_backward()
+    with pytest.raises(ValueError, match="optim.clip_grad_norm_ .*overlap_step_with_backward"):
+        optim.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(ValueError, match="optim.grad_norm .*overlap_step_with_backward"):
+        optim.grad_norm(list(model.parameters()))
+    opt.step()
+    plain = _net()
+    plain.layers[0].weight.grad = torch.ones_like(plain.layers[0].weight)
+    assert optim.grad_norm(plain.parameters()) > 0  # other params are not refused
+
+
+def test_torch_clipping_after_backward_makes_step_raise_naming_the_param():
+    model, opt = _opt_after_backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # scales in place, by 1.0: still refused
+    with pytest.raises(ValueError, match="gradient of parameter 'layers.5.weight' was changed in place"):
+        opt.step()
+    opt.zero_grad()  # the optimizer is idle again
+
+
+def test_grad_scaler_step_is_refused():
+    model = _net()
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
+    )
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean()).backward()
+    with pytest.raises(ValueError, match="GradScaler.step is not supported"):
+        scaler.step(opt)
+
+
+def test_a_second_backward_reaching_a_started_bucket_raises_from_backward():
+    model, opt = _opt_after_backward()
+    with pytest.raises(RuntimeError, match="received a gradient in another backward .*defer_grad_copies"):
+        model(_batch(0, 1, WIDTH, torch.float32), 1).square().mean().backward()
+
+
+def test_a_scheduler_stepped_between_backward_and_step_raises():
+    model = _net()
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
+    sched.step()
+    with pytest.raises(ValueError, match="param group 0: hyper-parameters \\['lr'\\] changed"):
+        opt.step()
+
+
+def test_zero_grad_and_state_dict_between_backward_and_step_raise():
+    model, opt = _opt_after_backward()
+    for call in (opt.zero_grad, opt.state_dict):
+        with pytest.raises(RuntimeError, match="call optimizer.step\\(\\) first"):
+            call()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_overlap_without_backward_hooks_is_refused():
+    with pytest.raises(ValueError, match="needs overlap_cpu_optimizer_d2h_h2d=True"):
+        HybridDeviceOptimizer(
+            _net().parameters(), 1.0, overlap_cpu_optimizer_d2h_h2d=False, overlap_step_with_backward=True
+        )
+
+
+def test_an_error_in_the_worker_surfaces_at_step_naming_the_bucket_and_params():
+    model = _net()
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
+    )
+    real = opt._adam_step
+
+    def failing(bucket, *args):
+        if bucket.index == 3:
+            raise OSError("disk on fire")
+        return real(bucket, *args)
+
+    opt._adam_step = failing
+    model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
+    with pytest.raises(RuntimeError, match="bucket 3 \\(params 'layers.3.weight'.*disk on fire") as info:
+        opt.step()
+    assert isinstance(info.value.__cause__, OSError)
+    opt._adam_step = real
+    opt.zero_grad()  # the failed step is over: the optimizer can go on
+    model(_batch(1, 0, WIDTH, torch.float32), 1).square().mean().backward()
+    opt.step()
+
+
+def test_the_worker_thread_ends_with_its_optimizer():
+    model, opt = _opt_after_backward()
+    opt.step()
+    thread = opt._overlapped.worker.thread
+    assert thread is not None and thread.is_alive()
+    del opt
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+# ------------------------------------------------------------------------------------- checkpoint
+
+
+def test_checkpoint_round_trip_in_overlapped_mode_equals_the_default_mode(tmp_path):
+    results = []
+    for overlap in (False, True):
+        model, opt, _ = _run("adamw", 1.0, torch.bfloat16, overlap, steps=2, bucket_numel=80)
+        path = tmp_path / f"ckpt_{overlap}"
+        checkpoint.save(str(path), model=model, optimizer=opt)
+        fresh = _net(dtype=torch.bfloat16)
+        cls, hyper = CONFIGS["adamw"]
+        fresh_opt = HybridDeviceOptimizer(
+            fresh.parameters(), 1.0, cpu_optimizer_cls=cls, bucket_numel=80, overlap_step_with_backward=overlap,
+            **hyper,
+        )  # fmt: skip
+        checkpoint.load(str(path), model=fresh, optimizer=fresh_opt)
+        _train(fresh, fresh_opt, 2, dtype=torch.bfloat16)
+        _train(model, opt, 2, dtype=torch.bfloat16)
+        _assert_identical(model, fresh)  # resume == uninterrupted
+        results.append(fresh)
+    _assert_identical(*results)
+
+
+# ------------------------------------------------------------------------------------------ FSDP2
+
+
+def _fsdp_body(rank: int, world_size: int) -> list[list[torch.Tensor]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    out = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        # 5, 3 and 2 rows: uneven shards on 2 and 3 ranks, an empty one on 3
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)
+        )
+        for i in (0, 2, 4):
+            fully_shard(model[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = HybridDeviceOptimizer(
+            model.parameters(), 0.5 if world_size == 3 else 1.0, lr=0.01, weight_decay=0.1, bucket_numel=8,
+            overlap_step_with_backward=overlap,
+        )  # fmt: skip
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            for micro in range(2):
+                model.set_requires_gradient_sync(micro == 1)
+                model(torch.randn(4, 6, generator=gen)).square().mean().backward()
+            if overlap:
+                assert opt._overlapped.in_progress, "no update started during the final backward"
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        out.append([p.full_tensor() for p in model.parameters()])
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_overlapped_steps_are_bit_identical_to_the_default_mode(world_size):
+    for default, overlapped in run_ranks(_fsdp_body, world_size):
+        for a, b in zip(default, overlapped):
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------ accelerator
+
+
+@pytest.mark.accelerator
+def test_on_an_accelerator_one_step_in_flight_is_bit_identical_and_params_land_before_the_next_forward():
+    device = torch.accelerator.current_accelerator()
+    results = []
+    for overlap in (False, True):
+        model = _net(layers=24, width=256).to(device)
+        opt = HybridDeviceOptimizer(
+            model.parameters(), 1.0, lr=0.01, bucket_numel=256 * 256 + 256, overlap_step_with_backward=overlap
+        )
+        for step in range(4):
+            x = _batch(step, 0, 256, torch.float32).to(device)
+            model(x, step).square().mean().backward()
+            if overlap:
+                assert opt._overlapped.in_progress
+            opt.step()
+            opt.zero_grad()
+            # One step in flight: this forward is queued while H2D copies may still run; the main
+            # stream must wait for them, so it sees the same params as a forward after a full sync.
+            with torch.no_grad():
+                early = model(x, step + 1)
+                torch.accelerator.synchronize()
+                assert torch.equal(early, model(x, step + 1)), "a forward read params before their H2D landed"
+        torch.accelerator.synchronize()
+        results.append([p.detach().cpu() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
