@@ -39,6 +39,7 @@ from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
+from offload_fsdp.forward_waits import register_forward_waits
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
@@ -182,6 +183,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             second backward reaching a started bucket, hyper-parameters changed between
             backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
             ``docs/offload.md``, "Overlapped host step".
+        model: the model holding the params (after ``fully_shard``). When given, each module
+            owning offloaded params (an FSDP2 unit, else the registering module) gets a forward
+            pre-hook waiting only for its own buckets' H2D, instead of the main stream waiting
+            for the whole step's H2D at the end of ``step()``. Reads of params outside those
+            forwards (a checkpoint save right after ``step()``, EMA) must call
+            :meth:`wait_for_params` first (:mod:`offload_fsdp.forward_waits`).
         **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
 
     Side effects of construction: host buffers are allocated once (exact size),
@@ -204,6 +211,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         precision: PrecisionPolicy | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         overlap_step_with_backward: bool = False,
+        model: torch.nn.Module | None = None,
         **defaults: Any,
     ) -> None:
         self._built = False
@@ -265,6 +273,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             else None
         )
         self._accelerated = False
+        self._model = weakref.ref(model) if model is not None else None  # per-module H2D waits (model=)
         self._host_buffers = self._place(build_records(self.param_groups), "construction")
         # Arenas of groups added by add_param_group, held like _host_buffers (their pinned
         # registration is undone when an arena's storage object dies).
@@ -386,6 +395,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._hook_handles.extend(self._register_hooks(records))
         if self._overlapped is not None:
             self._overlapped.register(records, self)
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._hook_handles.extend(register_forward_waits(model, buckets, self._wait_pushed))
         self._accelerated = accelerated
         self._records.extend(records)
         self._buckets.extend(buckets)
@@ -696,7 +708,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     self._step_bucket(bucket, bucket_active)
         finally:
             for engine in engines:
-                engine.end_step()
+                engine.end_step(main_waits=self._model is None)  # else each module's forward waits
             for r in self._records:
                 r.staged_grad_key = None
         for r, _ in active:
@@ -728,6 +740,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         step() can refuse it instead of GradScaler silently skipping a step already applied.
         Default mode: False, GradScaler unscales and calls step() (or skips it) as for any optimizer."""
         return getattr(self, "_overlapped", None) is not None
+
+    @staticmethod
+    def _wait_pushed(bucket: HostBucket) -> None:
+        bucket.engine.wait_pushed(bucket)
+
+    def wait_for_params(self) -> None:
+        """Order the current stream after every param H2D queued so far (the host does not block).
+
+        Needed only with ``model=``, before reading params other than through the model's
+        forward (which waits for its own params): e.g. saving a checkpoint right after ``step()``.
+        """
+        for bucket in self._buckets:
+            bucket.engine.wait_pushed(bucket)
 
     def _before_overlapped_update(self, bucket: HostBucket) -> None:
         """Main-thread preparation of a bucket update started during backward: the masters' refresh

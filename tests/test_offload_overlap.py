@@ -17,6 +17,7 @@ import torch
 import checkpoint
 import optim
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.forward_waits import owners_of_buckets
 from tests.distributed import run_ranks
 
 WIDTH = 8
@@ -281,6 +282,56 @@ def test_the_worker_thread_ends_with_its_optimizer():
     assert not thread.is_alive()
 
 
+# -------------------------------------------------------------------------------------- model=
+
+
+def test_model_hooks_wait_for_each_modules_own_buckets_right_before_its_forward():
+    model = _net(layers=3, tied=True)  # layers.2.weight is layers.0.weight
+    opt = HybridDeviceOptimizer(model.named_parameters(), 1.0, lr=0.01, bucket_numel=72, model=model)
+    owned = {name: sorted(b.index for b in bs) for name, bs in _named_owners(model, opt)}
+    # buckets: 0 = layers.0 (72), 1 = layers.1, 2 = layers.2.bias + branch.weight, 3 = branch.bias
+    assert owned == {"layers.0": [0], "layers.1": [1], "layers.2": [0, 2], "branch": [2, 3]}
+    log: list[tuple[str, object]] = []
+    engine = opt._buckets[0].engine
+    engine.wait_pushed = lambda bucket: log.append(("wait", bucket.index))
+    end_step = engine.end_step
+    engine.end_step = lambda main_waits=True: (log.append(("end_step", main_waits)), end_step(main_waits))
+    for name, module in model.named_modules():
+        if name in owned:  # registered after ours: runs after our wait
+            module.register_forward_pre_hook(lambda m, args, name=name: log.append(("forward", name)))
+    forward = [
+        ("wait", 0), ("forward", "layers.0"), ("wait", 1), ("forward", "layers.1"),
+        ("wait", 0), ("wait", 2), ("forward", "layers.2"), ("wait", 2), ("wait", 3), ("forward", "branch"),
+    ]  # fmt: skip
+    model(_batch(0, 0, WIDTH, torch.float32), 0).square().mean().backward()
+    opt.step()
+    assert log == [*forward, ("end_step", False)]  # the step itself leaves the waiting to the forwards
+    log.clear()
+    model(_batch(1, 0, WIDTH, torch.float32), 0)
+    assert log == forward
+
+
+def _named_owners(model, opt):
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(m)], bs) for m, bs in owners_of_buckets(model, opt._buckets)]
+
+
+def test_model_without_an_offloaded_param_is_refused_naming_it():
+    model, other = _net(), torch.nn.Linear(3, 3)
+    params = [*model.named_parameters(), ("extra.weight", other.weight)]
+    with pytest.raises(ValueError, match="parameter 'extra.weight' is offloaded but not a parameter of the model="):
+        HybridDeviceOptimizer(params, 1.0, lr=0.01, model=model)
+
+
+def test_model_hooks_keep_results_identical():
+    default, _, _ = _run("adamw", 1.0, torch.float32, True, bucket_numel=80)
+    hooked = _net()
+    opt = HybridDeviceOptimizer(hooked.parameters(), 1.0, lr=0.01, betas=(0.8, 0.95), weight_decay=0.1,
+                                bucket_numel=80, overlap_step_with_backward=True, model=hooked)  # fmt: skip
+    _train(hooked, opt, 3)
+    _assert_identical(default, hooked)
+
+
 # ------------------------------------------------------------------------------------- checkpoint
 
 
@@ -309,7 +360,7 @@ def test_checkpoint_round_trip_in_overlapped_mode_equals_the_default_mode(tmp_pa
 
 def _fsdp_body(rank: int, world_size: int) -> list[list[torch.Tensor]]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     out = []
@@ -324,8 +375,10 @@ def _fsdp_body(rank: int, world_size: int) -> list[list[torch.Tensor]]:
         fully_shard(model, mesh=mesh)
         opt = HybridDeviceOptimizer(
             model.parameters(), 0.5 if world_size == 3 else 1.0, lr=0.01, weight_decay=0.1, bucket_numel=8,
-            overlap_step_with_backward=overlap,
+            overlap_step_with_backward=overlap, model=model if overlap else None,
         )  # fmt: skip
+        if overlap:  # model=: the forward pre-hooks sit on the fully_shard units
+            assert all(isinstance(m, FSDPModule) for m, _ in owners_of_buckets(model, opt._buckets))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
         for step in range(3):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -358,7 +411,12 @@ def test_on_an_accelerator_one_step_in_flight_is_bit_identical_and_params_land_b
     for overlap in (False, True):
         model = _net(layers=24, width=256).to(device)
         opt = HybridDeviceOptimizer(
-            model.parameters(), 1.0, lr=0.01, bucket_numel=256 * 256 + 256, overlap_step_with_backward=overlap
+            model.parameters(),
+            1.0,
+            lr=0.01,
+            bucket_numel=256 * 256 + 256,
+            overlap_step_with_backward=overlap,
+            model=model if overlap else None,  # per-module waits: the check below covers them too
         )
         for step in range(4):
             x = _batch(step, 0, 256, torch.float32).to(device)
