@@ -662,9 +662,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 loss = closure()
         try:
             self._step_records(done)
-        finally:
-            if self._overlapped is not None:
-                self._overlapped.end_step()
+        except BaseException:
+            self._abandon_overlapped_step()
+            raise
+        if self._overlapped is not None:
+            self._overlapped.end_step()
         return loss
 
     def _finish_overlapped_backward(self, closure: Any) -> set[int]:
@@ -674,10 +676,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._refuse_in_overlapped_step(closure)
             return self._overlapped.finish_backward()  # raises a worker's error, naming the bucket
         except BaseException:
-            for engine in self._overlapped.begun_engines.values():
-                engine.end_step()  # the next forward still waits for the H2D already queued
-            self._overlapped.end_step()
+            self._abandon_overlapped_step()
             raise
+
+    def _abandon_overlapped_step(self) -> None:
+        """After an error: end the copy engines begun during backward, forget the step's bookkeeping."""
+        if self._overlapped is None:
+            return
+        for engine in self._overlapped.begun_engines.values():
+            engine.end_step()  # the next forward still waits for the H2D the worker queued (twice is harmless)
+        self._overlapped.end_step()
 
     def _step_records(self, done: set[int]) -> None:
         """The step of every record with a grad, except ``done`` (updated during backward)."""
@@ -729,8 +737,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "AMP's GradScaler.step is not supported with overlap_step_with_backward=True: the host updates "
                 "ran during backward on still-scaled gradients, before GradScaler could unscale them or skip a "
-                "step with inf/NaN gradients; train in bf16 without a GradScaler, or build the optimizer without "
-                "overlap_step_with_backward"
+                "step with inf/NaN gradients (the buckets updated so far used them: restore from a checkpoint); train "
+                "in bf16 without a GradScaler, or build the optimizer without overlap_step_with_backward"
             )
 
     @property

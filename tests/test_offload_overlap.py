@@ -197,9 +197,13 @@ def test_optim_clip_grad_norm_and_grad_norm_refuse_params_of_an_overlapped_optim
 
 def test_torch_clipping_after_backward_makes_step_raise_naming_the_param():
     model, opt = _opt_after_backward()
+    engine = opt._buckets[0].engine
+    ended: list[bool] = []
+    engine.end_step = lambda main_waits=True: ended.append(main_waits)
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # scales in place, by 1.0: still refused
     with pytest.raises(ValueError, match="gradient of parameter 'layers.5.weight' was changed in place"):
         opt.step()
+    assert ended == [True], "the engine begun during backward must end (the next forward waits for its H2D)"
     opt.zero_grad()  # the optimizer is idle again
 
 
