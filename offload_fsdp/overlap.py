@@ -50,7 +50,7 @@ _DEFER_HINT = (
     "(or, under FSDP2, set_requires_gradient_sync(False)) so only the final backward starts updates"
 )
 
-# param -> the optimizer (weakly) that updates it during backward; read by optim.clip_grad_norm_.
+# param -> (the optimizer that updates it during backward, weakly; the param's name); read by optim's clipping.
 _OVERLAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -62,10 +62,10 @@ def refuse_overlapped(params: Iterable[Any], what: str) -> None:
     known, so a norm-based edit of its grad cannot be honoured; nothing is silently changed.
     """
     for p in params:
-        owner = _OVERLAPPED.get(p) if isinstance(p, torch.Tensor) else None
+        owner, name = _OVERLAPPED.get(p, (None, "")) if isinstance(p, torch.Tensor) else (None, "")
         if owner is not None and owner() is not None:
             raise ValueError(
-                f"{what} was given parameters (shape {tuple(p.shape)}) of a HybridDeviceOptimizer built with "
+                f"{what} was given parameter {name!r} of a HybridDeviceOptimizer built with "
                 "overlap_step_with_backward=True: their host update starts during backward, before the norm "
                 "of all gradients is known. Build the optimizer without overlap_step_with_backward to clip, "
                 "or train without gradient clipping in this mode"
@@ -183,7 +183,7 @@ class OverlappedStep:
         ref = weakref.ref(owner)
         for r in records:
             if r.offloaded:
-                _OVERLAPPED[r.param] = ref
+                _OVERLAPPED[r.param] = (ref, r.name)
 
     @property
     def in_progress(self) -> bool:
