@@ -78,11 +78,12 @@ def owners_of_buckets(
 
 
 def register_forward_waits(
-    model: torch.nn.Module, buckets: list[HostBucket], wait: Callable[[HostBucket], None]
+    waits: list[tuple[torch.nn.Module, list[HostBucket]]], wait: Callable[[HostBucket], None]
 ) -> list[Any]:
-    """A forward pre-hook per owning module calling ``wait(bucket)`` for each of its buckets; the handles."""
+    """A forward pre-hook per module of ``waits`` (:func:`owners_of_buckets`) calling ``wait(bucket)``
+    for each of its buckets; returns the handles."""
     handles = []
-    for module, mine in owners_of_buckets(model, buckets):
+    for module, mine in waits:
 
         def hook(module: torch.nn.Module, args: Any, mine: list[HostBucket] = mine) -> None:
             for bucket in mine:

@@ -39,7 +39,7 @@ from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
-from offload_fsdp.forward_waits import register_forward_waits
+from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
@@ -388,6 +388,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin=(self._pin[0] and accelerated, self._pin[1] and accelerated),
             engine_for=self._engine_for,
         )
+        model = self._model() if self._model is not None else None
+        waits = owners_of_buckets(model, buckets) if model is not None else []  # raises for a param not in it
         self._init_host_copies(buckets)
         # The last step that can fail (building the device class); self is changed only from here on.
         self._join_device_delegate(records)
@@ -395,9 +397,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._hook_handles.extend(self._register_hooks(records))
         if self._overlapped is not None:
             self._overlapped.register(records, self)
-        model = self._model() if self._model is not None else None
-        if model is not None:
-            self._hook_handles.extend(register_forward_waits(model, buckets, self._wait_pushed))
+        self._hook_handles.extend(register_forward_waits(waits, self._wait_pushed))
         self._accelerated = accelerated
         self._records.extend(records)
         self._buckets.extend(buckets)

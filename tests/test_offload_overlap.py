@@ -327,6 +327,11 @@ def test_model_without_an_offloaded_param_is_refused_naming_it():
     params = [*model.named_parameters(), ("extra.weight", other.weight)]
     with pytest.raises(ValueError, match="parameter 'extra.weight' is offloaded but not a parameter of the model="):
         HybridDeviceOptimizer(params, 1.0, lr=0.01, model=model)
+    opt = HybridDeviceOptimizer(model.named_parameters(), 1.0, lr=0.01, model=model)
+    buckets, hooks = len(opt._buckets), len(opt._hook_handles)
+    with pytest.raises(ValueError, match="is offloaded but not a parameter of the model="):
+        opt.add_param_group({"params": [other.weight]})
+    assert (len(opt.param_groups), len(opt._buckets), len(opt._hook_handles)) == (1, buckets, hooks)
 
 
 def test_model_hooks_keep_results_identical():
