@@ -330,7 +330,7 @@ def test_model_without_an_offloaded_param_is_refused_naming_it():
     opt = HybridDeviceOptimizer(model.named_parameters(), 1.0, lr=0.01, model=model)
     buckets, hooks = len(opt._buckets), len(opt._hook_handles)
     with pytest.raises(ValueError, match="is offloaded but not a parameter of the model="):
-        opt.add_param_group({"params": [other.weight]})
+        opt.add_param_group({"params": [("extra.weight", other.weight)]})
     assert (len(opt.param_groups), len(opt._buckets), len(opt._hook_handles)) == (1, buckets, hooks)
 
 
