@@ -10,6 +10,7 @@ default mode with itself).
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 import checkpoint
 import optim
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.copy_engine import SyncCopyEngine
 from offload_fsdp.forward_waits import owners_of_buckets
 from tests.distributed import run_ranks
 
@@ -163,6 +165,73 @@ def test_updates_are_queued_during_backward_in_gradient_arrival_order():
     assert started_before_first_layer == [True]
     assert order == sorted(order, reverse=True), "the last layers' grads arrive first"
     opt.step()
+
+
+class _RecordingEngine(SyncCopyEngine):
+    """Synchronous copies, plus a log of every call with the bucket and the calling thread."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int | None, str]] = []
+
+    def _note(self, what: str, bucket=None) -> None:
+        self.log.append((what, None if bucket is None else bucket.index, threading.current_thread().name))
+
+    def begin_step(self):
+        self._note("begin")
+
+    def note_params_read(self):
+        self._note("mark")
+
+    def stage_grad(self, bucket, dst, src):
+        self._note("stage", bucket)
+        super().stage_grad(bucket, dst, src)
+
+    def wait_grads(self, bucket):
+        self._note("wait_grads", bucket)
+
+    def push_params(self, bucket, pairs):
+        self._note("push", bucket)
+        super().push_params(bucket, pairs)
+
+    def end_step(self, main_waits=True):
+        self._note("end")
+
+
+def test_each_push_follows_a_read_mark_taken_after_its_params_last_read_and_end_step_follows_all():
+    # What a device stream needs: the H2D of a bucket may overwrite its params only once the main
+    # stream has queued every read of them (a mark after the bucket's last grad when it starts
+    # during backward, else one in step()), and end_step (the next forward's wait) comes last.
+    model = _net(layers=5)  # buckets of 144: (layers 0, 1), (2, 3), (4, branch); branch: even steps only
+    opt = HybridDeviceOptimizer(
+        model.named_parameters(), 1.0, lr=0.01, bucket_numel=144, overlap_step_with_backward=True
+    )
+    engine = _RecordingEngine()
+    for bucket in opt._buckets:
+        bucket.engine = engine
+    opt._engines = {torch.device("cpu"): engine}
+    opt.register_step_pre_hook(lambda *_: engine._note("step()"))
+    for step in range(2):
+        engine.log.clear()
+        model(_batch(step, 0, WIDTH, torch.float32), step).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        log, kinds = engine.log, [k for k, _, _ in engine.log]
+        assert kinds.count("begin") == 1 and kinds.count("end") == 1 and kinds[-1] == "end"
+        assert kinds.index("begin") < kinds.index("push")
+        step_call = kinds.index("step()")
+        pushes = [(i, b, t) for i, (k, b, t) in enumerate(log) if k == "push"]
+        assert sorted(b for _, b, _ in pushes) == [0, 1, 2]
+        for i, bucket, thread in pushes:
+            last_stage = max(j for j, (k, b, _) in enumerate(log) if k == "stage" and b == bucket)
+            # started during backward (on the worker): after its last grad; else: after step() began
+            reads_done = last_stage if thread == "offload_fsdp-host-step" else step_call
+            assert any(k in ("begin", "mark") for k, _, _ in log[reads_done + 1 : i]), (
+                f"step {step}: bucket {bucket}'s H2D is not ordered after its params' last read"
+            )
+            assert ("wait_grads", bucket, thread) in log[last_stage:i], "the update must wait for its grads"
+        on_worker = sorted(b for _, b, t in pushes if t == "offload_fsdp-host-step")
+        # step 1: the last bucket lacks branch's grad, so it is completed by step() itself
+        assert on_worker == ([0, 1, 2] if step == 0 else [0, 1])
 
 
 # ---------------------------------------------------------------------------------------- refusals
