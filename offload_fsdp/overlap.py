@@ -22,6 +22,7 @@ Nothing here imports the optimizer: it is handed the two calls it needs.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -97,10 +98,15 @@ def _run_jobs(jobs: queue.Queue, failures: list[_Failure]) -> None:
             jobs.task_done()
 
 
+_JOIN_TIMEOUT_S = 60.0
+"""How long collecting the optimizer (or interpreter exit) waits for a job still running; the
+thread is a daemon, so a job that never ends (a device that hangs) cannot hang the exit."""
+
+
 def _stop(jobs: queue.Queue, thread: threading.Thread) -> None:
     jobs.put(_STOP)
-    if thread is not threading.current_thread():
-        thread.join()
+    if thread is not threading.current_thread():  # collected on the worker itself: it stops after this job
+        thread.join(_JOIN_TIMEOUT_S)
 
 
 class HostWorker:
@@ -114,10 +120,12 @@ class HostWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._failures: list[_Failure] = []
         self._thread: threading.Thread | None = None
+        self._pid = 0
 
     def submit(self, what: str, fn: Callable[[], None]) -> None:
         """Queue ``fn``; ``what`` names it in the error if it raises."""
-        if self._thread is None:
+        if self._thread is None or self._pid != os.getpid():  # a forked child has no copy of the thread
+            self._jobs, self._pid = queue.Queue(), os.getpid()
             self._thread = threading.Thread(
                 target=_run_jobs, args=(self._jobs, self._failures), name="offload_fsdp-host-step", daemon=True
             )
