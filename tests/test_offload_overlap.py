@@ -20,6 +20,7 @@ import optim
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.copy_engine import SyncCopyEngine
 from offload_fsdp.forward_waits import owners_of_buckets
+from offload_fsdp.precision import PrecisionPolicy
 from tests.distributed import run_ranks
 
 WIDTH = 8
@@ -105,6 +106,14 @@ def test_overlapped_steps_are_bit_identical_to_the_default_mode(name, dtype, fra
     overlapped, _, seen = _run(name, fraction, dtype, True, bucket_numel=80)
     _assert_identical(default, overlapped)
     assert all(seen), "no host update was queued during backward: the overlapped path did not run"
+
+
+def test_bf16_moments_with_stochastic_rounding_are_bit_identical_too():
+    bf16_state = PrecisionPolicy(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    default, _, _ = _run("adamw", 1.0, torch.bfloat16, False, bucket_numel=80, precision=bf16_state)
+    overlapped, _, seen = _run("adamw", 1.0, torch.bfloat16, True, bucket_numel=80, precision=bf16_state)
+    _assert_identical(default, overlapped)
+    assert all(seen)
 
 
 def test_the_default_mode_being_compared_matches_plain_torch():
