@@ -986,6 +986,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers."""
         if self._overlapped is not None:
             self._overlapped.check_idle("zero_grad()")  # the update of these grads already ran in part
+            self._overlapped.forget_readiness()
         zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
             r.staged_grad_key = None

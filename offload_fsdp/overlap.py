@@ -161,6 +161,12 @@ class HostWorker:
         return self._thread
 
 
+def _staged_is_current(r: ParamShard) -> bool:
+    """True when ``r``'s grad is the very tensor, unmodified, that was staged (``records.grad_key``)."""
+    grad = get_grad(r.param)
+    return grad is not None and grad_key(local_tensor(grad)) == r.staged_grad_key
+
+
 class OverlappedStep:
     """Readiness counting and the started buckets of the current step (one per optimizer).
 
@@ -214,7 +220,9 @@ class OverlappedStep:
         bucket = record.host_bucket
         ready = self._ready.setdefault(bucket.index, set())
         ready.add(id(record))
-        if len(ready) == len(bucket.records):
+        # Every record counted, and each one's staged grad is still its current grad (a count left
+        # from a backward whose grads were zeroed since must not start an update on stale staging).
+        if len(ready) == len(bucket.records) and all(_staged_is_current(r) for r in bucket.records):
             self._start(bucket)
 
     def _start(self, bucket: HostBucket) -> None:
@@ -259,14 +267,17 @@ class OverlappedStep:
 
     @staticmethod
     def _check_grad_unchanged(r: ParamShard) -> None:
-        grad = get_grad(r.param)
-        if grad is None or grad_key(local_tensor(grad)) != r.staged_grad_key:
+        if not _staged_is_current(r):
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
                 "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "
                 "zero_grad), so the update used the old gradient; with overlap_step_with_backward=True "
                 "leave gradients untouched between backward and step(), or build the optimizer without it"
             )
+
+    def forget_readiness(self) -> None:
+        """Grads were zeroed without a step: no grad counted so far is final any more."""
+        self._ready.clear()
 
     def end_step(self) -> None:
         """Forget this step's readiness and started buckets (after ``step()``, successful or not)."""

@@ -524,3 +524,24 @@ def test_on_an_accelerator_one_step_in_flight_is_bit_identical_and_params_land_b
         results.append([p.detach().cpu() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_backward_whose_grads_are_zeroed_without_a_step_leaves_no_stale_readiness():
+    # Step 0's backward stages branch's grad (its bucket waits for layers.4); the step is skipped
+    # (zero_grad). Step 1 has no grad for branch: its bucket must not start from the stale staging.
+    results = []
+    for overlap in (False, True):
+        model = _net(layers=5)
+        opt = HybridDeviceOptimizer(
+            model.named_parameters(), 1.0, lr=0.01, bucket_numel=144, overlap_step_with_backward=overlap
+        )
+        with opt.defer_grad_copies():
+            model(_batch(0, 0, WIDTH, torch.float32), 0).square().mean().backward()
+        opt.zero_grad()  # skipped step, nothing started
+        branch_only = model.branch(_batch(0, 1, WIDTH, torch.float32)).square().mean()
+        branch_only.backward()  # branch's bucket now has branch counted, layers.4 not
+        opt.zero_grad()  # skipped again: branch's count must be forgotten
+        model(_batch(1, 0, WIDTH, torch.float32), 1).square().mean().backward()  # odd step: no branch
+        opt.step()
+        results.append(model)
+    _assert_identical(*results)
