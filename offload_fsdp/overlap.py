@@ -240,7 +240,15 @@ class OverlappedStep:
         self._started_records.update(id(r) for r in bucket.records)
         names = ", ".join(repr(r.name) for r in bucket.records[:4]) + (", ..." if len(bucket.records) > 4 else "")
         records = list(bucket.records)
-        self.worker.submit(f"bucket {bucket.index} (params {names})", lambda: self._update(bucket, records))
+        self.worker.submit(
+            f"bucket {bucket.index} (params {names})", lambda: self._update_on_its_device(bucket, records)
+        )
+
+    def _update_on_its_device(self, bucket: HostBucket, records: list[ParamShard]) -> None:
+        # The current device is per thread: the worker's default need not be this rank's device.
+        if bucket.device.type != "cpu" and bucket.device.index is not None:
+            torch.accelerator.set_device_index(bucket.device.index)
+        self._update(bucket, records)
 
     def finish_backward(self) -> set[int]:
         """Wait for the queued updates; check that they used what ``step()`` would use.
