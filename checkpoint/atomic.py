@@ -35,17 +35,14 @@ A fresh path never exists before step 2, so it is either complete or absent
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from checkpoint.durable import fsync_dir
 from checkpoint.manifest import MANIFEST_NAME, NotACheckpointError
+from checkpoint.storage_backend import storage_for
 
 __all__ = [
     "MARKER_NAME",
@@ -89,24 +86,48 @@ def lock_path(path: str | os.PathLike) -> Path:
     return _sibling(path, LOCK_SUFFIX)
 
 
+def _is(path: Path, kind: str) -> bool:
+    """Whether ``path`` (a link followed, as ``Path.is_file`` / ``is_dir`` do) is a ``kind``."""
+    found = storage_for(path).stat(path, follow_symlinks=True)
+    return found is not None and found.kind == kind
+
+
+def _exists(path: Path) -> bool:
+    """``Path.exists``: something at ``path``, a link followed."""
+    return storage_for(path).stat(path, follow_symlinks=True) is not None
+
+
+def _absent(path: Path) -> bool:
+    """Nothing at all at ``path``, not even a dangling link."""
+    return storage_for(path).stat(path) is None
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return _is(path, "directory") and not storage_for(path).list(path)
+
+
 def is_committed(path: str | os.PathLike) -> bool:
-    return (Path(path) / MANIFEST_NAME).is_file()
+    return _is(Path(path) / MANIFEST_NAME, "file")
 
 
 def is_ours(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` carries this library's marker (see the module docstring)."""
-    return (Path(directory) / MARKER_NAME).is_file()
+    return _is(Path(directory) / MARKER_NAME, "file")
 
 
 def mark(directory: str | os.PathLike) -> None:
     """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
     marker = Path(directory) / MARKER_NAME
-    if not marker.is_file():
-        with open(marker, "w") as f:
-            f.write("written by fsdp-ckpt; this directory may be replaced or removed by the next save\n")
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(directory)
+    if not _is(marker, "file"):
+        store = storage_for(marker)
+        stream = store.create(marker)
+        try:
+            stream.write(b"written by fsdp-ckpt; this directory may be replaced or removed by the next save\n")
+        except BaseException:
+            stream.abort()
+            raise
+        stream.finish()
+        store.sync_dir(directory)
 
 
 def _in_the_way(path: Path, role: str, target: Path) -> FileExistsError:
@@ -118,14 +139,15 @@ def _in_the_way(path: Path, role: str, target: Path) -> FileExistsError:
 
 def _remove_ours(directory: Path, role: str, target: Path) -> None:
     """Remove ``directory`` if it is ours (marked, or an empty dir left by a kill before the marker)."""
-    if not directory.exists() and not directory.is_symlink():
+    found = storage_for(directory).stat(directory)
+    if found is None:
         return
-    if directory.is_dir() and not directory.is_symlink():
+    if found.kind == "directory":
         if is_ours(directory):
-            shutil.rmtree(directory)
+            storage_for(directory).remove_tree(directory)
             return
-        if not any(directory.iterdir()):
-            directory.rmdir()
+        if not storage_for(directory).list(directory):
+            storage_for(directory).remove_dir(directory)
             return
     raise _in_the_way(directory, role, target)
 
@@ -139,16 +161,17 @@ def make_staging(path: str | os.PathLike, *, fresh: bool = True) -> Path:
     is a symbolic link (a save replaces what sits at ``path``: the link, not its target).
     """
     path = Path(path)
-    if path.is_symlink():
+    found = storage_for(path).stat(path)
+    if found is not None and found.kind == "symlink":
         # The swap renames whatever sits at ``path``: it would move the link aside, not replace what it points to.
         raise FileExistsError(
-            f"cannot save to {str(path)!r}: it is a symbolic link (to {os.readlink(path)!r}), which a save would "
-            f"replace by a directory; save to {os.path.realpath(path)!r} itself, or to another path"
+            f"cannot save to {str(path)!r}: it is a symbolic link (to {found.link_target!r}), which a save would "
+            f"replace by a directory; save to {found.real_path!r} itself, or to another path"
         )
     staged = staging_path(path)
     if fresh or not is_ours(staged):
         _remove_ours(staged, "unfinished saves", path)
-    staged.mkdir(parents=True, exist_ok=True)
+    storage_for(staged).make_dir(staged)
     mark(staged)
     return staged
 
@@ -157,7 +180,7 @@ def remove_staging(path: str | os.PathLike) -> None:
     """Remove the staging directory of a failed save to ``path``, if it is ours. Never raises."""
     staged = staging_path(path)
     if is_ours(staged):
-        shutil.rmtree(staged, ignore_errors=True)
+        storage_for(staged).remove_tree(staged, ignore_errors=True)
 
 
 def check_target(path: str | os.PathLike) -> None:
@@ -167,11 +190,11 @@ def check_target(path: str | os.PathLike) -> None:
     Raises ``FileExistsError`` naming it otherwise (user data is never replaced).
     """
     path = Path(path)
-    if not path.exists() and not path.is_symlink():
+    if _absent(path):
         return
-    if path.is_dir() and (is_committed(path) or not any(path.iterdir())):
+    if _is(path, "directory") and (is_committed(path) or _is_empty_dir(path)):
         return
-    kind = "a file" if not path.is_dir() else "a directory that is not a committed checkpoint"
+    kind = "a file" if not _is(path, "directory") else "a directory that is not a committed checkpoint"
     raise FileExistsError(f"cannot save to {str(path)!r}: it is {kind}; move it away or save to another path")
 
 
@@ -185,10 +208,10 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
 
     Two locks, taken in this order: one per path for this process's threads
     (``flock`` alone would not order two threads sharing a lock file), then
-    ``fcntl.flock`` on ``.P.fsdp-ckpt-lock`` beside ``path`` for other
-    processes (on file systems where ``flock`` is not shared between hosts,
-    only processes of one host are ordered). The lock file is removed on
-    release; a waiter that then holds a removed file locks the new one instead.
+    the storage's :meth:`~checkpoint.storage_backend.Storage.lock` on
+    ``.P.fsdp-ckpt-lock`` beside ``path`` for other processes (local:
+    ``fcntl.flock``; on file systems where ``flock`` is not shared between
+    hosts, only processes of one host are ordered).
     """
     path = Path(path)
     key = os.path.abspath(path)
@@ -200,20 +223,15 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
         logger.info("waiting for another save to %s in this process to finish", path)
         thread_lock.acquire()
     try:
+        store = storage_for(path)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            store.make_dir(path.parent)
         except (FileExistsError, NotADirectoryError) as exc:
             raise NotADirectoryError(
                 f"cannot save to {str(path)!r}: a parent of it is a file, not a directory"
             ) from exc
-        fd = _flock(lock_path(path), path)
-        try:
+        with store.lock(lock_path(path)):
             yield
-        finally:
-            # Removed while still locked: a process waiting on this file finds it gone and locks a new one.
-            with contextlib.suppress(OSError):
-                os.unlink(lock_path(path))
-            os.close(fd)  # releases the flock
     finally:
         thread_lock.release()
         with _registry_lock:
@@ -222,39 +240,16 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
                 del _thread_locks[key]
 
 
-def _flock(lock: Path, path: Path) -> int:
-    """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed)."""
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                logger.warning("waiting for another process's save to %s to finish (%s is locked)", path, lock)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
-                    return fd
-            except FileNotFoundError:
-                pass
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # the holder we waited for removed this file: lock the one at the name now
-
-
 def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed) -> None:
     """Undo a swap killed between its two renames: the swap dir goes back to ``P``. Rank 0 / one process only.
 
     ``complete`` tells a finished output (default: a committed checkpoint), as in :func:`swap_into_place`.
     """
     path, old = Path(path), old_path(path)
-    if not path.exists() and is_ours(old) and complete(old):
+    if not _exists(path) and is_ours(old) and complete(old):
         logger.warning("recovering %s from %s left by an interrupted save", path, old)
-        os.replace(old, path)
-        fsync_dir(path.parent)
+        storage_for(path).rename(old, path)
+        storage_for(path).sync_dir(path.parent)
 
 
 def swap_into_place(
@@ -272,24 +267,25 @@ def swap_into_place(
     staged, path, old = Path(staged), Path(path), old_path(path)
     assert complete(staged) and is_ours(staged), f"{staged} must be committed and marked before it is swapped in"
     recover_interrupted_swap(path, complete=complete)
-    if path.exists():
+    store = storage_for(path)
+    if _exists(path):
         if complete(path):
             _remove_ours(old, "interrupted swaps", path)  # a leftover of a finished swap; P itself is complete
             mark(path)  # so that a kill between the renames leaves a swap dir the next save recognises
-            os.replace(path, old)
-        elif path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
+            store.rename(path, old)
+        elif _is_empty_dir(path):
+            store.remove_dir(path)
         else:
             raise FileExistsError(
                 f"{str(path)!r} exists and is not a committed checkpoint; refusing to replace it "
                 "(move it away or save to another path)"
             )
-    os.replace(staged, path)
-    fsync_dir(path.parent)
+    store.rename(staged, path)
+    store.sync_dir(path.parent)
     # The output holds only its own files; the marker comes back if a later save moves it aside.
-    (path / MARKER_NAME).unlink(missing_ok=True)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)  # moved there by this very call
+    store.delete(path / MARKER_NAME, missing_ok=True)
+    if _exists(old):
+        store.remove_tree(old, ignore_errors=True)  # moved there by this very call
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:
@@ -302,14 +298,14 @@ def resolve_for_load(path: str | os.PathLike) -> Path:
     later, from ``read_manifest``.
     """
     path = Path(path)
-    if path.exists():
+    if _exists(path):
         return path
     old = old_path(path)
     if is_ours(old) and is_committed(old):
         logger.warning("%s is missing; loading %s left by a save that was interrupted mid-swap", path, old)
         return old
     hint = ""
-    if staging_path(path).exists():
+    if _exists(staging_path(path)):
         hint = f" ({staging_path(path)} holds an unfinished save; it is not loaded)"
     raise FileNotFoundError(f"checkpoint path {str(path)!r} does not exist{hint}")
 

@@ -7,8 +7,8 @@ Scale mode and single-process layouts for M ranks use the same two calls::
     checkpoint.commit(path, M)                   # once, after every rank's write_rank returned
 
 ``write_rank`` writes ``__<rank>_0.distcp`` and then its record
-``__<rank>.rank.json`` into the staging directory ``<path>.tmp`` and talks to
-nobody. ``commit`` merges the per-rank records into one DCP ``.metadata``
+``__<rank>.rank.json`` into the staging directory ``.<name>.fsdp-ckpt-staging``
+and talks to nobody. ``commit`` merges the per-rank records into one DCP ``.metadata``
 (validating bounds, overlaps and exact cover), drops the per-rank files,
 writes ``manifest.json`` last and swaps the directory into ``path``
 (:mod:`checkpoint.atomic`). The result is an ordinary checkpoint that any
@@ -20,41 +20,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-
-# _StorageInfo: the (file, offset, length) FileSystemReader expects in storage_data, no public name;
-# renamed -> commit cannot write metadata DCP reads
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from checkpoint.atomic import MARKER_NAME, check_target, make_staging, staging_path, swap_into_place, write_lock
 from checkpoint.convert import convert_tree
-from checkpoint.durable import durable_write
-from checkpoint.manifest import (
-    METADATA_NAME,
-    FileRecord,
-    KeyRecord,
-    Manifest,
-    checksum_file,
-    dtype_name,
-    write_manifest,
-)
+from checkpoint.data_file import StorageInfo
+from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
+from checkpoint.manifest import METADATA_NAME, FileRecord, KeyRecord, Manifest, dtype_name, write_manifest
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
+from checkpoint.storage_backend import storage_for
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -115,14 +96,16 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
 def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
     """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0)."""
     staged = staging_path(path)
+    store = storage_for(staged)
     records = []
     for rank in range(world_size):
         record_path = staged / rank_record_name(rank)
-        if not record_path.exists():
+        if store.stat(record_path, follow_symlinks=True) is None:
             raise ValueError(
                 f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)"
             )
-        record = json.loads(record_path.read_text())
+        with store.open_read(record_path) as f:
+            record = json.loads(f.read())
         if record.get("world_size") != world_size:
             raise ValueError(
                 f"cannot commit {str(path)!r}: {record_path} was written for world size "
@@ -133,7 +116,7 @@ def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict |
     problems = metadata_problems(merged)
     if problems:
         raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]))
-    write_metadata(staged, merged)
+    files[METADATA_NAME] = write_metadata(staged, merged)
     info = {"mode": "scale", **(extra_info or {})}
     commit_staged(path, merged, files, world_size, extra_info=info)
 
@@ -146,55 +129,20 @@ def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]
     kept once, from the lowest rank. Raises ``ValueError`` when ranks disagree
     on a key's global shape or dtype.
     """
-    state: dict[str, Any] = {}
-    seen: dict[str, set] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
-    planner_data: dict[str, Any] = {}
+    builder = MetadataBuilder()
     files: dict[str, FileRecord] = {}
-    properties: dict[str, TensorProperties] = {}
     for rank, record in enumerate(records):
         for key, item in record["tensors"].items():
-            current = state.get(key)
-            size = torch.Size(item["size"])
-            if current is None:
-                dtype = properties.get(item["dtype"])
-                if dtype is None:
-                    dtype = properties[item["dtype"]] = TensorProperties(dtype=getattr(torch, item["dtype"]))
-                current = state[key] = TensorStorageMetadata(dtype, size, [])
-                seen[key] = set()
-            elif not isinstance(current, TensorStorageMetadata) or current.size != size:
-                raise ValueError(f"ranks disagree on key {key!r}: rank {rank} has shape {tuple(size)}")
-            elif str(current.properties.dtype) != f"torch.{item['dtype']}":
-                raise ValueError(f"ranks disagree on the dtype of {key!r}: rank {rank} has {item['dtype']}")
-            marks = seen[key]
+            builder.tensor(key, getattr(torch, item["dtype"]), item["size"], source=f"rank {rank}")
             for offsets, sizes, name, offset, length in item["chunks"]:
-                offsets = torch.Size(offsets)
-                if offsets in marks:
-                    continue
-                marks.add(offsets)
-                current.chunks.append(ChunkStorageMetadata(offsets, torch.Size(sizes)))
-                storage[MetadataIndex(key, offsets)] = _StorageInfo(name, offset, length)
+                builder.chunk(key, offsets, sizes, StorageInfo(name, offset, length))
         for key, (name, offset, length) in record["bytes"].items():
-            if key not in state:
-                state[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = _StorageInfo(name, offset, length)
+            builder.byte_value(key, StorageInfo(name, offset, length))
         for key, path in record["planner_data"].items():
-            planner_data.setdefault(key, tuple(path))
+            builder.path(key, path)
         for name, (size, crc) in record["files"].items():
             files[name] = FileRecord(size=size, crc32=crc)
-    metadata = Metadata(
-        state_dict_metadata=state,
-        planner_data=planner_data,
-        storage_data=storage,
-        storage_meta=None,
-        version=CURRENT_DCP_VERSION,
-    )
-    return metadata, files
-
-
-def write_metadata(directory: Path, metadata: Metadata) -> None:
-    """Pickle DCP's ``.metadata`` into ``directory`` durably (temp file, fsync, rename)."""
-    durable_write(Path(directory) / METADATA_NAME, lambda f: pickle.dump(metadata, f))
+    return builder.build(), files
 
 
 def build_manifest(
@@ -219,16 +167,18 @@ def commit_staged(
 ) -> None:
     """Prune stray files from the staging dir, write the manifest (the commit point), swap into ``path``.
 
-    Precondition: ``.metadata`` and every file in ``files`` are durable in the staging directory.
+    Precondition: ``.metadata`` (written by :func:`~checkpoint.dcp_metadata.write_metadata`, whose
+    record ``files`` holds) and every file in ``files`` are durable in the staging directory.
     """
     staged = staging_path(path)
-    referenced = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    referenced = {info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_NAME}
     keep = {name: rec for name, rec in files.items() if name in referenced}
-    for entry in staged.iterdir():
-        if entry.name not in keep and entry.name not in (METADATA_NAME, MARKER_NAME):
+    assert METADATA_NAME in keep, "write_metadata's record must be among the files committed"
+    store = storage_for(staged)
+    for name in store.list(staged):
+        if name not in keep and name not in (METADATA_NAME, MARKER_NAME):
             # Leftovers of an earlier, killed save (another world size) or per-rank files now merged.
-            entry.unlink()
-    keep[METADATA_NAME] = checksum_file(staged / METADATA_NAME)
+            store.delete(staged / name)
     write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info))
     swap_into_place(staged, path)
     logger.info("committed checkpoint %s (%d files, %d keys)", path, len(keep), len(metadata.state_dict_metadata))

@@ -19,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from checkpoint.chunk_archive import crc32_combine
-from checkpoint.manifest import CheckpointCorruptError, FileRecord, open_regular
+from checkpoint.errors import CheckpointCorruptError
+from checkpoint.storage_backend import FileRecord, storage_for
 
 try:  # ISA-L's CRC-32 (same polynomial as zlib's, ~10x faster: carry-less multiply); optional fast path
     from isal.isal_zlib import crc32 as _crc32
@@ -80,7 +81,7 @@ class ContentCheck:
                 f"{path}: read but not listed in the manifest; restore the checkpoint from a copy"
             )
         crc, pos = 0, 0
-        with open_regular(path) as f:
+        with storage_for(path).open_read(path) as f:
             for offset in sorted(pieces):
                 length, piece = pieces[offset]
                 if offset < pos:

@@ -3,7 +3,9 @@
 Every small file a checkpoint commits by (``.metadata``, ``manifest.json``, a
 rank's ``__<rank>.rank.json``, an exported torch file) goes through here, so a
 reader sees either the old file or the whole new one, never a torn write, and
-the bytes are on disk before the name points at them.
+the bytes are on disk before the name points at them. The format library calls
+it as :class:`~checkpoint.storage_backend.LocalStorage`'s ``write_file``
+(through the storage interface); the tool's own exports call it directly.
 """
 
 from __future__ import annotations

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from checkpoint.durable import durable_write
+from checkpoint.errors import CheckpointCorruptError, NotACheckpointError
+from checkpoint.storage_backend import FileRecord, storage_for
 
 __all__ = [
     "FORMAT_NAME",
@@ -56,22 +57,6 @@ _MAX_FILE_BYTES = 1 << 50
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: how the manifest spells a dtype."""
     return str(dtype).removeprefix("torch.")
-
-
-class NotACheckpointError(ValueError):
-    """A directory exists but holds no committed checkpoint (no manifest)."""
-
-
-class CheckpointCorruptError(ValueError):
-    """A checkpoint whose files do not match its manifest or cannot be read (truncated, corrupt, crafted)."""
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    size: int
-    """bytes"""
-    crc32: int
-    """zlib.crc32 of the whole file"""
 
 
 @dataclass(frozen=True)
@@ -216,48 +201,12 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
-def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False):
+def open_regular(path: str | os.PathLike, *, follow_symlinks: bool = False) -> BinaryIO:
     """Open ``path`` for reading, only if it is a regular file (never a FIFO, device or symlink).
 
-    ``lstat`` first, then ``O_NOFOLLOW | O_NONBLOCK`` (a FIFO swapped in between
-    cannot block the open) and ``fstat`` on what was opened. ``follow_symlinks``
-    accepts a link to a regular file (import sources: the Hugging Face cache is
-    a farm of links). Raises ``FileNotFoundError`` or
-    :class:`CheckpointCorruptError` naming the path.
+    :meth:`~checkpoint.storage_backend.Storage.open_read` of the storage holding ``path``.
     """
-    st = os.stat(path) if follow_symlinks else os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointCorruptError(
-            f"{path}: {_kind(st.st_mode)}, not a regular file; nothing was read from it: "
-            "checkpoints and import sources hold only regular files, put the real file there"
-        )
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    if not follow_symlinks:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        raise CheckpointCorruptError(
-            f"{path}: cannot be opened as a regular file ({_short(exc)}); put the real file there"
-        ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointCorruptError(f"{path}: not a regular file; put the real file there")
-    return os.fdopen(fd, "rb", buffering=0)
-
-
-def _kind(mode: int) -> str:
-    for test, word in (
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return word
-    return "a special file"
+    return storage_for(path).open_read(path, follow_symlinks=follow_symlinks)
 
 
 def _drop_none(d: dict) -> dict:
@@ -268,7 +217,7 @@ def checksum_file(path: str | os.PathLike) -> FileRecord:
     """Size and CRC-32 of a file, read in bounded pieces."""
     crc = 0
     size = 0
-    with open_regular(path) as f:
+    with storage_for(path).open_read(path) as f:
         while chunk := f.read(_CHUNK_BYTES):
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
@@ -280,7 +229,7 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
 
     This is the commit point of a save: call it after every other file is on disk.
     """
-    durable_write(Path(directory) / MANIFEST_NAME, manifest.to_json(), sync_dir=True)
+    storage_for(directory).write_file(Path(directory) / MANIFEST_NAME, manifest.to_json(), sync_dir=True)
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
@@ -290,18 +239,20 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     :class:`NotACheckpointError` when it exists but was never committed.
     """
     directory = Path(directory)
-    if not directory.exists():
+    store = storage_for(directory)
+    found = store.stat(directory, follow_symlinks=True)
+    if found is None:
         raise FileNotFoundError(f"checkpoint path {str(directory)!r} does not exist")
-    if not directory.is_dir():
+    if found.kind != "directory":
         raise NotACheckpointError(f"{str(directory)!r} is a file, not a checkpoint directory")
     path = directory / MANIFEST_NAME
-    if not os.path.lexists(path):
+    if store.stat(path) is None:
         raise NotACheckpointError(
             f"{str(directory)!r} has no {MANIFEST_NAME}: it is not a committed {FORMAT_NAME} "
             "checkpoint (a save that did not finish, or a plain DCP directory); "
             "re-save it, or read it with torch.distributed.checkpoint directly"
         )
-    with open_regular(path) as f:
+    with storage_for(path).open_read(path) as f:
         raw = f.read(_MAX_MANIFEST_BYTES + 1)
     if len(raw) > _MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(f"{path} is larger than {_MAX_MANIFEST_BYTES} bytes: not a manifest; {_FIX}")
@@ -315,18 +266,18 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 def verify_files(directory: str | os.PathLike, manifest: Manifest, *, checksums: bool = True) -> list[str]:
     """Every problem with the files of a checkpoint, one sentence each; empty when all match."""
     directory = Path(directory)
+    store = storage_for(directory)
     problems = []
     for name, record in sorted(manifest.files.items()):
         path = directory / name
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
+        found = store.stat(path)
+        if found is None:
             problems.append(f"{path}: missing (the manifest lists it with {record.size} bytes)")
             continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(f"{path}: {_kind(st.st_mode)}, not a regular file (a checkpoint holds only regular files)")
+        if found.kind != "file":
+            problems.append(f"{path}: {found.description}, not a regular file (a checkpoint holds only regular files)")
             continue
-        size = st.st_size
+        size = found.size
         if size != record.size:
             problems.append(f"{path}: {size} bytes, the manifest says {record.size} (truncated or overwritten)")
         elif checksums and checksum_file(path).crc32 != record.crc32:

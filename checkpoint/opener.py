@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,12 +30,12 @@ from checkpoint.manifest import (
     METADATA_NAME,
     CheckpointCorruptError,
     Manifest,
-    open_regular,
     read_manifest,
     verify_files,
 )
 from checkpoint.safe_unpickle import load_metadata
 from checkpoint.save_errors import first_failure
+from checkpoint.storage_backend import storage_for
 
 __all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "open_checkpoint", "read_failure"]
 
@@ -55,8 +55,9 @@ class OpenCheckpoint:
     metadata: Metadata
     verify: str = "crc"
     """the ``verify`` mode it was opened with"""
-    stamp: tuple[int, int] | None = None
-    """``manifest.json``'s (device, inode) when opened: a save to the same path swaps in a new one"""
+    stamp: Hashable | None = None
+    """``manifest.json``'s :meth:`~checkpoint.storage_backend.Storage.version` when opened (local: device
+    and inode): a save to the same path swaps in a new one"""
 
     def content_check(self) -> ContentCheck | None:
         """A fresh streamed CRC-32 check for the bytes a reader reads, or ``None`` when not asked for / no manifest."""
@@ -111,7 +112,7 @@ def open_checkpoint(
     stamp = _stamp(src)  # before the manifest is read: a save swapping in meanwhile shows as a change
     try:
         manifest = None
-        if require_manifest or not os.path.lexists(src / METADATA_NAME) or is_committed(src):
+        if require_manifest or storage_for(src).stat(src / METADATA_NAME) is None or is_committed(src):
             check_committed(src)
             manifest = read_manifest(src)
         elif not quiet:
@@ -142,12 +143,8 @@ def _replaced_error(path: Path) -> CheckpointCorruptError:
     )
 
 
-def _stamp(src: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(src / MANIFEST_NAME)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+def _stamp(src: Path) -> Hashable | None:
+    return storage_for(src).version(src / MANIFEST_NAME)
 
 
 def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
@@ -162,7 +159,7 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
     """``.metadata``'s bytes, CRC-checked against the manifest (unless ``verify="none"``) before anything parses them."""
     path = src / METADATA_NAME
     try:
-        with open_regular(path) as f:
+        with storage_for(path).open_read(path) as f:
             data = f.read(_MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; restore it from a copy") from None

@@ -18,22 +18,21 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-
-# _StorageInfo: what FileSystemReader's storage_data holds per item (no public name); renamed -> import fails
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from checkpoint.chunk_archive import archive_layout
 from checkpoint.content_check import ContentCheck
-from checkpoint.manifest import CheckpointCorruptError, open_regular
+from checkpoint.data_file import StorageInfo
+from checkpoint.errors import CheckpointCorruptError
+from checkpoint.storage_backend import storage_for
 
 __all__ = ["DirectReader"]
 
@@ -60,6 +59,7 @@ class DirectReader(FileSystemReader):
         self._direct = direct
         self._check = check
         self._layouts: dict = {}  # (dtype, chunk shape) -> ArchiveLayout | None
+        self._store = storage_for(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
@@ -69,16 +69,17 @@ class DirectReader(FileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path in per_file:
-            open_regular(Path(self.path) / relative_path).close()  # a FIFO / device / link: a clear error, no hang
+            # a FIFO / device / link: a clear error, no hang
+            self._store.open_read(Path(self.path) / relative_path).close()
         if not self._direct:
             return super().read_data(plan, planner)
         for relative_path, items in per_file.items():
             path = Path(self.path) / relative_path
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
-            with open_regular(path) as f:
+            with self._store.open_read(path) as f:
                 tensor_locations: dict[int, tuple[int, int] | None] = {}
                 for item in items:
-                    info: _StorageInfo = self.storage_data[item.storage_index]
+                    info: StorageInfo = self.storage_data[item.storage_index]
                     if item.type == LoadItemType.BYTE_IO:
                         f.seek(info.offset)
                         data = _read_exact(f, info.length, path)
@@ -98,18 +99,18 @@ class DirectReader(FileSystemReader):
         if self._check is not None:
             self._check.add(name, offset, data)
 
-    def _read_known_archive(self, f, info: _StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
+    def _read_known_archive(self, f, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
         """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
 
         Reads head, data (straight into the destination) and tail with one
-        ``preadv`` and then checks head and tail byte for byte against
+        :meth:`~checkpoint.storage_backend.Storage.read_into` (``preadv``) and then checks head and tail byte for byte against
         :func:`checkpoint.chunk_archive.archive_layout`; only then is the data
         known to be where it landed. ``False`` (nothing committed; the caller's
         general path rewrites the whole destination) for anything else:
         partial reads, another dtype, a non-contiguous destination, another
         writer's archive, a short read.
         """
-        if info.transform_descriptors or not hasattr(os, "preadv"):
+        if info.transform_descriptors:
             return False
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)  # byte items returned above
@@ -128,7 +129,7 @@ class DirectReader(FileSystemReader):
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
         data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-        if os.preadv(f.fileno(), [head, data, tail], info.offset) != info.length:
+        if self._store.read_into(f, [head, data, tail], info.offset) != info.length:
             return False
         if head != layout.head or tail != layout.tail(layout.data_crc(tail)):
             return False
@@ -140,7 +141,7 @@ class DirectReader(FileSystemReader):
         planner.commit_tensor(item, target)
         return True
 
-    def _read_tensor(self, f, path: Path, info: _StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_tensor(self, f, path: Path, info: StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
         chunk_sizes = _chunk_sizes(md, item)
@@ -170,7 +171,7 @@ class DirectReader(FileSystemReader):
         target.copy_(saved)
         planner.commit_tensor(item, target)
 
-    def _load_whole(self, f, info: _StorageInfo, path: Path) -> torch.Tensor:
+    def _load_whole(self, f, info: StorageInfo, path: Path) -> torch.Tensor:
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
         self._verified(info.relative_path, info.offset, data)
@@ -210,7 +211,7 @@ def _contiguous_run(sizes, offsets, lengths) -> tuple[int, int | None]:
     return start, math.prod(lengths)
 
 
-def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
+def _tensor_bytes(f, info: StorageInfo) -> tuple[int, int] | None:
     """(offset within the item, size) of the one data record of a torch.save archive, or None."""
     try:
         return _find_tensor_bytes(f, info)
@@ -218,7 +219,7 @@ def _tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
         return None
 
 
-def _find_tensor_bytes(f, info: _StorageInfo) -> tuple[int, int] | None:
+def _find_tensor_bytes(f, info: StorageInfo) -> tuple[int, int] | None:
     if info.length < _EOCD.size:
         return None
     f.seek(info.offset + info.length - _EOCD.size)

@@ -11,9 +11,10 @@ through ``dcp.save`` instead would need either a whole rank's share in memory
 
 The files are laid out as DCP's ``FileSystemWriter`` lays them out (one
 ``torch.save``-compatible archive per chunk, written from the tensor's raw
-bytes by :mod:`checkpoint.data_file` as :class:`~checkpoint.storage.FsdpWriter`
-writes them; non-tensor values as ``torch.save`` bytes,
-``.metadata`` a pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`),
+bytes through :class:`checkpoint.data_file.DataFile`, the writer
+:class:`~checkpoint.storage.FsdpWriter` uses; non-tensor values as ``torch.save``
+bytes, ``.metadata`` a :class:`~torch.distributed.checkpoint.metadata.Metadata`
+built by :class:`checkpoint.dcp_metadata.MetadataBuilder`),
 so ``dcp.load``, ``dcp_to_torch_save`` and :mod:`checkpoint` read them.
 Staging and commit are the format's own (:func:`checkpoint.commit.commit_staged`
 in the staging directory of :mod:`checkpoint.atomic`): data files fsynced, the
@@ -32,25 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# _StorageInfo is what FileSystemReader expects in Metadata.storage_data: (file, offset, length);
-# no public name, renamed -> rewrites cannot write metadata DCP reads
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from checkpoint.atomic import is_committed, make_staging, remove_staging, staging_path, write_lock
 from checkpoint.cli_parallel import SOLO, Group
-from checkpoint.commit import commit_staged, write_metadata
-from checkpoint.data_file import CrcStream, write_tensor
+from checkpoint.commit import commit_staged
+from checkpoint.data_file import DataFile, StorageInfo, data_file_name
+from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
 from checkpoint.layout import Box, row_block, split_box
-from checkpoint.manifest import FileRecord
+from checkpoint.manifest import METADATA_NAME, FileRecord
 from checkpoint.training_state import key_path
 from checkpoint.transforms import Target
 
@@ -136,30 +127,31 @@ def write_checkpoint(
 def _write_and_commit(
     dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths
 ) -> None:
-    files = {r: CrcStream.create(staging / _file_name(r)) for r in range(world_size) if group.mine(r)}
-    state_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
+    files = {r: DataFile(staging, _file_name(r)) for r in range(world_size) if group.mine(r)}
+    builder = MetadataBuilder()  # every process declares every chunk; each records where its own landed
+    storage: dict[MetadataIndex, StorageInfo] = {}
     records: dict[str, FileRecord] = {}
     error = None
     try:
         for target, value in values:
             if isinstance(value, torch.Tensor):
                 _check(target, value)
-                state_md[target.name] = _write_tensor(target.name, value, files, storage, world_size, max_chunk_bytes)
+                _write_tensor(target.name, value, files, builder, storage, world_size, max_chunk_bytes)
                 if on_bytes is not None:
                     on_bytes(value.numel() * value.element_size())
                 del value  # before the loop reads the next tensor
             else:
-                state_md[target.name] = BytesStorageMetadata()
+                where = None
                 if 0 in files:  # non-tensor values live in rank 0's file
                     buf = io.BytesIO()
                     torch.save(value, buf)
-                    storage[MetadataIndex(target.name)] = _StorageInfo(_file_name(0), files[0].size, buf.tell())
-                    files[0].write(buf.getbuffer())
-        missing = [t.name for t in targets if t.name not in state_md]
+                    where = storage[MetadataIndex(target.name)] = files[0].add_bytes(buf.getbuffer())
+                builder.byte_value(target.name, where)
+        declared = set(builder.keys())
+        missing = [t.name for t in targets if t.name not in declared]
         if missing:
             raise ValueError(f"no value arrived for {missing[:3]} (internal error; report it)")
-        records = {_file_name(r): f.finish() for r, f in files.items()}
+        records = {f.name: f.finish() for f in files.values()}
     except BaseException as exc:  # noqa: BLE001 - handed to every process by agree()
         for f in files.values():
             f.abort()
@@ -170,7 +162,7 @@ def _write_and_commit(
     if group.rank == 0:
         try:
             kept = {t.name: (paths or {}).get(t.name) for t in targets if t.op == "copy" and t.name == t.sources[0]}
-            _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info, kept)
+            _commit(dst, staging, world_size, builder, parts, max_chunk_bytes, extra_info, kept)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     group.agree(error)
@@ -186,21 +178,17 @@ def _prepare(dst: Path, replace: bool) -> None:
     make_staging(dst)  # an unfinished save of this path (marked as ours) is removed; anything else is refused
 
 
-def _commit(dst, staging, world_size, state_md, parts, max_chunk_bytes, extra_info, paths) -> None:
+def _commit(dst, staging, world_size, builder: MetadataBuilder, parts, max_chunk_bytes, extra_info, paths) -> None:
     """Merge every process's storage records, write ``.metadata``, then the format's own commit."""
-    storage: dict[MetadataIndex, Any] = {}
     records: dict[str, FileRecord] = {}
     for part_storage, part_records in parts:
-        storage.update(part_storage)
+        builder.storage(part_storage)
         records.update(part_records)
-    metadata = Metadata(
-        state_dict_metadata=state_md,
+    for key in builder.keys():
         # each key's nested path, as dcp.save records it: checkpoint.load rebuilds `extra` from it
-        planner_data={k: key_path(k, paths) for k in state_md},
-        storage_data=storage,
-        version=CURRENT_DCP_VERSION,
-    )
-    write_metadata(staging, metadata)
+        builder.path(key, key_path(key, paths))
+    metadata = builder.build()
+    records[METADATA_NAME] = write_metadata(staging, metadata)
     info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
     commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
 
@@ -212,23 +200,20 @@ def _check(target: Target, value: torch.Tensor) -> None:
         )
 
 
-def _write_tensor(name, value, files, storage, world_size, max_chunk_bytes) -> TensorStorageMetadata:
-    shape = tuple(value.shape)
-    chunks = []
-    for rank, (offsets, sizes) in _chunks_of(shape, value.element_size(), world_size, max_chunk_bytes):
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+def _write_tensor(name, value, files, builder, storage, world_size, max_chunk_bytes) -> None:
+    builder.tensor(name, value.dtype, value.shape)
+    for rank, (offsets, sizes) in _chunks_of(tuple(value.shape), value.element_size(), world_size, max_chunk_bytes):
         out = files.get(rank)
-        if out is None:
-            continue  # another torchrun process writes this rank's file
+        if out is None:  # another torchrun process writes this rank's file
+            builder.chunk(name, offsets, sizes)
+            continue
         piece = value
         for dim, (o, s) in enumerate(zip(offsets, sizes)):
             piece = piece.narrow(dim, o, s)
-        start = out.size
-        write_tensor(out, piece)
-        storage[MetadataIndex(name, torch.Size(offsets))] = _StorageInfo(_file_name(rank), start, out.size - start)
-    return TensorStorageMetadata(properties=TensorProperties(dtype=value.dtype), size=torch.Size(shape), chunks=chunks)
+        where = storage[MetadataIndex(name, torch.Size(offsets))] = out.add_tensor(piece)
+        builder.chunk(name, offsets, sizes, where)
 
 
 def _file_name(rank: int) -> str:
     """Rank ``rank``'s data file, named as DCP's ``FileSystemWriter`` names it."""
-    return f"__{rank}_0{DEFAULT_SUFFIX}"
+    return data_file_name(f"__{rank}_")

@@ -1,28 +1,36 @@
 """DCP storage writer for the ``fsdp_dtensor`` format: deterministic, checksummed, committed last.
 
-:class:`FsdpWriter` is DCP's ``FileSystemWriter`` with these changes, made by
-overriding its methods in a subclass (nothing in DCP is patched; the one private
-DCP name used is ``_StorageInfo``, the storage record its reader expects):
-
-* ``write_data`` writes the rank's one file itself, in DCP's layout (same
-  order, same write results, each chunk a ``torch.save`` archive so plain DCP
-  reads it) but from the tensors' raw bytes (:mod:`checkpoint.data_file`):
-  no ``torch.save`` serialisation pass, the CRC-32 computed on a helper thread
-  while the OS copies the bytes, writeback of each chunk started right away
-  (the fsync at the end then waits for less), and, for an async save with
-  bounded staging, each written item reported to its :class:`~checkpoint.staging.StagingGate`;
+:class:`FsdpWriter` subclasses DCP's ``FileSystemWriter`` (nothing in DCP is
+patched) and overrides exactly these methods; ``reset``,
+``prepare_global_plan`` (one file prefix per rank) and ``validate_checkpoint_id``
+are DCP's own. The one private DCP name used here is ``_StoragePrefix`` (a
+rank's file prefix in its plan); the storage record ``_StorageInfo`` comes from
+:mod:`checkpoint.data_file`.
 
 * ``storage_meta()`` returns ``None``: DCP's default records a random
   ``save_id`` and the (temporary) path in ``.metadata``, which would make two
   saves of the same state differ;
-* every data file's size and CRC-32 are computed while it is written (one
-  pass over the bytes, pieces combined with ``crc32_combine``) and travel to the committing rank inside DCP's own
-  write results (stripped again before ``.metadata`` is written);
-* in the default *collective* mode, the coordinator's ``finish`` writes
-  ``.metadata``, then ``manifest.json`` (the commit record), then swaps the
-  staging directory into place (:mod:`checkpoint.atomic`);
-* in *scale* mode (``use_collectives=False``, or :func:`checkpoint.write_rank`)
-  each rank writes its data file and then, last, its own record
+* ``set_up_storage_writer`` remembers whether this rank coordinates, and
+  ``force_rank`` makes one process write as a given rank (scale mode);
+* ``prepare_local_plan`` runs the coordinator's ``prepare()`` (the target
+  checks and the marked staging directory, before any rank writes), removes a
+  manifest a killed save left in the staging directory, and in scale mode
+  names the rank's own file prefix; it makes no directory;
+* ``write_data`` writes the rank's one file itself through
+  :class:`~checkpoint.data_file.DataFile` (the one data-file writer, shared
+  with reshard / import), in DCP's layout (same order, same write results,
+  each chunk a ``torch.save`` archive so plain DCP reads it) but from the
+  tensors' raw bytes: no ``torch.save`` serialisation pass, the CRC-32
+  computed on a helper thread while the OS copies the bytes, writeback started
+  right away, and, for an async save with bounded staging, each written item
+  reported to its :class:`~checkpoint.staging.StagingGate`. The file's size
+  and CRC-32 travel to the committing rank inside DCP's own write results;
+* ``finish`` strips those records again and, in the default *collective*
+  mode, writes ``.metadata`` with :func:`checkpoint.dcp_metadata.write_metadata`
+  (as DCP's ``finish`` would, plus its size and CRC-32) and hands everything to
+  ``on_commit`` (``manifest.json``, the commit record, then the swap into
+  place, :mod:`checkpoint.commit`); in *scale* mode (``use_collectives=False``,
+  or :func:`checkpoint.write_rank`) it writes, last, the rank's own record
   ``__<rank>.rank.json`` (its chunks, where they are stored, its files' sizes
   and CRC-32s): plain integers and strings, much cheaper to read back than
   DCP's pickled per-rank metadata. :func:`checkpoint.commit.commit` merges them.
@@ -41,24 +49,19 @@ from typing import Any
 
 import torch
 
-# _StorageInfo/_StoragePrefix: what FileSystemWriter puts in WriteResult/SavePlan storage_data and
-# FileSystemReader reads back (no public names); renamed -> import fails, our files stop matching DCP's
-from torch.distributed.checkpoint.filesystem import (
-    DEFAULT_SUFFIX,
-    FileSystem,
-    FileSystemWriter,
-    _StorageInfo,
-    _StoragePrefix,
-)
+# _StoragePrefix: what FileSystemWriter puts in a SavePlan's storage_data (the rank's file prefix; no
+# public name); renamed -> import fails, and scale-mode ranks can no longer name their own files
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint.data_file import CrcStream, write_tensor
-from checkpoint.durable import durable_write
-from checkpoint.manifest import MANIFEST_NAME, FileRecord, dtype_name
+from checkpoint.data_file import DataFile, data_file_name, write_tensor
+from checkpoint.dcp_metadata import with_storage, write_metadata
+from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, dtype_name
 from checkpoint.staging import StagedShard
+from checkpoint.storage_backend import storage_for
 
 __all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
 
@@ -68,28 +71,6 @@ _FILE_RECORD_FQN = "__fsdp_dtensor_file_record__"
 
 def rank_record_name(rank: int) -> str:
     return f"__{rank}{RANK_RECORD_SUFFIX}"
-
-
-class _CrcFileSystem(FileSystem):
-    """DCP's local file system, recording ``name -> FileRecord`` for every file written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: dict[str, FileRecord] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str):
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        path = Path(path)
-        with open(path, "wb") as raw:
-            stream = CrcStream(raw)
-            try:
-                yield stream
-            finally:
-                self.records[path.name] = FileRecord(size=stream.size, crc32=stream.crc)
 
 
 class FsdpWriter(FileSystemWriter):
@@ -102,8 +83,6 @@ class FsdpWriter(FileSystemWriter):
     mode, used by :func:`checkpoint.write_rank`).
     """
 
-    fs: _CrcFileSystem
-
     def __init__(
         self,
         path: str | os.PathLike,
@@ -114,7 +93,7 @@ class FsdpWriter(FileSystemWriter):
         world_size: int | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        self.fs = _CrcFileSystem()
+        self._files: dict[str, FileRecord] = {}  # this rank's data files, for the manifest
         self.on_commit = on_commit
         self.prepare = prepare
         self.force_rank = force_rank
@@ -137,9 +116,7 @@ class FsdpWriter(FileSystemWriter):
             self.prepare()  # the coordinator's plan is gathered before any rank writes: it runs first
         if self.rank in (None, 0):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
-            stale = Path(self.path) / MANIFEST_NAME
-            if stale.exists():
-                stale.unlink()
+            storage_for(self.path).delete(Path(self.path) / MANIFEST_NAME, missing_ok=True)
         if not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
@@ -149,7 +126,7 @@ class FsdpWriter(FileSystemWriter):
         # File records ride along with DCP's write results to the committing rank.
         results += [
             WriteResult(index=MetadataIndex(f"{_FILE_RECORD_FQN}{name}"), size_in_bytes=rec.size, storage_data=rec)
-            for name, rec in sorted(self.fs.records.items())
+            for name, rec in sorted(self._files.items())
         ]
         return _done(results)
 
@@ -161,36 +138,32 @@ class FsdpWriter(FileSystemWriter):
         (so plain DCP reads it), but written from the tensor's own bytes
         (:mod:`checkpoint.chunk_archive`) with their CRC-32 computed alongside.
         """
-        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        path = Path(self.path) / name
         results: list[WriteResult] = []
         # An async save with bounded staging waits for each item to be in the OS's hands (checkpoint.staging).
         gates = {v.gate for v in getattr(planner, "state_dict", {}).values() if isinstance(v, StagedShard)}
         for gate in gates:
             gate.begin(plan.items)
-        stream = CrcStream.create(path)
+        out = DataFile(self.path, data_file_name(plan.storage_data.prefix))
         try:
             items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
             items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
             for item in items:
-                offset = stream.tell()
                 data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
                     assert isinstance(data, io.BytesIO)  # what DCP resolves a byte item to
-                    stream.write(data.getbuffer())
+                    where = out.add_bytes(data.getbuffer())
                 else:
                     assert isinstance(data, torch.Tensor)
-                    write_tensor(stream, data)
-                length = stream.tell() - offset
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length))
-                )
+                    # write_tensor named here, not inside DataFile: tests slow or break this very call
+                    # by replacing checkpoint.storage.write_tensor
+                    where = out.add_tensor(data, write_tensor)
+                results.append(WriteResult(index=item.index, size_in_bytes=where.length, storage_data=where))
                 for gate in gates:
                     gate.written(item.index.fqn)
         except BaseException:
-            stream.abort()
+            out.abort()
             raise
-        self.fs.records[name] = stream.finish()
+        self._files[out.name] = out.finish()
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -209,9 +182,13 @@ class FsdpWriter(FileSystemWriter):
             record = rank_record(metadata, clean[0] if clean else [], files)
             record["world_size"] = self.world_size
             assert self.rank is not None  # set up by DCP (or force_rank) before any write
-            durable_write(Path(self.path) / rank_record_name(self.rank), json.dumps(record, sort_keys=True))
+            where = Path(self.path) / rank_record_name(self.rank)
+            storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
             return
-        super().finish(metadata, clean)
+        # What FileSystemWriter.finish does, but through the one .metadata writer and the storage
+        # interface (DCP's goes through its own FileSystem), which also gives the manifest its CRC-32.
+        stored = {wr.index: wr.storage_data for rank_results in clean for wr in rank_results}
+        files[METADATA_NAME] = write_metadata(self.path, with_storage(metadata, stored))
         if self.on_commit is not None:
             self.on_commit(metadata, files)
 

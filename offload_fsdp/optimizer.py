@@ -54,6 +54,7 @@ from offload_fsdp.state_io import (
     check_record_state,
     load_record_state,
 )
+from offload_fsdp.transfer_ring import RingCopyEngine, check_transfer_slots
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer"]
 
@@ -158,7 +159,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         param_update_in_fp32: low-precision params get an fp32 master that is the truth
             (the param is its cast); saved as ``master_param`` in the state.
         pin_cpu_grads / pin_cpu_params: page-lock the host buffers that cross the bus
-            (ignored without an accelerator).
+            (ignored without an accelerator, and with ``pinned_transfer_slots``).
+        pinned_transfer_slots: None (default): every host buffer that crosses the bus is
+            page-locked. An int n >= 1: every host buffer stays pageable and grads / params
+            cross the bus through n page-locked slots per direction, each the size of the
+            largest bucket's grads / params (:mod:`offload_fsdp.transfer_ring`); pinned
+            memory is then n buckets' worth, whatever the model size. Same results, bit for bit.
         overlap_cpu_optimizer_d2h_h2d: copies on side streams, D2H started from
             post-accumulate-grad hooks; False = blocking copies. With gradient
             accumulation every micro-batch's backward re-copies the (accumulated) grad,
@@ -208,6 +214,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pin_cpu_grads: bool = True,
         pin_cpu_params: bool = True,
         overlap_cpu_optimizer_d2h_h2d: bool = True,
+        pinned_transfer_slots: int | None = None,
         precision: PrecisionPolicy | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         overlap_step_with_backward: bool = False,
@@ -260,7 +267,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
         self._stage_hook: Callable[[str, HostBucket, bool], None] | None = None
 
-        self._pin = (pin_cpu_grads, pin_cpu_params)
+        self._transfer_slots = check_transfer_slots(pinned_transfer_slots)
+        # With transfer slots every host buffer stays pageable: only the slots are page-locked.
+        self._pin = (pin_cpu_grads, pin_cpu_params) if self._transfer_slots is None else (False, False)
         self._bucket_numel = bucket_numel
         self._records: list[ParamShard] = []
         self._buckets: list[HostBucket] = []
@@ -359,8 +368,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _engine_for(self, device: torch.device) -> CopyEngine:
         key = device if (device.type != "cpu" and self.overlap) else torch.device("cpu")
         if key not in self._engines:
-            self._engines[key] = StreamCopyEngine(device) if key.type != "cpu" else SyncCopyEngine()
+            if key.type == "cpu":
+                self._engines[key] = SyncCopyEngine()
+            elif self._transfer_slots is not None:
+                self._engines[key] = RingCopyEngine(device, self._transfer_slots)
+            else:
+                self._engines[key] = StreamCopyEngine(device)
         return self._engines[key]
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this optimizer holds: bucket buffers (default) or transfer slots."""
+        arenas = [b.pinned for b in (self._host_buffers, *self._later_host_buffers)]
+        rings = [e.pinned_bytes for e in self._engines.values() if isinstance(e, RingCopyEngine)]
+        return sum(a.reserved_bytes for a in arenas if a.pinned) + sum(rings)
 
     def _place(self, records: list[ParamShard], what: str) -> HostBuffers:
         """Partition ``records`` (new, validated) and give each side what it needs; returns their arenas.
@@ -393,6 +414,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._init_host_copies(buckets)
         # The last step that can fail (building the device class); self is changed only from here on.
         self._join_device_delegate(records)
+        self._fit_transfer_slots(buckets)
         if self.overlap:
             self._hook_handles.extend(self._register_hooks(records))
         if self._overlapped is not None:
@@ -404,6 +426,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._warn_unused_precision(records)
         self._log_partition(records, buckets, buffers, what)
         return buffers
+
+    @staticmethod
+    def _fit_transfer_slots(buckets: list[HostBucket]) -> None:
+        """Size the pinned slots of each ``RingCopyEngine`` (``pinned_transfer_slots``) for these new buckets too."""
+        for engine in {id(b.engine): b.engine for b in buckets}.values():
+            if isinstance(engine, RingCopyEngine):
+                engine.fit(b for b in buckets if b.engine is engine)
 
     def _check_classes_fit_shards(self, records: list[ParamShard]) -> None:
         """Refuse, naming class and param, a non-elementwise class on a sharded param (:mod:`offload_fsdp.per_element`)."""
@@ -489,13 +518,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         host = [r for r in records if r.offloaded]
         device = [r for r in records if r.trainable and not r.offloaded]
         pinned = buffers.pinned
+        rings = {id(b.engine): b.engine for b in buckets if isinstance(b.engine, RingCopyEngine)}.values()
         logger.info(
             "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
             "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
-            "(page-locked: %s); pageable host bytes %d",
+            "(page-locked: %s); pageable host bytes %d; pinned_transfer_slots=%s, page-locked slot bytes %d "
+            "(optimizer.pinned_bytes: the total)",
             what, self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
             len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
             pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
+            self._transfer_slots, sum(e.pinned_bytes for e in rings),
         )  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

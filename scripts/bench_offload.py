@@ -24,6 +24,12 @@ Every run also prints the cost of the per-step check that detects weights the
 user wrote between steps (``--write-check-only``: just that row), as a fraction
 of a full ``step()``.
 
+``--ring-slots N`` adds, on an accelerator, full pinning vs a ring of N pinned
+transfer slots (``pinned_transfer_slots=N``): page-locked bytes, time to
+construct the optimizer (allocation, page-locking, master copies) and
+``step()`` time of each (``--bucket-numel`` sets the bucket, hence slot, size).
+``construction_cost`` is the same measurement for other scripts.
+
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
 start / end of every bucket's D2H, host step and H2D in ms from the step's
@@ -34,6 +40,7 @@ synchronous and timed on the host), for ``scripts/plot_offload_timeline.py``.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -251,6 +258,8 @@ def bench_gpu(args: argparse.Namespace) -> None:
     """Overlap efficiency, bus bytes, iteration time and memory saved (bf16 params and grads), on any accelerator."""
     device = _accelerator()
     _bench_copies(args, device)
+    if args.ring_slots:
+        _bench_pinning(args, device)
     n = sum(_shapes(int(args.numel), args.tensors))
     width = int((n / (2 * args.layers)) ** 0.5)
     t_dev, m_dev = _bench_iteration(args, device, width, None)
@@ -259,6 +268,36 @@ def bench_gpu(args: argparse.Namespace) -> None:
           f"offload_fraction=1 {t_off * 1e3:.1f} ms vs on-device fp32-master AdamW {t_dev * 1e3:.1f} ms "
           f"= {t_off / t_dev:.2f}x; peak GPU memory {m_off / 2**30:.2f} GiB vs {m_dev / 2**30:.2f} GiB "
           f"(saved {(m_dev - m_off) / 2**30:.2f} GiB)")  # fmt: skip
+
+
+def construction_cost(params: list[torch.Tensor], **options: object) -> tuple[HybridDeviceOptimizer, float, int]:
+    """(optimizer, seconds to build it, its page-locked bytes): offload_fraction=1, AdamW, ``options``.
+
+    The seconds cover allocating and page-locking the host buffers and copying the
+    masters from the params; the device is synchronised before and after.
+    """
+    sync = torch.accelerator.synchronize if torch.accelerator.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3, **options)  # type: ignore[arg-type]
+    sync()
+    return opt, time.perf_counter() - start, opt.pinned_bytes
+
+
+def _bench_pinning(args: argparse.Namespace, device: torch.device) -> None:
+    """Full pinning vs a ring of ``--ring-slots`` transfer slots: pinned bytes, construction and step time."""
+    params = _params(_shapes(int(args.numel), args.tensors), torch.bfloat16, device.type)
+    print(f"\npinning ({sum(p.numel() for p in params) / 1e6:.0f}M bf16 params, buckets of "
+          f"{int(args.bucket_numel) / 1e6:.1f}M elements):")  # fmt: skip
+    for label, slots in (("full pinning", None), (f"ring of {args.ring_slots} slots", args.ring_slots)):
+        opt, seconds, pinned = construction_cost(
+            params, pinned_transfer_slots=slots, bucket_numel=int(args.bucket_numel)
+        )
+        t_step = _time(opt.step, args.repeats, torch.accelerator.synchronize)
+        print(f"  {label}: pinned {pinned / 2**20:.1f} MiB, construction {seconds:.2f} s, "
+              f"step {t_step * 1e3:.1f} ms")  # fmt: skip
+        del opt
+        gc.collect()  # unregisters its pinned memory before the next one pins
 
 
 def _bench_copies(args: argparse.Namespace, device: torch.device) -> None:
@@ -462,7 +501,10 @@ def main() -> None:
                         help="only record per-bucket D2H / host step / H2D spans of one step into PATH "
                              "(draw with scripts/plot_offload_timeline.py)")  # fmt: skip
     parser.add_argument("--bucket-numel", type=float, default=float(DEFAULT_BUCKET_NUMEL),
-                        help="elements per host bucket for --timeline-json (default 16M)")  # fmt: skip
+                        help="elements per host bucket for --timeline-json and --ring-slots (default 16M)")  # fmt: skip
+    parser.add_argument("--ring-slots", type=int, default=None, metavar="N",
+                        help="on an accelerator, also compare full pinning with pinned_transfer_slots=N: "
+                             "pinned bytes, construction time, step time")  # fmt: skip
     parser.add_argument(
         "--write-check-only",
         action="store_true",

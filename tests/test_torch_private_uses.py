@@ -31,7 +31,7 @@ PRIVATE_USES = [
     (
         "torch.distributed.checkpoint.filesystem",
         "_StorageInfo",
-        "checkpoint/commit.py, reader.py, rewrite.py, storage.py, safe_unpickle.py",
+        "checkpoint/data_file.py (imported once, as StorageInfo), safe_unpickle.py",
     ),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix", "checkpoint/storage.py"),
     ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict", "checkpoint/staging.py, state_dict_io.py"),

@@ -1,0 +1,152 @@
+"""DCP's ``.metadata``: the one place this library builds a ``Metadata`` by hand, and the one that writes it.
+
+A collective save lets DCP build the ``Metadata`` (its planner's global plan)
+and completes it with :func:`with_storage`; everything else assembles one
+from where its chunks landed:
+:func:`checkpoint.commit.merge_metadata` (the per-rank records of a scale-mode
+save) and the tensor-major writer behind reshard / import. Both go through
+:class:`MetadataBuilder`, and every writer (DCP's path in
+:class:`checkpoint.storage.FsdpWriter` included) writes it with
+:func:`write_metadata`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from checkpoint.data_file import StorageInfo
+from checkpoint.manifest import METADATA_NAME
+from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
+
+__all__ = ["MetadataBuilder", "with_storage", "write_metadata"]
+
+
+class MetadataBuilder:
+    """A DCP ``Metadata`` assembled key by key: tensors and their chunks, byte values, where each is stored.
+
+    Keys keep the order they are first declared in. A chunk declared twice
+    (same key and offsets: a replica) is kept once, as first declared.
+    :meth:`build` refuses a chunk or value with no storage location.
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        self._offsets: dict[str, set[torch.Size]] = {}
+        self._storage: dict[MetadataIndex, StorageInfo] = {}
+        self._paths: dict[str, tuple] = {}
+        self._properties: dict[torch.dtype, TensorProperties] = {}  # one object per dtype, as DCP pickles it
+
+    def tensor(self, key: str, dtype: torch.dtype, size: Iterable[int], *, source: str = "") -> None:
+        """Declare tensor ``key`` (its global shape and dtype); ``ValueError`` if it was declared otherwise.
+
+        ``source`` (e.g. ``"rank 3"``) names the writer in that error.
+        """
+        size = torch.Size(size)
+        current = self._state.get(key)
+        if current is None:
+            properties = self._properties.setdefault(dtype, TensorProperties(dtype=dtype))
+            self._state[key] = TensorStorageMetadata(properties, size, [])
+            self._offsets[key] = set()
+        elif not isinstance(current, TensorStorageMetadata) or current.size != size:
+            raise ValueError(f"ranks disagree on key {key!r}: {source} has shape {tuple(size)}")
+        elif current.properties.dtype != dtype:
+            raise ValueError(
+                f"ranks disagree on the dtype of {key!r}: {source} has {str(dtype).removeprefix('torch.')}"
+            )
+
+    def chunk(self, key: str, offsets: Iterable[int], sizes: Iterable[int], where: StorageInfo | None = None) -> None:
+        """Add a chunk of tensor ``key`` (declared first); ``where`` may come later, through :meth:`storage`."""
+        current = self._state[key]
+        assert isinstance(current, TensorStorageMetadata), f"{key} was declared a byte value"
+        offsets = torch.Size(offsets)
+        if offsets in self._offsets[key]:
+            return
+        self._offsets[key].add(offsets)
+        current.chunks.append(ChunkStorageMetadata(offsets, torch.Size(sizes)))
+        if where is not None:
+            self._storage[MetadataIndex(key, offsets)] = where
+
+    def byte_value(self, key: str, where: StorageInfo | None = None) -> None:
+        """Add a pickled non-tensor value (the first one declared for ``key`` is kept)."""
+        if key in self._state:
+            return
+        self._state[key] = BytesStorageMetadata()
+        if where is not None:
+            self._storage[MetadataIndex(key)] = where
+
+    def storage(self, where: Mapping[MetadataIndex, StorageInfo]) -> None:
+        """Storage locations recorded elsewhere (another process's writes); a location already known wins."""
+        for index, info in where.items():
+            self._storage.setdefault(index, info)
+
+    def path(self, key: str, path: Iterable[Any]) -> None:
+        """``key``'s nested-dict path (DCP's ``planner_data``), from which a load rebuilds nested values."""
+        self._paths.setdefault(key, tuple(path))
+
+    def keys(self) -> list[str]:
+        """The keys declared so far, in order."""
+        return list(self._state)
+
+    def build(self) -> Metadata:
+        missing = [
+            f"{key}{'' if index.offset is None else list(index.offset)}"
+            for key, index in self._indices()
+            if index not in self._storage
+        ]
+        assert not missing, f"no storage location for {missing[:3]}"
+        return Metadata(
+            state_dict_metadata=self._state,
+            planner_data=self._paths,
+            storage_data=self._storage,
+            storage_meta=None,  # DCP's default records a random save id and a path: saves would not be reproducible
+            version=CURRENT_DCP_VERSION,
+        )
+
+    def _indices(self):
+        for key, item in self._state.items():
+            if isinstance(item, TensorStorageMetadata):
+                for chunk in item.chunks:
+                    yield key, MetadataIndex(key, chunk.offsets)
+            else:
+                yield key, MetadataIndex(key)
+
+
+def with_storage(metadata: Metadata, storage: Mapping[MetadataIndex, StorageInfo]) -> Metadata:
+    """Complete the ``Metadata`` DCP's planner built (a collective save) as ``FileSystemWriter.finish`` would:
+    where every item is stored, the DCP version, and no ``storage_meta`` (see :meth:`MetadataBuilder.build`)."""
+    metadata.storage_data = dict(storage)
+    metadata.storage_meta = None
+    metadata.version = CURRENT_DCP_VERSION
+    return metadata
+
+
+def write_metadata(directory: str | os.PathLike, metadata: Metadata) -> FileRecord:
+    """Pickle ``metadata`` into ``directory/.metadata``, replaced whole and durably; its size and CRC-32.
+
+    The record is computed from the bytes as they are written, for the manifest.
+    """
+    record: list[FileRecord] = []
+
+    def dump(f) -> None:
+        stream = CrcStream(f, owns_raw=False)  # write_file fsyncs and closes f
+        pickle.dump(metadata, stream)
+        stream.wait_for_hints()
+        record.append(FileRecord(size=stream.size, crc32=stream.crc))
+
+    storage_for(directory).write_file(Path(directory) / METADATA_NAME, dump)
+    return record[0]

@@ -1,0 +1,13 @@
+"""The format's own read errors, one leaf module so that storage and manifest share them."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointCorruptError", "NotACheckpointError"]
+
+
+class NotACheckpointError(ValueError):
+    """A directory exists but holds no committed checkpoint (no manifest)."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint whose files do not match its manifest or cannot be read (truncated, corrupt, crafted)."""
