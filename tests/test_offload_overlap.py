@@ -21,7 +21,9 @@ from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.copy_engine import SyncCopyEngine
 from offload_fsdp.forward_waits import owners_of_buckets
 from offload_fsdp.precision import PrecisionPolicy
+from offload_fsdp.transfer_ring import RingCopyEngine
 from tests.distributed import run_ranks
+from tests.fakes.deferred_queues import DeferredQueues
 
 WIDTH = 8
 CONFIGS = {
@@ -241,6 +243,30 @@ def test_each_push_follows_a_read_mark_taken_after_its_params_last_read_and_end_
         on_worker = sorted(b for _, b, t in pushes if t == "offload_fsdp-host-step")
         # step 1: the last bucket lacks branch's grad, so it is completed by step() itself
         assert on_worker == ([0, 1, 2] if step == 0 else [0, 1])
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("slots", [1, 2])
+def test_through_a_ring_of_pinned_slots_on_an_emulated_async_device_it_stays_bit_identical(monkeypatch, name, slots):
+    # DeferredQueues: a copy runs only when waited on and its destination reads NaN until then, so a
+    # host step reading grads before their D2H landed, or a param read before its H2D, shows up.
+    engines: list[RingCopyEngine] = []
+
+    def engine_for(self, device):
+        if device not in self._engines:
+            engines.append(RingCopyEngine(device, slots, queues=DeferredQueues(), pin=False))
+            self._engines[device] = engines[-1]
+        return self._engines[device]
+
+    default, _, _ = _run(name, 0.5, torch.float32, False, micro_batches=2, sched=True, bucket_numel=80)
+    with monkeypatch.context() as m:
+        m.setattr(HybridDeviceOptimizer, "_engine_for", engine_for)
+        overlapped, opt, seen = _run(
+            name, 0.5, torch.float32, True, micro_batches=2, sched=True, bucket_numel=80, pinned_transfer_slots=slots
+        )
+    _assert_identical(default, overlapped)
+    assert all(seen) and engines and all(b.engine is engines[0] for b in opt._buckets)
+    assert engines[0].d2h_ring.peak_in_use <= slots and engines[0].h2d_ring.peak_in_use <= slots
 
 
 # ---------------------------------------------------------------------------------------- refusals
