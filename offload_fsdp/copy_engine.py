@@ -26,11 +26,13 @@ __all__ = ["CopyEngine", "StreamCopyEngine", "SyncCopyEngine"]
 
 class CopyEngine(Protocol):
     def begin_step(self) -> None: ...
+    def note_params_read(self) -> None: ...
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def wait_grads(self, bucket: HostBucket) -> None: ...
     def wait_params_free(self, bucket: HostBucket) -> None: ...
     def push_params(self, bucket: HostBucket, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
-    def end_step(self) -> None: ...
+    def end_step(self, main_waits: bool = True) -> None: ...
+    def wait_pushed(self, bucket: HostBucket) -> None: ...
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
@@ -38,6 +40,9 @@ class SyncCopyEngine:
     """Copies that are finished when the call returns: nothing is ever in flight."""
 
     def begin_step(self) -> None:
+        pass
+
+    def note_params_read(self) -> None:
         pass
 
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -53,7 +58,10 @@ class SyncCopyEngine:
         for dst, src in pairs:
             dst.copy_(src.reshape(dst.shape))
 
-    def end_step(self) -> None:
+    def end_step(self, main_waits: bool = True) -> None:
+        pass
+
+    def wait_pushed(self, bucket: HostBucket) -> None:
         pass
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -79,6 +87,12 @@ class StreamCopyEngine:
         # old params (forward/backward are queued before step()).
         self._step_begin = self._main().record_event()
         self._last_h2d = None
+
+    def note_params_read(self) -> None:
+        # Overlapped step (begin_step ran during backward): the main stream has now queued every
+        # read of the params of the buckets started so far, so H2D queued from here on waits for
+        # this later point. The H2D already queued stays tracked for end_step.
+        self._step_begin = self._main().record_event()
 
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The grad is produced by kernels queued on the main stream (backward,
@@ -126,12 +140,19 @@ class StreamCopyEngine:
         bucket.h2d_done = self.h2d_stream.record_event()
         self._last_h2d = bucket.h2d_done
 
-    def end_step(self) -> None:
+    def end_step(self, main_waits: bool = True) -> None:
         # The next forward reads the updated params: the main stream (not the host)
         # waits for the last H2D; H2D copies are stream-ordered, so the last covers all.
-        if self._last_h2d is not None:
+        # main_waits=False: per-module forward pre-hooks call wait_pushed instead (model=).
+        if self._last_h2d is not None and main_waits:
             self._main().wait_event(self._last_h2d)
         self._step_begin = None
+
+    def wait_pushed(self, bucket: HostBucket) -> None:
+        # A forward about to read this bucket's params: the main stream (not the host)
+        # waits for the bucket's latest H2D (None: none queued, or the host already saw it land).
+        if bucket.h2d_done is not None:
+            self._main().wait_event(bucket.h2d_done)
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # Blocking by design (construction, reload, load): only the current

@@ -25,7 +25,7 @@ import torch
 
 from offload_fsdp.delegate import hyperparameters
 
-__all__ = ["DeviceDefaults", "class_defaults", "same_value"]
+__all__ = ["DeviceDefaults", "class_defaults", "same_value", "snapshot_value"]
 
 
 def class_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
@@ -59,7 +59,8 @@ def same_value(a: Any, b: Any) -> bool:
         return False
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot_value(value: Any) -> Any:
+    """``value`` as it is now, to compare against later with :func:`same_value`."""
     # A tensor lr is updated in place by schedulers: keep a copy to compare against.
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
@@ -83,7 +84,9 @@ class DeviceDefaults:
         ``explicit``: the keys the user set. Replaces any earlier record for ``index``.
         """
         self._left[index] = {
-            k: _snapshot(v) for k, v in hyperparameters(group).items() if k not in explicit and k in self.gpu_defaults
+            k: snapshot_value(v)
+            for k, v in hyperparameters(group).items()
+            if k not in explicit and k in self.gpu_defaults
         }
 
     def for_device(self, index: int, group: dict[str, Any]) -> dict[str, Any]:

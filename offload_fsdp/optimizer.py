@@ -39,6 +39,7 @@ from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
+from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
 from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
@@ -47,9 +48,10 @@ from offload_fsdp.grad import (
 from offload_fsdp.graph_safe import GraphSafeGrads
 from offload_fsdp.graph_safe import graph_safe_grads as pin_grads
 from offload_fsdp.master import MASTER_KEY, adopt_written, canonical_state, master_dtype, policy_with_fp32_update
+from offload_fsdp.overlap import OverlappedStep
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
-from offload_fsdp.records import ParamShard, build_records, param_name, partition
+from offload_fsdp.records import ParamShard, build_records, grad_key, param_name, partition
 from offload_fsdp.state_io import (
     check_groups_match,
     check_record_state,
@@ -174,6 +176,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             writing into the gradients the step reads. Plain (local-shard) params only: FSDP2
             allocates DTensor gradients itself (``TypeError``). As with any persistent
             gradient, a param left out of a backward is stepped with a zero gradient.
+        overlap_step_with_backward: run each host bucket's update during the final backward,
+            on one host worker thread, as soon as all of its params' grads are final and
+            staged (in gradient-arrival order; its H2D is queued right after); ``step()`` then
+            waits for what is still running and does the rest (buckets not complete during
+            backward, the device share). Results are bit-identical to the default mode. Costs
+            one host thread, and a backward not inside :meth:`defer_grad_copies` commits to the
+            step. Refused with an error naming the fix: ``step(closure)``, AMP's
+            ``GradScaler.step``, ``optim.clip_grad_norm_`` / ``grad_norm`` on these params, a
+            grad changed in place after its update started (torch's clipping, unscaling), a
+            second backward reaching a started bucket, hyper-parameters changed between
+            backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
+            ``docs/offload.md``, "Overlapped host step".
+        model: the model holding the params (after ``fully_shard``). When given, each module
+            owning offloaded params (an FSDP2 unit, else the registering module) gets a forward
+            pre-hook waiting only for its own buckets' H2D, instead of the main stream waiting
+            for the whole step's H2D at the end of ``step()``. Reads of params outside those
+            forwards (a checkpoint save right after ``step()``, EMA) must call
+            :meth:`wait_for_params` first (:mod:`offload_fsdp.forward_waits`).
         **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
 
     Side effects of construction: host buffers are allocated once (exact size),
@@ -197,12 +217,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         precision: PrecisionPolicy | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         graph_safe_grads: bool = False,
+        overlap_step_with_backward: bool = False,
+        model: torch.nn.Module | None = None,
         **defaults: Any,
     ) -> None:
         self._built = False
         fraction = _check_fraction(offload_fraction)
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
+        if overlap_step_with_backward and not overlap_cpu_optimizer_d2h_h2d:
+            raise ValueError(
+                "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "
+                "that stage grads are what start the host updates"
+            )
         groups, opt_defaults, cpu_cls, wrapped, explicit = self._resolve_groups(
             params_or_optimizer, cpu_optimizer_cls, defaults
         )
@@ -248,7 +275,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._device_delegate: DelegatedOptimizer | None = None
         self._hook_handles: list[Any] = []
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
+        self._overlapped = (
+            OverlappedStep(self._before_overlapped_update, self._step_bucket, lambda i: self.param_groups[i])
+            if overlap_step_with_backward
+            else None
+        )
         self._accelerated = False
+        self._model = weakref.ref(model) if model is not None else None  # per-module H2D waits (model=)
         self.graph_safe_grads = graph_safe_grads
         self._grad_buffers: list[GraphSafeGrads] = []  # one per group batch placed (graph_safe_grads only)
         records = build_records(self.param_groups)
@@ -382,12 +415,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin=(self._pin[0] and accelerated, self._pin[1] and accelerated),
             engine_for=self._engine_for,
         )
+        model = self._model() if self._model is not None else None
+        waits = owners_of_buckets(model, buckets) if model is not None else []  # raises for a param not in it
         self._init_host_copies(buckets)
         # The last step that can fail (building the device class); self is changed only from here on.
         self._join_device_delegate(records)
         self._fit_transfer_slots(buckets)
         if self.overlap:
             self._hook_handles.extend(self._register_hooks(records))
+        if self._overlapped is not None:
+            self._overlapped.register(records, self)
+        self._hook_handles.extend(register_forward_waits(waits, self._wait_pushed))
         self._accelerated = accelerated
         self._records.extend(records)
         self._buckets.extend(buckets)
@@ -453,12 +491,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
             def hook(param: torch.Tensor, record: ParamShard = r) -> None:
                 opt = self_ref()
+                if opt is not None and opt._overlapped is not None:
+                    opt._overlapped.check_not_started(record)  # a grad its update would miss
                 grad = get_grad(param)
                 if opt is None or opt._defer_grad_copies or grad is None or grad.layout != torch.strided:
                     return  # deferred (step() copies it), or an error step() raises with the param's name
                 local = local_tensor(grad)
                 if local.dtype == record.grad_dtype and local.shape == record.local.shape:
                     opt._stage_grad(record, local)
+                    if opt._overlapped is not None:
+                        opt._overlapped.grad_final(record)
 
             handles.append(r.param.register_post_accumulate_grad_hook(hook))
         return handles
@@ -613,7 +655,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bump it, so the grad is copied again. Keys are cleared after each step and
         by zero_grad, so a reused allocation can never match a stale key.
         """
-        key = (id(grad), grad.data_ptr(), grad._version)
+        key = grad_key(grad)
         if record.staged_grad_key == key:
             return
         with self._bucket_stage("d2h", record.host_bucket):
@@ -651,21 +693,56 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         returns the host work is done and the main stream is ordered after the H2D.
         """
         self._check_groups_placed()
-        loss = None
-        if closure is not None:
+        loss, done = None, set()
+        if self._overlapped is not None:
+            done = self._finish_overlapped_backward(closure)
+        elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            self._step_records(done)
+        except BaseException:
+            self._abandon_overlapped_step()
+            raise
+        if self._overlapped is not None:
+            self._overlapped.end_step()
+        return loss
+
+    def _finish_overlapped_backward(self, closure: Any) -> set[int]:
+        """Refusals, then wait for the updates started during backward; ids of the records they updated."""
+        assert self._overlapped is not None
+        try:
+            self._refuse_in_overlapped_step(closure)
+            return self._overlapped.finish_backward()  # raises a worker's error, naming the bucket
+        except BaseException:
+            self._abandon_overlapped_step()
+            raise
+
+    def _abandon_overlapped_step(self) -> None:
+        """After an error: end the copy engines begun during backward, forget the step's bookkeeping."""
+        if self._overlapped is None:
+            return
+        for engine in self._overlapped.begun_engines.values():
+            engine.end_step()  # the next forward still waits for the H2D the worker queued (twice is harmless)
+        self._overlapped.end_step()
+
+    def _step_records(self, done: set[int]) -> None:
+        """The step of every record with a grad, except ``done`` (updated during backward)."""
+        begun = self._overlapped.begun_engines if self._overlapped is not None else {}
         active = self._collect_active()
         if not active:
-            return loss
+            return
         if self._refresh_masters_before_step:
             self.reload_model_params()
         else:
-            self._refresh_written([r for r, _ in active])
+            self._refresh_written([r for r, _ in active])  # a no-op for `done`: synced by their update
         grads = {id(r): g for r, g in active}
-        engines = list({id(e): e for e in self._engines.values()}.values())
+        engines = list({id(e): e for e in [*self._engines.values(), *begun.values()]}.values())
         for engine in engines:
-            engine.begin_step()
+            if id(engine) in begun:
+                engine.note_params_read()  # begun during backward: keep its H2D, move the read mark to now
+            else:
+                engine.begin_step()
         try:
             with record_function("HybridDeviceOptimizer.d2h"):
                 for r, g in active:
@@ -673,18 +750,64 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         self._stage_grad(r, g)
             self._step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in self._buckets:
-                bucket_active = [r for r in bucket.records if id(r) in grads]
+                bucket_active = [r for r in bucket.records if id(r) in grads and id(r) not in done]
                 if bucket_active:
                     self._step_bucket(bucket, bucket_active)
         finally:
             for engine in engines:
-                engine.end_step()
+                engine.end_step(main_waits=self._model is None)  # else each module's forward waits
             for r in self._records:
                 r.staged_grad_key = None
         for r, _ in active:
             self._publish(r)
         self._mark_wrapped_stepped()
-        return loss
+
+    def _refuse_in_overlapped_step(self, closure: Any) -> None:
+        """What ``overlap_step_with_backward=True`` cannot honour: ``ValueError`` naming the fix."""
+        if closure is not None:
+            raise ValueError(
+                "step(closure) is not supported with overlap_step_with_backward=True: the host updates start "
+                "during the backward before step(), not inside the closure; call loss.backward() and then step() "
+                "without a closure, or build the optimizer without overlap_step_with_backward"
+            )
+        # GradScaler.step sets these on an optimizer with _step_supports_amp_scaling (see that property).
+        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+            self.found_inf = self.grad_scale = None
+            raise ValueError(
+                "AMP's GradScaler.step is not supported with overlap_step_with_backward=True: the host updates "
+                "ran during backward on still-scaled gradients, before GradScaler could unscale them or skip a "
+                "step with inf/NaN gradients (the buckets updated so far used them: restore from a checkpoint); train "
+                "in bf16 without a GradScaler, or build the optimizer without overlap_step_with_backward"
+            )
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """In the overlapped mode, makes ``torch.amp.GradScaler.step`` call :meth:`step` with
+        ``grad_scale`` / ``found_inf`` set (its protocol for optimizers that handle scaling), so
+        step() can refuse it instead of GradScaler silently skipping a step already applied.
+        Default mode: False, GradScaler unscales and calls step() (or skips it) as for any optimizer."""
+        return getattr(self, "_overlapped", None) is not None
+
+    @staticmethod
+    def _wait_pushed(bucket: HostBucket) -> None:
+        bucket.engine.wait_pushed(bucket)
+
+    def wait_for_params(self) -> None:
+        """Order the current stream after every param H2D queued so far (the host does not block).
+
+        Needed only with ``model=``, before reading params other than through the model's
+        forward (which waits for its own params): e.g. saving a checkpoint right after ``step()``.
+        """
+        for bucket in self._buckets:
+            bucket.engine.wait_pushed(bucket)
+
+    def _before_overlapped_update(self, bucket: HostBucket) -> None:
+        """Main-thread preparation of a bucket update started during backward: the masters' refresh
+        that step() does first (the user's weights are the truth), for this bucket's records."""
+        if self._refresh_masters_before_step:
+            self.reload_model_params()
+        else:
+            self._refresh_written(bucket.records)
 
     def _check_groups_placed(self) -> None:
         """``ValueError`` for a param group that got no update space (added to the wrapped optimizer)."""
@@ -876,6 +999,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """As torch; a ``master_param`` in it is first refreshed from a param written since the last step."""
+        if self._overlapped is not None:
+            self._overlapped.check_idle("state_dict()")  # it would hold a half-applied step
         self._refresh_written(self._records)
         return super().state_dict()
 
@@ -934,6 +1059,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         kept and zeroed in place (a slot set to something else is pointed back at its
         buffer): their addresses are what a captured CUDA graph writes.
         """
+        if self._overlapped is not None:
+            self._overlapped.check_idle("zero_grad()")  # the update of these grads already ran in part
+            self._overlapped.forget_readiness()
         if self.graph_safe_grads:
             for handle in self._grad_buffers:
                 handle.zero_()
@@ -956,6 +1084,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         loaded after this call, as ``set_state_dict`` does, are seen). Hyper-parameters
         come from the saved groups.
         """
+        if self._overlapped is not None:
+            self._overlapped.check_idle("load_state_dict()")  # the worker may still be updating this state
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

@@ -22,7 +22,16 @@ from offload_fsdp.shard_spec import shard_spec_of
 if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
 
-__all__ = ["ParamShard", "build_records", "param_name", "partition"]
+__all__ = ["ParamShard", "build_records", "grad_key", "param_name", "partition"]
+
+
+def grad_key(grad: torch.Tensor) -> tuple[int, int, int]:
+    """(id, data_ptr, version counter) of a local grad: equal keys mean the same, unmodified grad.
+
+    Accumulation (the next micro-batch) and in-place edits (clipping, unscaling) bump the
+    version counter; a new tensor has a new id.
+    """
+    return (id(grad), grad.data_ptr(), grad._version)
 
 
 @dataclass(eq=False, kw_only=True)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from offload_fsdp.grad import get_grad, local_tensor
+from offload_fsdp.overlap import refuse_overlapped
 from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
@@ -217,6 +218,7 @@ def grad_norm(
     """
     norm_type = _check_norm_type(norm_type)
     params = [params] if torch.is_tensor(params) else list(params)
+    refuse_overlapped(params, "optim.grad_norm")  # their update may have run before the norm is known
     return _total_norm(_bucket(params, mesh_or_group), norm_type, foreach)
 
 
@@ -240,6 +242,7 @@ def clip_grad_norm_(
     """
     norm_type = _check_norm_type(norm_type)
     params = [params] if torch.is_tensor(params) else list(params)
+    refuse_overlapped(params, "optim.clip_grad_norm_")  # their update may have run before the norm is known
     buckets = _bucket(params, mesh_or_group)  # the gradients are collected once, for the norm and the scaling
     total = _total_norm(buckets, norm_type, foreach)
     if error_if_nonfinite and not torch.isfinite(total):
