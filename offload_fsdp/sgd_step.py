@@ -10,26 +10,35 @@ by ``materialize_state`` and not loaded) takes that first-update path.
 
 When the grad is already in the master's dtype and no param staging is needed, the
 bucket is one kernel call over per-record views. Otherwise the bucket is walked in
-the pieces of :func:`offload_fsdp.fused_step.pieces`: the grad is cast into a small
-reusable scratch (exact for bf16 -> fp32), the kernel updates the master, and the
-param staging takes the master's cast in the same pass over the cached piece.
+cache-sized pieces (:func:`pieces`): the grad is cast into a small reusable scratch
+(exact for bf16 -> fp32), the kernel updates the master, and the param staging
+takes the master's cast in the same pass over the cached piece. A record split
+between pieces is cut only where torch's kernel would cut it itself
+(:data:`SPLIT_UNIT`), so the bits stay those of one call over the whole param.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.sgd import sgd
 
-from offload_fsdp.fused_step import FusedScratch, pieces
+from offload_fsdp.fused_step import FusedScratch
 from offload_fsdp.records import ParamShard
 
 if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
 
-__all__ = ["SgdHyper", "sgd_bucket_step"]
+__all__ = ["SPLIT_UNIT", "SgdHyper", "pieces", "sgd_bucket_step"]
+
+SPLIT_UNIT = 64
+"""A record is split between pieces only at multiples of this many elements from its start. torch's
+fused CPU SGD kernel walks a tensor in cache-line units (16 fp32) of whole vectors and runs its scalar
+tail, which rounds differently (a contracted multiply-add), only at the tensor's end; a cut elsewhere
+would put a tail mid-param and change last bits against ``SGD(fused=True)`` on the whole param."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,35 @@ class SgdHyper:
 
 Segment = tuple[int, int, ParamShard]
 """(begin, end, record): a record's elements ``[begin, end)`` within the flat tensors passed along"""
+
+
+def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, list[Segment]]]:
+    """(start, stop, segments) of consecutive bucket ranges of at most ``numel`` elements covering ``active``.
+
+    ``active`` is sorted by offset; ``numel`` is a multiple of :data:`SPLIT_UNIT`. A record
+    crossing a piece's end is cut at the last multiple of ``SPLIT_UNIT`` (from its start)
+    before it, or, when that is its start, left whole to the next piece.
+    """
+    spans = [(r.offset, r.offset + n, r) for r in active if (n := r.numel)]  # numel is a property, not free
+    i, start = 0, 0
+    while i < len(spans):
+        start = max(start, spans[i][0])
+        stop, segs = start + numel, []
+        while i < len(spans):
+            begin, end, r = spans[i]
+            lo = max(begin, start)
+            if end <= stop:
+                segs.append((lo, end, r))
+                i += 1
+                continue
+            if begin < stop:
+                cut = begin + (stop - begin) // SPLIT_UNIT * SPLIT_UNIT
+                if cut > lo:
+                    segs.append((lo, cut, r))  # the rest of it starts the next piece
+            break
+        stop = segs[-1][1]  # never past the data: the next piece starts at the next active element
+        yield start, stop, segs
+        start = stop
 
 
 def _kernel(hyper: SgdHyper, params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list) -> None:
@@ -99,12 +137,14 @@ def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHype
     bufs = bucket.state.get("momentum_buffer") if hyper.momentum != 0 else None
     assert hyper.momentum == 0 or bufs is not None, "the optimizer refuses momentum without a buffer"
     active = sorted(active, key=lambda r: r.offset)
-    if stage is None and grads.dtype == master.dtype:
+    if stage is None and grads.dtype == master.dtype:  # nothing to cast: whole records, one call
         segs = [(r.offset, r.offset + n, r) for r in active if (n := r.numel)]  # numel is a property, not free
         if segs:
             _update(hyper, master, grads, bufs, segs)
         return
-    for start, stop, piece_segs in pieces(active, scratch.numel):
+    if scratch.numel < SPLIT_UNIT:
+        raise ValueError(f"host step scratch of {scratch.numel} elements is below SGD's split unit {SPLIT_UNIT}")
+    for start, stop, piece_segs in pieces(active, scratch.numel // SPLIT_UNIT * SPLIT_UNIT):
         g = grads[start:stop]
         if g.dtype != master.dtype:
             g = scratch.get(f"sgd_grad_{master.dtype}", master.dtype)[: stop - start]
