@@ -107,10 +107,10 @@ construction (so a kernel may hold per-optimizer choices, e.g. Adam's compiled-o
 class AdamKernel:
     """``torch.optim.Adam`` / ``AdamW`` without ``amsgrad``: moments in the policy's dtypes, a ``step`` scalar."""
 
-    name = "Adam(W)"
-    has_step = True
-    dtypes = _STEPPABLE
-    moment_dtypes_from_policy = True
+    name: str = "Adam(W)"
+    has_step: bool = True
+    dtypes: tuple[torch.dtype, ...] = _STEPPABLE
+    moment_dtypes_from_policy: bool = True
 
     def __init__(self, *, decoupled_default: bool) -> None:
         self.decoupled_default = decoupled_default
@@ -145,10 +145,10 @@ class SgdKernel:
     construction (none without: plain SGD keeps no state, as in torch).
     """
 
-    name = "SGD"
-    has_step = False
-    dtypes = _STEPPABLE
-    moment_dtypes_from_policy = False
+    name: str = "SGD"
+    has_step: bool = False
+    dtypes: tuple[torch.dtype, ...] = _STEPPABLE
+    moment_dtypes_from_policy: bool = False
 
     def unsupported(self, group: dict[str, Any]) -> str | None:
         return "differentiable" if group.get("differentiable", False) else None
