@@ -400,3 +400,22 @@ def _fsdp_sgd_body(rank: int, world_size: int) -> dict:
 def test_fsdp2_sgd_through_the_host_kernel_matches_torch_fused_sgd_on_2_ranks():
     for rank, result in enumerate(run_ranks(_fsdp_sgd_body, 2)):
         assert result == {"kernel": True, "params": True, "momentum": True, "moved": True}, rank
+
+
+# ---------------------------------------------------------------- Adam(W), the first entry
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_fp32_adam_host_kernel_is_torch_fused_adam_bit_for_bit(cls):
+    """All-fp32 buckets run torch's fused kernel over whole records, through its public entry."""
+    ours, ref = _params(), _params()
+    opt = HybridDeviceOptimizer(cls(_groups(ours), lr=0.01, weight_decay=0.1), 1.0, bucket_numel=24)
+    ref_opt = cls(_groups(ref), lr=0.01, weight_decay=0.1, fused=True)
+    assert len(opt._buckets) >= 2 and all(b.kernel is not None and b.delegate is None for b in opt._buckets)
+    _run(opt, ours, 0, 3)
+    _run(ref_opt, ref, 0, 3)
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert torch.equal(p, q), i
+        state, ref_state = opt.state[p], ref_opt.state[q]
+        assert state.keys() == ref_state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(state[k], ref_state[k]) for k in state), i
