@@ -80,9 +80,9 @@ class HostKernel(Protocol):
         """Torch state name -> dtype of each flat per-bucket state buffer ``group``'s buckets need.
 
         Each param's state holds its view of each, shaped like the local shard. Fresh
-        state is zeros and ``record.placeholder_state`` is True until the first update
-        or load: a class that starts a buffer from the first grad (SGD's
-        ``momentum_buffer``) reads that flag in ``step_bucket``.
+        state is zeros with ``record.placeholder_state`` True (a load clears it): a
+        class that starts a buffer from the first grad (SGD's ``momentum_buffer``)
+        reads the flag in ``step_bucket`` and clears it once it wrote the buffer.
         """
         ...
 

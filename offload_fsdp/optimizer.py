@@ -736,8 +736,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if r.state is None:
                 self._materialize_kernel_state(r)
         kernel.step_bucket(bucket, active, group, self._scratch)
-        for r in active:
-            r.placeholder_state = False  # updated: its state is real from here on
 
     # ------------------------------------------------------------------ state
 
@@ -748,7 +746,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _materialize_kernel_state(self, r: ParamShard) -> None:
         """Fresh state of a record its bucket's kernel steps: ``step`` 0 (if the kernel keeps one), its views
         of the flat state buffers zeroed, ``master_param``; none at all when that is empty (SGD without momentum
-        on an fp32 param, as in torch). Marked ``placeholder_state`` until its first update or a load."""
+        on an fp32 param, as in torch). Marked ``placeholder_state`` until a load, or an update by a kernel that
+        reads the flag (SGD's first update starts ``momentum_buffer`` from the grad)."""
         bucket = r.host_bucket
         assert bucket.kernel is not None, f"{r.name}: materialised as kernel state without a kernel"
         sl = slice(r.offset, r.offset + r.numel)

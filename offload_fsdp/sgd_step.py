@@ -129,8 +129,7 @@ def _update(
 def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHyper, scratch: FusedScratch) -> None:
     """One SGD update of the ``active`` records of ``bucket`` (preconditions: ``HostKernel.step_bucket``).
 
-    Side effects: masters, momentum buffers and param staging of the active records.
-    The caller clears ``placeholder_state`` after the step.
+    Side effects: masters, momentum buffers, ``placeholder_state`` and param staging of the active records.
     """
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
     assert master is not None and grads is not None  # allocated with the bucket
@@ -141,6 +140,7 @@ def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHype
         segs = [(r.offset, r.offset + n, r) for r in active if (n := r.numel)]  # numel is a property, not free
         if segs:
             _update(hyper, master, grads, bufs, segs)
+        _mark_real(active, bufs)
         return
     if scratch.numel < SPLIT_UNIT:
         raise ValueError(f"host step scratch of {scratch.numel} elements is below SGD's split unit {SPLIT_UNIT}")
@@ -154,3 +154,14 @@ def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHype
         if stage is not None:
             # Whole pieces: an inactive record's staging already is its master's cast.
             stage[start:stop].copy_(master[start:stop])
+    _mark_real(active, bufs)
+
+
+def _mark_real(active: list[ParamShard], bufs: torch.Tensor | None) -> None:
+    """Clear ``placeholder_state`` of records whose buffer this update wrote (after all their pieces).
+
+    Not without momentum: torch then keeps no buffer, so a later step with momentum starts it from the grad.
+    """
+    if bufs is not None:
+        for r in active:
+            r.placeholder_state = False

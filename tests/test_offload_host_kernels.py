@@ -419,3 +419,17 @@ def test_fp32_adam_host_kernel_is_torch_fused_adam_bit_for_bit(cls):
         state, ref_state = opt.state[p], ref_opt.state[q]
         assert state.keys() == ref_state.keys() == {"step", "exp_avg", "exp_avg_sq"}
         assert all(torch.equal(state[k], ref_state[k]) for k in state), i
+
+
+def test_momentum_off_for_a_first_step_then_on_starts_the_buffer_from_the_grad_as_torch_does():
+    """With momentum 0 torch keeps no buffer; turned back on, the buffer starts from that step's grad."""
+    hyper = CONFIGS["dampening"]
+    ours, ref = _params(BF16), _params(BF16)
+    ref = [p.detach().float().clone().requires_grad_() for p in ref]
+    opt, ref_opt = _ours(ours, 1.0, **hyper), _reference(ref, **hyper)
+    for step in range(3):
+        for o in (opt, ref_opt):
+            o.param_groups[0]["momentum"] = 0.0 if step == 0 else 0.9
+        _run(opt, ours, step, step + 1)
+        _run(ref_opt, ref, step, step + 1)
+    _assert_matches(opt, ours, ref_opt, ref)
