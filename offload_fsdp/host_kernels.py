@@ -64,7 +64,9 @@ class HostKernel(Protocol):
     has_step: bool
     """each param's state holds a scalar fp32 ``step`` tensor (0 when fresh), as torch's Adam does"""
     dtypes: tuple[torch.dtype, ...]
-    """param, grad and master dtypes it steps; a bucket with another dtype runs the class per bucket"""
+    """param and grad dtypes it steps; a bucket with another dtype runs the class per bucket"""
+    master_dtypes: tuple[torch.dtype, ...]
+    """master dtypes it updates (the param's with ``param_update_in_fp32=False``); others run the class per bucket"""
     moment_dtypes_from_policy: bool
     """``PrecisionPolicy.exp_avg_dtype`` / ``exp_avg_sq_dtype`` set its state dtypes (else a warning says they
     are ignored)"""
@@ -110,6 +112,7 @@ class AdamKernel:
     name: str = "Adam(W)"
     has_step: bool = True
     dtypes: tuple[torch.dtype, ...] = _STEPPABLE
+    master_dtypes: tuple[torch.dtype, ...] = _STEPPABLE
     moment_dtypes_from_policy: bool = True
 
     def __init__(self, *, decoupled_default: bool) -> None:
@@ -141,13 +144,17 @@ class AdamKernel:
 class SgdKernel:
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight_decay, maximize), as ``SGD(fused=True)``.
 
-    State: ``momentum_buffer`` in the master's dtype when the group has momentum at
-    construction (none without: plain SGD keeps no state, as in torch).
+    State: ``momentum_buffer`` in the master's dtype (fp32) when the group has momentum
+    at construction (none without: plain SGD keeps no state, as in torch).
     """
 
     name: str = "SGD"
     has_step: bool = False
     dtypes: tuple[torch.dtype, ...] = _STEPPABLE
+    # fp32 masters only: torch 2.13's fused CPU SGD kernel is wrong on bf16/fp16 tensors (its vector
+    # loop never writes the params, and reads fp16 momentum as floats); tests/test_offload_host_kernels.py
+    # checks it still is, so a fixed torch shows up there.
+    master_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     moment_dtypes_from_policy: bool = False
 
     def unsupported(self, group: dict[str, Any]) -> str | None:

@@ -316,8 +316,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """(kernel, its flat state buffers' dtypes) for ``bucket``, or None: a delegated optimizer steps it."""
         group = self.param_groups[bucket.group_index]
         kernel = self._group_kernel(group)
-        dtypes = (bucket.param_dtype, bucket.grad_dtype, bucket.master_dtype)
-        if kernel is None or any(d not in kernel.dtypes for d in dtypes):
+        if (
+            kernel is None
+            or bucket.param_dtype not in kernel.dtypes
+            or bucket.grad_dtype not in kernel.dtypes
+            or bucket.master_dtype not in kernel.master_dtypes
+        ):
             return None
         return kernel, kernel.state_layout(group, bucket.master_dtype, self.precision)
 

@@ -8,6 +8,7 @@ applied) rather than from zeros, and dampening applies from the second update on
 A buffer that holds no update yet (``ParamShard.placeholder_state``: fresh, or made
 by ``materialize_state`` and not loaded) takes that first-update path.
 
+Masters are fp32 (:class:`offload_fsdp.host_kernels.SgdKernel` says why).
 When the grad is already in the master's dtype and no param staging is needed, the
 bucket is one kernel call over per-record views. Otherwise the bucket is walked in
 cache-sized pieces (:func:`pieces`): the grad is cast into a small reusable scratch

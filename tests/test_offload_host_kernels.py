@@ -306,6 +306,7 @@ class SignKernel:
     name = "SignSGD"
     has_step = False
     dtypes = (FP32,)
+    master_dtypes = (FP32,)
     moment_dtypes_from_policy = False
     stepped: list[int] = []
 
@@ -432,4 +433,56 @@ def test_momentum_off_for_a_first_step_then_on_starts_the_buffer_from_the_grad_a
             o.param_groups[0]["momentum"] = 0.0 if step == 0 else 0.9
         _run(opt, ours, step, step + 1)
         _run(ref_opt, ref, step, step + 1)
+    _assert_matches(opt, ours, ref_opt, ref)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_sgd_without_fp32_masters_runs_torch_sgd_itself_on_the_low_precision_masters(dtype):
+    """param_update_in_fp32=False: low-precision masters are not the kernel's (see the next test): the
+    buckets run torch's SGD per bucket, as torch steps such params."""
+    hyper = CONFIGS["nesterov"]
+    ours, ref = _params(dtype), _params(dtype)
+    opt = HybridDeviceOptimizer(
+        torch.optim.SGD(_groups(ours), **hyper), 1.0, bucket_numel=24, param_update_in_fp32=False
+    )
+    assert all(b.kernel is None and b.delegate is not None for b in opt._buckets)
+    ref_opt = torch.optim.SGD(_groups(ref), **hyper)
+    _run(opt, ours, 0, 3)
+    _run(ref_opt, ref, 0, 3)
+    _assert_matches(opt, ours, ref_opt, ref)
+    assert not torch.equal(ours[0], _params(dtype)[0]), "the params must have moved"
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_torch_fused_sgd_still_leaves_low_precision_params_unstepped(dtype):
+    """Why SgdKernel.master_dtypes is fp32 only. When this fails, torch fixed its fused CPU SGD kernel for
+    bf16/fp16: allow them in SgdKernel.master_dtypes (and compare with SGD(fused=True) on such params)."""
+    p = torch.ones(64, dtype=dtype, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.5, fused=True)
+    p.grad = torch.ones(64, dtype=dtype)
+    opt.step()
+    assert torch.equal(p, torch.ones(64, dtype=dtype)), "torch's fused SGD now updates bf16/fp16 params"
+
+
+def test_sgd_on_bf16_params_with_fp32_decoupled_grads_matches_an_fp32_master_reference():
+    """fp32 grads (main_grads_dtype) need no cast, but the bf16 param staging still walks pieces."""
+    hyper = CONFIGS["momentum+weight_decay"]
+    ours = _params(BF16)
+    ref = [p.detach().float().clone().requires_grad_() for p in ours]
+    opt = HybridDeviceOptimizer(
+        torch.optim.SGD(_groups(ours), fused=True, **hyper),
+        1.0,
+        bucket_numel=24,
+        precision=PrecisionPolicy(main_grads_dtype=FP32),
+    )
+    opt._scratch = FusedScratch(100)
+    assert all(b.grad_stage.dtype == FP32 and b.param_stage is not None for b in opt._buckets)
+    ref_opt = _reference(ref, **hyper)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, ref):
+            g = torch.randn(p.shape, generator=gen)  # full fp32 values: no bf16 rounding anywhere
+            p.decoupled_grad, q.grad = g, g.clone()
+        opt.step()
+        ref_opt.step()
     _assert_matches(opt, ours, ref_opt, ref)
