@@ -38,8 +38,9 @@ __all__ = ["SPLIT_UNIT", "SgdHyper", "pieces", "sgd_bucket_step"]
 SPLIT_UNIT = 64
 """A record is split between pieces only at multiples of this many elements from its start. torch's
 fused CPU SGD kernel walks a tensor in cache-line units (16 fp32) of whole vectors and runs its scalar
-tail, which rounds differently (a contracted multiply-add), only at the tensor's end; a cut elsewhere
-would put a tail mid-param and change last bits against ``SGD(fused=True)`` on the whole param."""
+tail, whose results differ from the vector body's in the last bit, only at the tensor's end; a cut
+elsewhere would put a tail mid-param and change last bits against ``SGD(fused=True)`` on the whole
+param (``tests/test_offload_host_kernels.py`` fails with a unit of 1)."""
 
 
 @dataclass(frozen=True)
