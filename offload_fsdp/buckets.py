@@ -8,8 +8,8 @@ bucket *b* while bucket *b+1*'s grads are still arriving and bucket *b-1*'s
 params are already travelling back.
 
 Which buffers are page-locked: only what crosses the bus (grad staging, and the
-buffer H2D copies from). The fp32 master of a low-precision param and the Adam
-moments never leave the host, so they stay pageable.
+buffer H2D copies from). The fp32 master of a low-precision param and the optimizer
+state never leave the host, so they stay pageable.
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ from offload_fsdp.records import ParamShard
 if TYPE_CHECKING:
     from offload_fsdp.copy_engine import CopyEngine
     from offload_fsdp.delegate import DelegatedOptimizer
+    from offload_fsdp.host_kernels import HostKernel
 
 __all__ = ["HostBucket", "HostBuffers", "build_buckets"]
-
-_FUSED_STATE = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(eq=False, kw_only=True)
@@ -48,18 +47,17 @@ class HostBucket:
     master: torch.Tensor | None = None
     param_stage: torch.Tensor | None = None
     grad_stage: torch.Tensor | None = None
+    kernel: HostKernel | None = None
+    """the host kernel that steps this bucket (:mod:`offload_fsdp.host_kernels`); None: ``delegate`` does"""
     state: dict[str, torch.Tensor] = field(default_factory=dict)
-    """fused path only: flat Adam moments by torch state name (``exp_avg``, ``exp_avg_sq``)"""
+    """kernel buckets only: flat state buffers by torch state name, as the kernel's ``state_layout`` says
+    (``exp_avg``, ``exp_avg_sq`` for Adam; ``momentum_buffer`` for SGD with momentum)"""
     delegate: DelegatedOptimizer | None = None
-    """fallback path: one ``cpu_optimizer_cls`` instance over this bucket's master views"""
+    """buckets without a kernel: one ``cpu_optimizer_cls`` instance over this bucket's master views"""
     d2h_done: torch.Event | None = None
     d2h_sources: list[torch.Tensor] = field(default_factory=list)
     """device grads an in-flight D2H reads, held alive on backends without ``record_stream``"""
     h2d_done: torch.Event | None = None
-
-    @property
-    def fused(self) -> bool:
-        return bool(self.state)
 
 
 @dataclass
@@ -89,19 +87,18 @@ def build_buckets(
     first_index: int = 0,
     bucket_numel: int,
     master_dtype_of: Callable[[torch.dtype], torch.dtype],
-    state_dtypes: dict[str, torch.dtype] | None,
-    is_fused: Callable[[HostBucket], bool],
+    kernel_of: Callable[[HostBucket], tuple[HostKernel, dict[str, torch.dtype]] | None],
     pin: tuple[bool, bool],
     engine_for: Callable[[torch.device], CopyEngine],
 ) -> tuple[list[HostBucket], HostBuffers]:
     """Group offloaded ``records`` into buckets, allocate their flat buffers once, fill the views.
 
-    ``master_dtype_of`` maps a param dtype to its host master dtype; ``state_dtypes``
-    gives the fused path's moment dtypes; buckets for which ``is_fused`` holds get
-    flat moment storage (the others are served by a delegated optimizer). ``pin`` = (pin grads, pin params).
+    ``master_dtype_of`` maps a param dtype to its host master dtype; ``kernel_of`` gives
+    the host kernel that steps a bucket and its flat state buffers' names and dtypes
+    (None: a delegated optimizer steps it and keeps its own state). ``pin`` = (pin grads, pin params).
     Buckets are numbered from ``first_index`` (a group added later continues the
-    optimizer's numbering); the arenas are new and hold only these buckets. Side effect: sets each record's
-    ``bucket``/``offset``/``master``/``param_stage``/``grad_stage``. Masters and
+    optimizer's numbering); the arenas are new and hold only these buckets. Side effect: sets each
+    bucket's ``kernel`` and each record's ``bucket``/``offset``/``master``/``param_stage``/``grad_stage``. Masters and
     staging are NOT initialised from the params here (the caller fetches them).
     """
     buckets: list[HostBucket] = []
@@ -135,16 +132,20 @@ def build_buckets(
         return layout, layout.add(numel, dtype)
 
     handles = []
+    state_handles: list[dict[str, tuple[HostLayout, int]]] = []
     for b in buckets:
         separate = b.master_dtype != b.param_dtype
         h: dict[str, tuple[HostLayout, int] | None] = {"grad": add(pin_grads, b.numel, b.grad_dtype, "staging")}
         # The H2D source is pinned; a separate fp32 master never crosses the bus.
         h["param_stage"] = add(pin_params, b.numel, b.param_dtype, "staging") if separate else None
         h["master"] = add(pin_params and not separate, b.numel, b.master_dtype, "master")
-        if state_dtypes is not None and is_fused(b):
-            for name in _FUSED_STATE:
-                h[name] = add(False, b.numel, state_dtypes[name], "state")
+        served = kernel_of(b)
+        state_h = {}
+        if served is not None:
+            b.kernel, state_dtypes = served
+            state_h = {name: add(False, b.numel, dtype, "state") for name, dtype in state_dtypes.items()}
         handles.append(h)
+        state_handles.append(state_h)
 
     arenas = {id(pinned): pinned.allocate(pin=True)}
     arenas.update({id(layout): layout.allocate(pin=False) for layout in pageable.values()})
@@ -153,11 +154,11 @@ def build_buckets(
         layout, handle = entry
         return arenas[id(layout)].view(handle)
 
-    for b, h in zip(buckets, handles):
+    for b, h, hs in zip(buckets, handles, state_handles):
         b.grad_stage = view(h["grad"])
         b.master = view(h["master"])
         b.param_stage = view(h["param_stage"]) if h["param_stage"] is not None else None
-        b.state = {name: view(h[name]) for name in _FUSED_STATE if name in h}
+        b.state = {name: view(entry) for name, entry in hs.items()}
         for r in b.records:
             sl = slice(r.offset, r.offset + r.numel)
             shape = r.local.shape

@@ -34,7 +34,7 @@ of time (node setup), so the first training step pays nothing. Before first use 
 kernel on a small problem (the vector width of torch's scalar tail is found
 there). It is loaded with :mod:`ctypes` and called once per bucket; with more than
 one torch thread (``torch.get_num_threads()``) the call spreads the bucket's pieces
-over that many threads of its own. Buckets it does not cover (fp16
+over that many threads (torch's OpenMP threads; pthreads of its own where the compiler has no OpenMP). Buckets it does not cover (fp16
 anything, a bf16 master with ``param_update_in_fp32=False``, all-fp32 buckets that
 the fused kernel already steps at the roofline) and any failure to compile or load
 fall back to :func:`~offload_fsdp.fused_step.adam_bucket_step`. A failure is reported once
@@ -66,7 +66,15 @@ except ImportError:  # Windows: no advisory locks (see _exclusive)
     fcntl = None  # type: ignore[assignment]
 
 from offload_fsdp.buckets import HostBucket
-from offload_fsdp.fused_step import _SR_BELOW, AdamHyper, FusedScratch, adam_bucket_step, noise_counter, pieces
+from offload_fsdp.fused_step import (
+    _SR_BELOW,
+    AdamHyper,
+    FusedScratch,
+    adam_bucket_step,
+    fused_adam,
+    noise_counter,
+    pieces,
+)
 from offload_fsdp.records import ParamShard
 
 __all__ = ["HOST_STEP_ENV", "HostStep", "compiled_adam_bucket_step", "compiled_step_available", "select_host_step"]
@@ -237,11 +245,8 @@ def _probe_vec_width(library: ctypes.CDLL) -> int:
             hyper = AdamHyper(
                 lr=0.01, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=wd, maximize=False, decoupled=decoupled
             )
-            # the kernel fused_step.py calls (why private: see there); renamed -> the probe fails, the fused path too
-            kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
             for step in (1.0, 2.0, 3.0):
-                kernel([ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(step)], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-                       weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)  # fmt: skip
+                fused_adam(hyper, ([t] for t in ref), [torch.tensor(step)])  # the fused path's own kernel call
                 p, g, m, v = ours
                 args = _AdamArgs(param=p.data_ptr(), grad=g.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(),
                                  n=p.numel(), vec_width=width, **_scalars(hyper, step), grad_bf16=0, m_mode=0, v_mode=0, has_stage=0)  # fmt: skip
@@ -319,10 +324,11 @@ def _scalars(hyper: AdamHyper, step: float) -> dict[str, float | int]:
 
 
 def _run(items: list[_AdamArgs], threads: int = 1) -> None:
-    """Step ``items`` in one C call, spread over ``threads`` threads of its own.
+    """Step ``items`` in one C call, spread over ``threads`` threads; ctypes drops the GIL for the whole call.
 
-    The C loop cannot share torch's OpenMP pool, so the call starts its own threads
-    (pthreads, joined before it returns); ctypes drops the GIL for the whole call.
+    Built with OpenMP (``_OPENMP_FLAGS``), the call runs on torch's own OpenMP pool (the
+    loader hands the library the ``libgomp`` torch already loaded); a build without it
+    starts pthreads per call and joins them before returning.
     """
     if not items:
         return

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.adam import adam
 
 from offload_fsdp.buckets import HostBucket
 from offload_fsdp.records import ParamShard
 
-__all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step", "noise_counter", "pieces"]
+__all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step", "fused_adam", "noise_counter", "pieces"]
 
 PIECE_NUMEL = 1 << 19
 """Elements per piece: 512K x 4 fp32 streams (param, grad, 2 moments) = 8 MiB, split across the
@@ -165,12 +166,20 @@ def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, lis
             yield start, stop, segs
 
 
-def _kernel_call(kernel, hyper: AdamHyper, tensors: Iterable[list[torch.Tensor]], steps: list[torch.Tensor]) -> None:
-    """``tensors``: the param, grad, exp_avg and exp_avg_sq lists, in that order."""
+def fused_adam(hyper: AdamHyper, tensors: Iterable[list[torch.Tensor]], steps: list[torch.Tensor]) -> None:
+    """torch's fused Adam(W) kernel on ``tensors`` (the param, grad, exp_avg and exp_avg_sq lists) at ``steps``.
+
+    Through the public ``torch.optim.adam.adam(..., fused=True)``, which increments the
+    step tensors it is given before the update: it gets fresh copies one below ``steps``
+    (the records' own counters, already incremented once for this step, since a record
+    split between pieces is passed to several calls). Exact: steps are small integers.
+    """
     p, g, m, v = tensors
-    kernel(
-        p, g, m, v, [], steps, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-        weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=hyper.maximize,
+    before = list(torch.stack(steps).sub_(1.0).unbind()) if steps else []
+    adam(
+        p, g, m, v, [], before, fused=True, amsgrad=False, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=hyper.maximize,
+        decoupled_weight_decay=hyper.decoupled,
     )  # fmt: skip
 
 
@@ -183,9 +192,6 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
     exposed state. Side effects: master, moments and param staging of the active
     records are updated in place.
     """
-    # Private kernels kept: torch.optim.adam.adam(fused=True) increments every step tensor per call, and a
-    # record split across scratch pieces is passed to several calls; renamed in torch -> every fused step raises.
-    kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     active = sorted(active, key=lambda r: r.offset)
     m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
@@ -195,9 +201,7 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         nonempty = [(r, n) for r in active if (n := r.numel)]  # numel is a property, not free
         if nonempty:
             spans = [slice(r.offset, r.offset + n) for r, n in nonempty]
-            _kernel_call(
-                kernel, hyper, ([t[s] for s in spans] for t in flats), [r.created_state["step"] for r, _ in nonempty]
-            )
+            fused_adam(hyper, ([t[s] for s in spans] for t in flats), [r.created_state["step"] for r, _ in nonempty])
         return
     for start, stop, segs in pieces(active, scratch.numel):
         p = _as_fp32(master, start, stop, scratch, "param")
@@ -205,9 +209,7 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         m = _as_fp32(m_flat, start, stop, scratch, "exp_avg")
         v = _as_fp32(v_flat, start, stop, scratch, "exp_avg_sq")
         views = [slice(b - start, e - start) for b, e, _ in segs]
-        _kernel_call(
-            kernel, hyper, ([t[s] for s in views] for t in (p, g, m, v)), [r.created_state["step"] for _, _, r in segs]
-        )
+        fused_adam(hyper, ([t[s] for s in views] for t in (p, g, m, v)), [r.created_state["step"] for _, _, r in segs])
         # Cast back whole pieces: records without a grad in the piece are unchanged,
         # and a cast of an unchanged exact upcast is the identity.
         if master.dtype != torch.float32:

@@ -6,10 +6,10 @@ update runs (:func:`offload_fsdp.records.partition`):
 * **offloaded** records: a host master (fp32 for low-precision params), host
   grad staging and host optimizer state in flat per-bucket buffers
   (:mod:`offload_fsdp.buckets`). A step copies grads D2H (their own dtype),
-  runs the update bucket by bucket on the host with torch's fused Adam(W)
-  kernel in cache-sized pieces (:mod:`offload_fsdp.fused_step`) or, for other
-  classes, one ``cpu_optimizer_cls`` instance per bucket, and copies the
-  updated params H2D (:mod:`offload_fsdp.copy_engine`).
+  runs the update bucket by bucket on the host with the class's host kernel
+  (:mod:`offload_fsdp.host_kernels`: Adam(W), SGD) or, for other classes, one
+  ``cpu_optimizer_cls`` instance per bucket, and copies the updated params H2D
+  (:mod:`offload_fsdp.copy_engine`).
 * **device** records: one ``gpu_optimizer_cls`` instance updates the local
   params (or their device fp32 masters) in place.
 
@@ -35,18 +35,18 @@ import torch
 from torch.profiler import record_function
 
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
-from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
-from offload_fsdp.fused_step import AdamHyper, FusedScratch
+from offload_fsdp.fused_step import FusedScratch
 from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.grad import (
     zero_grad as zero_grads,  # both slots: .grad and decoupled_grad
 )
 from offload_fsdp.graph_safe import GraphSafeGrads
 from offload_fsdp.graph_safe import graph_safe_grads as pin_grads
+from offload_fsdp.host_kernels import HostKernel, host_kernel_for
 from offload_fsdp.master import MASTER_KEY, adopt_written, canonical_state, master_dtype, policy_with_fp32_update
 from offload_fsdp.overlap import OverlappedStep
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
@@ -67,9 +67,6 @@ DEFAULT_BUCKET_NUMEL = 1 << 24
 """16M elements (64 MiB of fp32 master) per bucket: big enough that per-bucket
 overheads vanish, small enough that D2H / host step / H2D of neighbouring
 buckets overlap."""
-
-_FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_fraction(value: Any) -> float:
@@ -138,8 +135,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             are on the CPU and the fraction splits them between the host path and the plain
             ("device") optimizer, so both code paths run everywhere.
         cpu_optimizer_cls: class of the host update; default the wrapped optimizer's
-            class, else ``torch.optim.AdamW``. ``Adam``/``AdamW`` (without amsgrad) use a
-            bucketed fused kernel; any other class runs as one instance per bucket.
+            class, else ``torch.optim.AdamW``. A class with a registered host kernel
+            (:mod:`offload_fsdp.host_kernels`: ``Adam``/``AdamW`` without amsgrad, ``SGD``)
+            steps whole buckets with it; any other class runs as one instance per bucket.
         gpu_optimizer_cls: class of the device update; default ``cpu_optimizer_cls``. When it
             differs, hyper-parameters the user set (constructor keywords, keys of their group
             dicts, for a wrapped optimizer values other than its class's defaults) and values
@@ -260,7 +258,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.precision = policy_with_fp32_update(precision, param_update_in_fp32)
         self.overlap = overlap_cpu_optimizer_d2h_h2d
         self._scratch = FusedScratch()
-        self._adam_step = select_host_step()  # compiled loop (default) or fused kernel ($OFFLOAD_FSDP_HOST_STEP)
+        # Built now: Adam's reads $OFFLOAD_FSDP_HOST_STEP (compiled loop or torch's fused kernel) here.
+        self._host_kernel = host_kernel_for(cpu_cls)
         self._engines: dict[torch.device, CopyEngine] = {}
         # Optional timing probe, called as hook(stage, bucket, is_begin) around each bucket's "d2h"
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
@@ -356,20 +355,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _master_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return master_dtype(dtype, self.precision.main_params_dtype)
 
-    def _group_is_fused(self, group: dict[str, Any]) -> bool:
-        return (
-            self.cpu_optimizer_cls in _FUSED_CLASSES
-            and not group.get("amsgrad", False)
-            and not group.get("differentiable", False)
-        )
+    def _group_kernel(self, group: dict[str, Any]) -> HostKernel | None:
+        """The host kernel for ``group``'s buckets, or None when its class has none or it cannot run the group."""
+        kernel = self._host_kernel
+        return kernel if kernel is not None and kernel.unsupported(group) is None else None
 
-    def _bucket_is_fused(self, bucket: HostBucket) -> bool:
-        return (
-            self._group_is_fused(self.param_groups[bucket.group_index])
-            and bucket.param_dtype in _FUSED_DTYPES
-            and bucket.grad_dtype in _FUSED_DTYPES
-            and bucket.master_dtype in _FUSED_DTYPES
-        )
+    def _bucket_kernel(self, bucket: HostBucket) -> tuple[HostKernel, dict[str, torch.dtype]] | None:
+        """(kernel, its flat state buffers' dtypes) for ``bucket``, or None: a delegated optimizer steps it."""
+        group = self.param_groups[bucket.group_index]
+        kernel = self._group_kernel(group)
+        if (
+            kernel is None
+            or bucket.param_dtype not in kernel.dtypes
+            or bucket.grad_dtype not in kernel.dtypes
+            or bucket.master_dtype not in kernel.master_dtypes
+        ):
+            return None
+        return kernel, kernel.state_layout(group, bucket.master_dtype, self.precision)
 
     def _engine_for(self, device: torch.device) -> CopyEngine:
         key = device if (device.type != "cpu" and self.overlap) else torch.device("cpu")
@@ -410,8 +412,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             first_index=len(self._buckets),
             bucket_numel=self._bucket_numel,
             master_dtype_of=self._master_dtype,
-            state_dtypes={"exp_avg": self.precision.exp_avg_dtype, "exp_avg_sq": self.precision.exp_avg_sq_dtype},
-            is_fused=self._bucket_is_fused,
+            kernel_of=self._bucket_kernel,
             pin=(self._pin[0] and accelerated, self._pin[1] and accelerated),
             engine_for=self._engine_for,
         )
@@ -457,7 +458,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     r.host_master.copy_(r.param_stage)
                 r.working = r.master
                 r.mark_synced(master_is_upcast=True)
-            if not bucket.fused:
+            if bucket.kernel is None:
                 bucket.delegate = DelegatedOptimizer(
                     self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
                 )
@@ -507,11 +508,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _warn_unused_precision(self, records: list[ParamShard]) -> None:
         low = {self.precision.exp_avg_dtype, self.precision.exp_avg_sq_dtype} != {torch.float32}
-        delegated = any(not r.offloaded or not r.host_bucket.fused for r in records if r.trainable)
-        if low and delegated:
+        ignored = any(
+            not r.offloaded or r.host_bucket.kernel is None or not r.host_bucket.kernel.moment_dtypes_from_policy
+            for r in records
+            if r.trainable
+        )
+        if low and ignored:
             warnings.warn(
-                "PrecisionPolicy exp_avg/exp_avg_sq dtypes apply to the host fused Adam(W) path only; "
-                "parameters updated by a delegated optimizer keep that class's own state dtype",
+                "PrecisionPolicy exp_avg/exp_avg_sq dtypes apply to the host Adam(W) kernel only; "
+                "parameters updated by a delegated optimizer or another host kernel (SGD's momentum_buffer "
+                "is in the master's dtype) keep that class's own state dtype",
                 stacklevel=3,
             )
 
@@ -854,24 +860,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket.engine.wait_params_free(bucket)
         group = self.param_groups[bucket.group_index]
         with record_function("HybridDeviceOptimizer.host_step"), self._bucket_stage("host_step", bucket):
-            if bucket.fused:
-                if group.get("amsgrad", False):
-                    raise ValueError(
-                        f"param group {bucket.group_index}: amsgrad was turned on after construction; the host "
-                        "fused path has no max_exp_avg_sq buffer. Build the optimizer with amsgrad=True instead"
-                    )
-                for r in active:
-                    if r.state is None:
-                        self._materialize_fused(r)
-                # `_foreach_add_`: torch's multi-tensor op, no public name (optimizers use it); removed -> step raises.
-                torch._foreach_add_([r.created_state["step"] for r in active], 1.0)
-                hyper = AdamHyper.from_group(group, decoupled_default=self.cpu_optimizer_cls is torch.optim.AdamW)
-                self._adam_step(bucket, active, hyper, self._scratch)
+            if bucket.kernel is not None:
+                self._kernel_step(bucket, bucket.kernel, active, group)
             else:
                 for r in active:
                     staged, working = r.host_grad_stage, r.working_tensor
                     working.grad = staged if staged.dtype == working.dtype else staged.to(working.dtype)
-                assert bucket.delegate is not None  # attached to every bucket without the fused kernel
+                assert bucket.delegate is not None  # attached to every bucket without a host kernel
                 try:
                     bucket.delegate.step(self.param_groups)
                 finally:
@@ -885,22 +880,52 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for r in active:
             r.mark_synced()  # after the push: its copy_ bumped the version counter
 
+    def _kernel_step(
+        self, bucket: HostBucket, kernel: HostKernel, active: list[ParamShard], group: dict[str, Any]
+    ) -> None:
+        """``kernel`` over ``active``: refuse a group it cannot run now, create missing state, step."""
+        setting = kernel.unsupported(group)
+        if setting is not None:
+            raise ValueError(
+                f"param group {bucket.group_index}: {setting} was turned on after construction; the host "
+                f"{kernel.name} kernel cannot run it and no buffers for it exist. Build the optimizer with "
+                f"{setting} set instead (its buckets then run {self.cpu_optimizer_cls.__name__} itself)"
+            )
+        missing = set(kernel.state_layout(group, bucket.master_dtype, self.precision)) - set(bucket.state)
+        if missing:
+            raise ValueError(
+                f"param group {bucket.group_index}: the host {kernel.name} kernel now needs state {sorted(missing)}, "
+                "which was not allocated at construction (a setting changed since, e.g. momentum from 0); build "
+                "the optimizer with that setting from the start"
+            )
+        for r in active:
+            if r.state is None:
+                self._materialize_kernel_state(r)
+        kernel.step_bucket(bucket, active, group, self._scratch)
+
     # ------------------------------------------------------------------ state
 
     def _publish(self, record: ParamShard) -> None:
         if record.state is not None:
             self.state[record.param] = record.state
 
-    def _materialize_fused(self, r: ParamShard) -> None:
+    def _materialize_kernel_state(self, r: ParamShard) -> None:
+        """Fresh state of a record its bucket's kernel steps: ``step`` 0 (if the kernel keeps one), its views
+        of the flat state buffers zeroed, ``master_param``; none at all when that is empty (SGD without momentum
+        on an fp32 param, as in torch). Marked ``placeholder_state`` until a load, or an update by a kernel that
+        reads the flag (SGD's first update starts ``momentum_buffer`` from the grad)."""
+        bucket = r.host_bucket
+        assert bucket.kernel is not None, f"{r.name}: materialised as kernel state without a kernel"
         sl = slice(r.offset, r.offset + r.numel)
         shape = r.local.shape
-        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        for name, flat in r.host_bucket.state.items():
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)} if bucket.kernel.has_step else {}
+        for name, flat in bucket.state.items():
             flat[sl].zero_()
             state[name] = r.wrap(flat[sl].view(shape))
         if r.has_separate_master:
             state[MASTER_KEY] = r.wrap(r.host_master)
-        r.state = state
+        r.state = state or None
+        r.placeholder_state = True
 
     def _forget(self, r: ParamShard) -> None:
         if r.state is None:
@@ -921,7 +946,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Create every trainable parameter's fresh state (``step`` 0) without changing any parameter.
 
         The state is what the wrapped class creates on its first step before updating
-        (:mod:`offload_fsdp.fresh_state`; the fused host path's Adam state is zeros), plus
+        (:mod:`offload_fsdp.fresh_state`; a host kernel's state buffers are zeros), plus
         ``master_param`` for low-precision params, so an in-place checkpoint
         load has tensors to fill. Uses no gradients of the user and no randomness;
         parameters and their gradients are left untouched. Idempotent.
@@ -935,7 +960,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 continue
             delegate = self._delegate_of(r)
             if delegate is None:
-                self._materialize_fused(r)
+                self._materialize_kernel_state(r)
             else:
                 pending.setdefault(id(delegate), (delegate, []))[1].append(r)
         for delegate, records in pending.values():

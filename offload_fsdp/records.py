@@ -83,9 +83,11 @@ class ParamShard:
     inner_state: dict[str, Any] | None = field(default=None, repr=False)
     """the delegated optimizer's own state dict for ``working`` (delegated records only)"""
     placeholder_state: bool = False
-    """delegated state made by ``materialize_state`` and not loaded since: its next update lets
-    the class create its first-step state itself, as in torch. Same values for torch's classes
-    (:mod:`offload_fsdp.fresh_state`); for another class the materialised state is zero-filled"""
+    """state made by ``materialize_state`` (or, in a host-kernel bucket, at a first step) and not loaded
+    or updated since: its next update lets the class create its first-step state itself, as in torch.
+    Delegated records: same values for torch's classes (:mod:`offload_fsdp.fresh_state`); for another
+    class the materialised state is zero-filled. Host kernels: zeros, which SGD's first update replaces
+    by the grad (:mod:`offload_fsdp.sgd_step`)"""
 
     # Views of the optional fields above for code that runs only where they are set
     # (an AssertionError names the record otherwise: an internal invariant, not a user error).

@@ -131,12 +131,10 @@ def _build_offloaded(
     graph_safe_grads: bool,
     hp: dict[str, Any],
 ) -> torch.optim.Optimizer:
-    if name == "sgd":
-        raise ValueError("offload_fraction is supported for name='adamw' / 'adam' only (the host step is fused Adam)")
     if cuda_graphs:
         raise ValueError("cuda_graphs=True cannot capture a host optimizer step; leave offload_fraction=None")
-    # Exactly torch's class: HybridDeviceOptimizer runs its bucketed fused host kernel for
-    # torch.optim.Adam / AdamW themselves (a subclass would fall back to per-bucket instances).
+    # Exactly torch's class: HybridDeviceOptimizer's host kernels are registered for torch.optim.Adam /
+    # AdamW / SGD themselves (a subclass would fall back to one instance per bucket).
     cpu_cls = _TORCH_CLASSES[name]
     gpu_cls: type[torch.optim.Optimizer] = cpu_cls
     kwargs = dict(hp)
@@ -186,9 +184,10 @@ def build_optimizer(
       moment dtypes from the policy.
     * ``backend="apex"``: NVIDIA apex ``FusedAdam`` (fp32 moments, ``.grad`` only).
     * ``offload_fraction``: an ``offload_fsdp.HybridDeviceOptimizer`` whose host
-      step is torch's fused Adam(W) kernel on CPU, honouring ``precision`` (bf16
-      host moments included); its device share is stepped by the torch class or
-      by the te / apex ``FusedAdam`` over the fp32 masters.
+      step is its host kernel (:mod:`offload_fsdp.host_kernels`): Adam(W) honouring
+      ``precision`` (bf16 host moments included), or SGD as ``SGD(fused=True)``
+      (momentum buffer in the master's dtype); its device share is stepped by the
+      torch class or by the te / apex ``FusedAdam`` over the fp32 masters.
     * ``cuda_graphs=True``: a capturable optimizer (device-side step and lr).
     * ``graph_safe_grads=True``: every trainable param's gradient is a view of a
       persistent buffer (``decoupled_grad`` when ``precision.main_grads_dtype`` differs

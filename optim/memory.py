@@ -13,7 +13,9 @@ What is counted, per parameter element of the local shard:
 * the main (master) parameter, only when its dtype differs from the model
   parameter's: an fp32 model parameter *is* the main parameter (FSDP2 keeps
   fp32 sharded params; fused Adam is built with ``master_weights=False``);
-* Adam's ``exp_avg`` and ``exp_avg_sq`` in their policy dtypes.
+* the optimizer state: Adam's ``exp_avg`` and ``exp_avg_sq`` in their policy
+  dtypes, or SGD's ``momentum_buffer`` in the main param's dtype (``momentum=0``
+  keeps none: ``name="sgd_no_momentum"``).
 
 With offload (``HybridDeviceOptimizer``), the share ``offload`` of elements
 keeps main param and Adam state on the host instead, where the main param always
@@ -52,20 +54,36 @@ class MemoryFootprint:
     """name -> bytes for each device buffer (``param``, ``grad``, ...)"""
 
 
+def _state_dtypes(name: str, policy: PrecisionPolicy) -> dict[str, torch.dtype]:
+    """Optimizer ``name``'s per-element state buffers and their dtypes under ``policy``."""
+    if name in ("adamw", "adam"):
+        return {"exp_avg": policy.exp_avg_dtype, "exp_avg_sq": policy.exp_avg_sq_dtype}
+    if name == "sgd":  # in the dtype of what it steps: the main param (the host kernel's and torch's alike)
+        return {"momentum_buffer": policy.main_params_dtype}
+    if name == "sgd_no_momentum":
+        return {}
+    raise ValueError(f"unknown optimizer name {name!r}; valid names: adamw, adam, sgd, sgd_no_momentum")
+
+
 def bytes_per_param(
     policy: PrecisionPolicy | None,
     param_dtype: torch.dtype,
     offload: float = 0.0,
+    *,
+    name: str = "adamw",
 ) -> MemoryFootprint:
     """Host and device bytes per parameter element for ``policy`` and model params of ``param_dtype``.
 
     ``offload`` is the share of elements whose optimizer work runs on the host
     (``HybridDeviceOptimizer(offload_fraction=...)``); 0 means no offload. The
     result is exact for 0 and 1 and the element-weighted mix in between.
+    ``name``: the optimizer, as ``build_optimizer`` names it (``"adamw"``, ``"adam"``,
+    ``"sgd"`` with momentum), or ``"sgd_no_momentum"`` (no state).
     """
     if not 0.0 <= offload <= 1.0:
         raise ValueError(f"offload={offload} must lie in [0, 1] (a share of the parameter elements)")
     policy = policy if policy is not None else PrecisionPolicy()
+    state_dtypes = _state_dtypes(name, policy)
     grad_dtype = policy.resolved_main_grads_dtype or param_dtype  # None: no master, grads in the param's dtype
     main_dtype = master_dtype(param_dtype, policy.main_params_dtype)
     separate_main = main_dtype != param_dtype
@@ -73,21 +91,18 @@ def bytes_per_param(
     device_parts: dict[str, float] = {"param": param_dtype.itemsize, "grad": grad_dtype.itemsize}
     host_parts: dict[str, float] = {}
     on_device = 1.0 - offload
-    optimizer_parts = {
-        "main_param": main_dtype.itemsize,
-        "exp_avg": policy.exp_avg_dtype.itemsize,
-        "exp_avg_sq": policy.exp_avg_sq_dtype.itemsize,
-    }
-    for name, size in optimizer_parts.items():
-        if name == "main_param" and not separate_main:
+    optimizer_parts = {"main_param": main_dtype.itemsize}
+    optimizer_parts.update({state: dtype.itemsize for state, dtype in state_dtypes.items()})
+    for part, size in optimizer_parts.items():
+        if part == "main_param" and not separate_main:
             # On the device the fp32 model param is the main param; the host needs its own copy.
             if offload:
-                host_parts[name] = offload * size
+                host_parts[part] = offload * size
             continue
         if on_device:
-            device_parts[name] = on_device * size
+            device_parts[part] = on_device * size
         if offload:
-            host_parts[name] = offload * size
+            host_parts[part] = offload * size
     if offload:
         host_parts["grad_staging"] = offload * policy.grad_staging_dtype(param_dtype).itemsize
         if separate_main:

@@ -56,7 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `pyth
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
 from offload_fsdp.compiled_step import HOST_STEP_ENV, compiled_step_available  # noqa: E402
 from offload_fsdp.copy_engine import StreamCopyEngine  # noqa: E402
-from offload_fsdp.fused_step import AdamHyper  # noqa: E402
 from offload_fsdp.optimizer import DEFAULT_BUCKET_NUMEL  # noqa: E402
 from optim import PrecisionPolicy  # noqa: E402
 
@@ -115,12 +114,11 @@ def _params(sizes: list[int], dtype: torch.dtype, device: str) -> list[torch.Ten
 def _host_step_only(opt: HybridDeviceOptimizer) -> Callable[[], None]:
     """The host update alone (no grad staging, no copy back), bucket by bucket, as step() runs it."""
     opt.materialize_state()
-    hyper = AdamHyper.from_group(opt.param_groups[0], decoupled_default=True)
 
     def run() -> None:
         for bucket in opt._buckets:
-            torch._foreach_add_([r.state["step"] for r in bucket.records], 1.0)
-            opt._adam_step(bucket, bucket.records, hyper, opt._scratch)
+            assert bucket.kernel is not None  # AdamW: every bucket has the host kernel
+            bucket.kernel.step_bucket(bucket, bucket.records, opt.param_groups[bucket.group_index], opt._scratch)
 
     return run
 

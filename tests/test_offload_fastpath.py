@@ -38,7 +38,7 @@ def _build(monkeypatch, host_step, params, policy, opt_cls, piece=64, **hyper):
         monkeypatch.setenv(HOST_STEP_ENV, host_step)
     opt = HybridDeviceOptimizer(opt_cls(params, lr=0.01, **hyper), 1.0, precision=policy)
     opt._scratch = FusedScratch(piece)  # small pieces split params, so calls start and end mid-record
-    assert opt._adam_step is (adam_bucket_step if host_step == "fused" else compiled_adam_bucket_step)
+    assert opt._host_kernel.host_step is (adam_bucket_step if host_step == "fused" else compiled_adam_bucket_step)
     return opt
 
 

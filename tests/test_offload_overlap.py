@@ -361,19 +361,19 @@ def test_an_error_in_the_worker_surfaces_at_step_naming_the_bucket_and_params():
     opt = HybridDeviceOptimizer(
         model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
     )
-    real = opt._adam_step
+    real = opt._host_kernel.host_step
 
     def failing(bucket, *args):
         if bucket.index == 3:
             raise OSError("disk on fire")
         return real(bucket, *args)
 
-    opt._adam_step = failing
+    opt._host_kernel.host_step = failing
     model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
     with pytest.raises(RuntimeError, match="bucket 3 \\(params 'layers.3.weight'.*disk on fire") as info:
         opt.step()
     assert isinstance(info.value.__cause__, OSError)
-    opt._adam_step = real
+    opt._host_kernel.host_step = real
     opt.zero_grad()  # the failed step is over: the optimizer can go on
     model(_batch(1, 0, WIDTH, torch.float32), 1).square().mean().backward()
     opt.step()
@@ -384,7 +384,7 @@ def test_a_worker_error_also_surfaces_at_the_next_hook():
     opt = HybridDeviceOptimizer(
         model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
     )
-    opt._adam_step = lambda *args: (_ for _ in ()).throw(MemoryError("host out of memory"))
+    opt._host_kernel.host_step = lambda *args: (_ for _ in ()).throw(MemoryError("host out of memory"))
     model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
     opt._overlapped.worker.wait_quietly()  # the failure is recorded: deterministic from here on
     with pytest.raises(RuntimeError, match="bucket 5 \\(params 'layers.5.weight'.*MemoryError"):

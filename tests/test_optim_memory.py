@@ -74,3 +74,39 @@ def test_host_bytes_per_param_of_each_table_row_are_what_the_offloading_optimize
     # reserved = used + at most one alignment gap (< 64 B) per buffer
     padding = sum(a.reserved_bytes for a in arenas) - used
     assert 0 <= padding < 64 * sum(len(a.layout.requests) for a in arenas)
+
+
+@pytest.mark.parametrize(
+    "name, param_dtype, device, host",
+    [
+        # fp32: device param 4 + grad 4; host main 4 + momentum_buffer 4 + grad staging 4
+        ("sgd", FP32, 8, 12),
+        # bf16 + fp32 master: device 2 + fp32 decoupled grad 4; host main 4 + momentum 4 (the master's
+        # dtype) + grad staging 2 (its own dtype) + param staging 2
+        ("sgd", BF16, 6, 12),
+        # without momentum SGD keeps no state: host main 4 + grad staging 4
+        ("sgd_no_momentum", FP32, 8, 8),
+    ],
+)
+def test_sgd_counts_one_momentum_buffer_in_the_main_param_dtype(name, param_dtype, device, host):
+    footprint = bytes_per_param(PrecisionPolicy(), param_dtype, 1.0, name=name)
+    assert (footprint.device, footprint.host) == (device, host)
+    assert "exp_avg" not in footprint.host_parts
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("param_dtype", [FP32, BF16])
+def test_host_bytes_per_param_of_offloaded_sgd_are_what_the_optimizer_allocates(momentum, param_dtype):
+    from offload_fsdp import HybridDeviceOptimizer
+
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype)) for shape in [(7, 5), (13,)]]
+    opt = HybridDeviceOptimizer(torch.optim.SGD(params, lr=0.1, momentum=momentum), offload_fraction=1)
+    arenas = [opt._host_buffers.pinned, *opt._host_buffers.pageable.values()]
+    used = sum(a.layout.used_bytes for a in arenas) / sum(p.numel() for p in params)
+    name = "sgd" if momentum else "sgd_no_momentum"
+    assert used == bytes_per_param(PrecisionPolicy(), param_dtype, 1.0, name=name).host
+
+
+def test_an_unknown_optimizer_name_is_a_value_error_listing_the_names():
+    with pytest.raises(ValueError, match="valid names: adamw, adam, sgd"):
+        bytes_per_param(None, FP32, 1.0, name="lamb")

@@ -17,9 +17,7 @@ from tests.distributed import run_ranks
 
 # (module, attribute path, where it is used)
 PRIVATE_USES = [
-    ("torch", "_fused_adam_", "offload_fsdp/fused_step.py adam_bucket_step; offload_fsdp/compiled_step.py probe"),
-    ("torch", "_fused_adamw_", "offload_fsdp/fused_step.py adam_bucket_step; offload_fsdp/compiled_step.py probe"),
-    ("torch", "_foreach_add_", "offload_fsdp/optimizer.py step (step counters)"),
+    ("torch", "_foreach_add_", "offload_fsdp/host_kernels.py AdamKernel.step_bucket (step counters)"),
     ("torch", "_foreach_zero_", "offload_fsdp/grad.py _clear_slots"),
     ("torch", "_foreach_norm", "optim/clip.py _norms"),
     ("torch", "_foreach_mul_", "optim/clip.py clip_grad_norm_"),
