@@ -5,7 +5,8 @@ gradients (``set_to_none=True``, torch's default) the next backward allocates
 new ones at other addresses and a graph captured over backward or the optimizer
 step reads stale memory. :func:`graph_safe_grads` allocates one flat buffer per
 (device, dtype), points each parameter's gradient slot at a view of it, and
-zeroes in place, so the addresses never change.
+zeroes in place, so the addresses never change. The "views" are aliases of their
+slices with version counters of their own (see :func:`graph_safe_grads`).
 
 Autograd accumulates into an existing ``.grad`` in place, so backward writes
 straight into the views (a ``decoupled_grad`` view is written by whatever
@@ -93,7 +94,10 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
     views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for key, entries in layout.items():
         for param, offset in entries:
-            view = buffers[key][offset : offset + param.numel()].view(param.shape)
+            # An alias of the slice, not a view: a view shares the whole buffer's version counter, so
+            # accumulating into one param's grad would look like an in-place edit of every other grad
+            # (records.grad_key: re-staged D2H, and the overlapped step's "grad changed" refusal).
+            view = torch.empty(0, dtype=key[1], device=key[0]).set_(buffers[key].untyped_storage(), offset, param.shape)
             old = get_grad(param)
             if old is not None:
                 view.copy_(old)  # casts when the gradient changes slot (dtype)
