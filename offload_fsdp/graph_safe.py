@@ -97,7 +97,9 @@ def graph_safe_grads(params: Iterable[torch.Tensor], *, grad_dtype: torch.dtype 
             # An alias of the slice, not a view: a view shares the whole buffer's version counter, so
             # accumulating into one param's grad would look like an in-place edit of every other grad
             # (records.grad_key: re-staged D2H, and the overlapped step's "grad changed" refusal).
-            view = torch.empty(0, dtype=key[1], device=key[0]).set_(buffers[key].untyped_storage(), offset, param.shape)
+            strides = torch.empty(param.shape, device="meta").stride()  # contiguous
+            view = torch.empty(0, dtype=key[1], device=key[0])
+            view.set_(buffers[key].untyped_storage(), offset, param.shape, strides)
             old = get_grad(param)
             if old is not None:
                 view.copy_(old)  # casts when the gradient changes slot (dtype)
