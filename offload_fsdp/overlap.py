@@ -279,8 +279,10 @@ class OverlappedStep:
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
                 "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "
-                "zero_grad), so the update used the old gradient; with overlap_step_with_backward=True "
-                "leave gradients untouched between backward and step(), or build the optimizer without it"
+                "zero_grad, or DistributedDataParallel, whose all-reduce writes the averaged grads after "
+                "the hooks ran), so the update used the old gradient; with overlap_step_with_backward=True "
+                "leave gradients untouched between backward and step() and shard with FSDP2 (fully_shard) "
+                "rather than DDP, or build the optimizer without it"
             )
 
     def forget_readiness(self) -> None:

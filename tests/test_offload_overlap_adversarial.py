@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from offload_fsdp import HybridDeviceOptimizer
+from tests.distributed import run_ranks
 from tests.test_offload_overlap import WIDTH, _batch, _net
 
 Params = list[torch.Tensor]
@@ -274,3 +275,19 @@ def test_backward_reading_a_weight_after_its_grad_is_final_sees_the_old_value():
         opt.step()
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(p, q) for p, q in zip(*results))
+
+
+def _ddp_body(rank: int, world_size: int) -> str:
+    model = _net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = _opt(model, True)
+    ddp(_batch(0, rank, WIDTH, torch.float32), 0).square().mean().backward()
+    with pytest.raises(ValueError, match="changed in place or replaced .*DistributedDataParallel.*FSDP2") as info:
+        opt.step()
+    return str(info.value)
+
+
+def test_ddp_all_reducing_after_the_hooks_makes_step_raise_naming_ddp_and_fsdp2():
+    # DDP's post-accumulate all-reduce writes the averaged grad after our hook staged the local one
+    messages = run_ranks(_ddp_body, world_size=2)
+    assert len(messages) == 2
