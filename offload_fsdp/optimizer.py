@@ -22,6 +22,7 @@ and 1 exercise different code everywhere.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -275,7 +276,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
         self._overlapped = (
-            OverlappedStep(self._before_overlapped_update, self._step_bucket, lambda i: self.param_groups[i])
+            OverlappedStep(
+                self._before_overlapped_update,
+                functools.partial(self._step_bucket, push=False),  # step() writes the params (see _step_records)
+                lambda i: self.param_groups[i],
+            )
             if overlap_step_with_backward
             else None
         )
@@ -728,8 +733,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """After an error: end the copy engines begun during backward, forget the step's bookkeeping."""
         if self._overlapped is None:
             return
+        # The buckets updated before the error keep their update: write their params (after backward's reads).
         for engine in self._overlapped.begun_engines.values():
-            engine.end_step()  # the next forward still waits for the H2D the worker queued (twice is harmless)
+            engine.note_params_read()
+        for bucket in self._overlapped.updated_buckets():
+            self._push_bucket(bucket, bucket.records)
+        for engine in self._overlapped.begun_engines.values():
+            engine.end_step()  # the next forward waits for those H2D
         self._overlapped.end_step()
 
     def _step_records(self, done: set[int]) -> None:
@@ -750,6 +760,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             else:
                 engine.begin_step()
         try:
+            # Updated during backward, written only now: backward may read a param after its grad is final.
+            for bucket in self._overlapped.updated_buckets() if self._overlapped is not None else []:
+                self._push_bucket(bucket, bucket.records)
             with record_function("HybridDeviceOptimizer.d2h"):
                 for r, g in active:
                     if r.offloaded:
@@ -855,7 +868,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 r.local.copy_(r.working_tensor)  # the param is the cast of its fp32 master
                 r.mark_synced()
 
-    def _step_bucket(self, bucket: HostBucket, active: list[ParamShard]) -> None:
+    def _step_bucket(self, bucket: HostBucket, active: list[ParamShard], *, push: bool = True) -> None:
         bucket.engine.wait_grads(bucket)
         bucket.engine.wait_params_free(bucket)
         group = self.param_groups[bucket.group_index]
@@ -875,6 +888,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 for r in active:
                     if r.param_stage is not None:
                         r.param_stage.copy_(r.host_master)
+        if push:
+            self._push_bucket(bucket, active)
+
+    def _push_bucket(self, bucket: HostBucket, active: list[ParamShard]) -> None:
         with record_function("HybridDeviceOptimizer.h2d"), self._bucket_stage("h2d", bucket):
             bucket.engine.push_params(bucket, [(r.local, r.push_source) for r in active])
         for r in active:

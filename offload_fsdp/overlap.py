@@ -189,6 +189,8 @@ class OverlappedStep:
         self._started: dict[int, tuple[HostBucket, dict[str, Any]]] = {}
         """bucket index -> (bucket, its group's hyper-parameters when its update was queued)"""
         self._started_records: set[int] = set()
+        self._updated: list[HostBucket] = []
+        """buckets whose update finished on the worker (appended there; read after ``worker.wait``)"""
         self.begun_engines: dict[int, CopyEngine] = {}
         """copy engines whose ``begin_step`` ran during backward (step() must not run it again)"""
 
@@ -249,6 +251,13 @@ class OverlappedStep:
         if bucket.device.type != "cpu" and bucket.device.index is not None:
             torch.accelerator.set_device_index(bucket.device.index)
         self._update(bucket, records)
+        self._updated.append(bucket)
+
+    def updated_buckets(self) -> list[HostBucket]:
+        """The buckets updated during backward whose params ``step()`` has yet to write, in update order."""
+        self.worker.wait_quietly()
+        updated, self._updated = self._updated, []
+        return updated
 
     def finish_backward(self) -> set[int]:
         """Wait for the queued updates; check that they used what ``step()`` would use.
@@ -296,6 +305,7 @@ class OverlappedStep:
         self._ready.clear()
         self._started.clear()
         self._started_records.clear()
+        self._updated.clear()
         self.begun_engines.clear()
 
     def check_idle(self, what: str) -> None:

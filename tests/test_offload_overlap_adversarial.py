@@ -193,14 +193,9 @@ def test_offload_fraction_zero_starts_no_worker_and_matches_the_default_mode():
     assert opt._overlapped.worker.thread is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review_overlap: the first backward's updates already wrote the params its graph saved, so the second "
-    "backward fails in autograd's version check ('modified by an inplace operation'), which names no fix; "
-    "before the worker has pushed, the hook's clear error comes instead (a race). Same cause as the "
-    "weight-read-after-final-grad case below",
-)
 def test_backward_twice_with_retain_graph_raises_from_the_second_backward_naming_defer_grad_copies():
+    # Before step() wrote the params, the first backward's updates had already overwritten params the
+    # graph saved: autograd's version error (naming no fix) came instead, depending on a race.
     model = _net()
     opt = _opt(model, True)
     loss = model(_batch(0, 0, WIDTH, torch.float32), 0).square().mean()
@@ -253,14 +248,9 @@ class _KeepsWeight(torch.autograd.Function):
         return grad @ ctx.w, None, None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review_overlap: the worker writes a param (push_params) during backward once its grad is final; "
-    "backward code that still reads that param's value later (a detached use of the weight created before "
-    "its layer; with save_for_backward autograd raises a version error, racily) silently gets the new value. "
-    "Fix: defer the param write to step(), or document the precondition and refuse where detectable",
-)
 def test_backward_reading_a_weight_after_its_grad_is_final_sees_the_old_value():
+    # The worker used to write each param as soon as its update ran, during backward: a detached
+    # use of a weight whose backward runs after the weight's grad is final silently read the new value.
     results = []
     for overlap in (False, True):
         model = _net()
