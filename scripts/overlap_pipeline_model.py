@@ -484,7 +484,7 @@ def timeline_json(case: Case, schedule: Schedule, mode: str) -> dict[str, Any]:
         "format": "offload_timeline", "version": 1, "unit": "ms",
         "device": f"pipeline model: {case.name}, {mode.replace('_', ' ')}",
         "params": sum(b.numel for b in schedule.buckets),
-        "step": [0.0, schedule.end * ms],
+        "step": [schedule.backward[1] * ms, schedule.end * ms],  # optimizer.step(): called when backward ends
         "backward": [schedule.backward[0] * ms, schedule.backward[1] * ms],
         "buckets": [
             {"index": i, "numel": b.numel, "grads_ready": b.ready * ms,
