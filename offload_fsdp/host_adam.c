@@ -227,6 +227,15 @@ static inline __attribute__((always_inline)) void adam_loop(
 #define CV(g, m) CS(g, m, 0) CS(g, m, 1) CS(g, m, 2)
 #define CM(g) CV(g, 0) CV(g, 1) CV(g, 2)
 
+/* 1 when the AVX512_BF16 intrinsic body is compiled in (tests check both bodies). */
+int offload_fsdp_adam_avx512_body(void) {
+#if defined(HAVE_AVX512_BF16_BODY)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int offload_fsdp_adam(const adam_args* a) {
     switch (KEY(a->grad_bf16, a->m_mode, a->v_mode, a->has_stage, a->l2)) {
         CM(0) CM(1)

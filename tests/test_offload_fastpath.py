@@ -314,3 +314,27 @@ def test_bf16_casts_of_nan_and_denormal_values_match_the_fused_path(monkeypatch,
         assert torch.equal(nan, y.isnan())
         assert torch.equal(x[~nan], y[~nan])
     assert torch.equal(fused[1]["state"][0]["exp_avg"][100:140], m[100:140])  # denormal moments, not flushed
+
+
+def _has_avx512_body(library) -> bool:
+    return bool(library.offload_fsdp_adam_avx512_body())
+
+
+@needs_cc
+def test_the_auto_vectorised_body_for_cpus_without_avx512_bf16_is_bit_identical_too(monkeypatch, tmp_path, c_calls):
+    """On an AVX512_BF16 machine the default build uses the intrinsic body; this builds the portable one."""
+    assert compiled_step.compiled_step_available()
+    if not _has_avx512_body(compiled_step._library):
+        pytest.skip("this CPU has no AVX512_BF16: every other test here already runs the portable body")
+    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_step, "_library", None)
+    monkeypatch.setattr(compiled_step, "_load_failed", False)
+    monkeypatch.setattr(compiled_step, "_CFLAGS", [*compiled_step._CFLAGS, "-mno-avx512bf16"])
+    assert compiled_step.compiled_step_available()
+    assert not _has_avx512_body(compiled_step._library)
+    for case in ("bf16 params, bf16 state (SR on exp_avg_sq), Adam L2 maximize", "bf16 params, fp32 state, AdamW"):
+        dtype, policy, opt_cls, hyper = CASES[case]
+        fused = _train(monkeypatch, "fused", dtype, policy, opt_cls, 3, **hyper)
+        compiled = _train(monkeypatch, "compiled", dtype, policy, opt_cls, 3, **hyper)
+        _assert_identical(fused, compiled)
+    assert c_calls
