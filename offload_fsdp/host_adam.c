@@ -115,6 +115,7 @@ static inline __attribute__((always_inline)) void adam_range(
    the integer path. */
 #include <immintrin.h>
 #define HAVE_AVX512_BF16_BODY 1
+#define PREFETCH 512  /* elements: 2 KiB ahead in the fp32 master */
 
 static inline __m512 bf16x16_load(const uint16_t* src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
@@ -164,6 +165,14 @@ static inline __attribute__((always_inline)) void adam_vec16(
     const __m512 coeff = _mm512_set1_ps(a->lerp_small ? a->lerp_w : a->lerp_w - 1.0f);
     const int lerp_small = a->lerp_small;
     for (int64_t i = lo; i < hi; i += 16) {
+        /* One software prefetch per 64-byte line of each read stream, PREFETCH elements
+           ahead: with 2-byte moments the hardware prefetcher alone left the loop ~15%
+           above its roofline (measured: 1.17x -> 1.04x on one thread); prefetches past
+           the end are harmless (they never fault). */
+        _mm_prefetch((const char*)(p + i + PREFETCH), _MM_HINT_T0);
+        if (!GBF || (i & 31) == 0) _mm_prefetch((const char*)g + (i + PREFETCH) * (GBF ? 2 : 4), _MM_HINT_T0);
+        if (!MM || (i & 31) == 0) _mm_prefetch((const char*)m + (i + PREFETCH) * (MM ? 2 : 4), _MM_HINT_T0);
+        if (!VM || (i & 31) == 0) _mm_prefetch((const char*)v + (i + PREFETCH) * (VM ? 2 : 4), _MM_HINT_T0);
         __m512 gi = GBF ? bf16x16_load((const uint16_t*)g + i) : _mm512_loadu_ps((const float*)g + i);
         gi = _mm512_mul_ps(gi, gsign);
         __m512 pi = _mm512_loadu_ps(p + i);
