@@ -324,7 +324,8 @@ def _segments(trace: dict[str, Any]) -> tuple[list[tuple[str, float]], dict[str,
         if m:
             layer_end[int(m.group(1))] = max(layer_end.get(int(m.group(1)), 0.0), t)
     order = sorted(layer_end, reverse=True)  # backward runs the top layer first
-    first_layer_start = min(t for name, _, t in params if _LAYER.search(name) and int(_LAYER.search(name).group(1)) == order[0])  # type: ignore[union-attr]  # fmt: skip
+    top = [t for name, _, t in params if (m := _LAYER.search(name)) and int(m.group(1)) == order[0]]
+    first_layer_start = min(top)
     outer = {name: ("head" if t <= first_layer_start else "embed") for name, _, t in params if not _LAYER.search(name)}
     head_end = max([t for name, _, t in params if outer.get(name) == "head"], default=0.0)
     spans, prev = [("head", head_end)], head_end
@@ -349,7 +350,7 @@ def target_ready_times(
 ) -> list[tuple[str, int, float]]:
     """(name, numel, ready s) of every param of ``target``, from the trace scaled by FLOPs to a backward of ``t_bwd``."""
     src = ModelShape(**trace["shape"])
-    spans, position, outer = _segments(trace)
+    spans, position, _ = _segments(trace)
     layer_times = [s for name, s in spans if name.startswith("layer")]
     measured = {"head": spans[0][1], "layer": statistics.fmean(layer_times), "embed": spans[-1][1]}
     scaled = {
@@ -366,10 +367,10 @@ def target_ready_times(
         if m:
             rank = target.layers - 1 - int(m.group(1))  # layers done before this one
             t = head + layer * (rank + _position(position, m.group(2)))
-        elif outer.get(name) == "head":
-            t = head
-        else:
+        elif "embed_tokens" in name:
             t = t_bwd  # the embedding (and a tied LM head) is final only at the end of backward
+        else:
+            t = head  # the final norm and an untied LM head: final once the head's backward is done
         out.append((name, n, t))
     return out
 

@@ -95,3 +95,23 @@ def test_run_on_a_recorded_trace_prints_every_mode_and_writes_a_drawable_timelin
     again = tmp_path / "again.json"
     assert model.main(["--case", "qwen3-0.6b", "--trace-json", str(trace), "--timeline-json", str(again)]) == 0
     assert json.loads(again.read_text())["buckets"] == buckets
+
+
+def test_an_untied_lm_head_is_final_after_the_head_and_the_embedding_only_at_the_end():
+    small = model.ModelShape(
+        hidden=64, layers=2, intermediate=192, heads=2, kv_heads=1, head_dim=32, vocab=256, tied=True
+    )
+    layer = ["self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"]
+    params = [["model.norm.weight", 64, 0.01]]  # a synthetic trace: head, layer 1, layer 0, embedding
+    params += [[f"model.layers.1.{n}", 10, 0.02 + 0.01 * k] for k, n in enumerate(layer)]
+    params += [[f"model.layers.0.{n}", 10, 0.05 + 0.01 * k] for k, n in enumerate(layer)]
+    params += [["model.embed_tokens.weight", 256 * 64, 0.08]]
+    trace = {"shape": small.__dict__, "tokens": 128, "seq": 64, "fwd": 0.04, "bwd": 0.08, "params": params}
+    target = model.ModelShape(**{**small.__dict__, "tied": False, "layers": 3})
+    ready = {name: t for name, _, t in model.target_ready_times(trace, target, 128, 64, 1.0)}
+    head = ready["lm_head.weight"]
+    assert head == ready["model.norm.weight"] and 0 < head < min(t for n, t in ready.items() if ".layers." in n)
+    assert ready["model.embed_tokens.weight"] == 1.0
+    # top layer first; inside a layer the measured order is kept
+    assert ready["model.layers.2.mlp.down_proj.weight"] < ready["model.layers.1.mlp.down_proj.weight"]
+    assert ready["model.layers.0.self_attn.o_proj.weight"] < ready["model.layers.0.mlp.down_proj.weight"]
