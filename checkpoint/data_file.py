@@ -8,7 +8,7 @@ copies them, and writeback of each large piece is started right away
 archive DCP stores per chunk, from the tensor's raw bytes
 (:mod:`checkpoint.chunk_archive`). Both writers of data files use these:
 DCP's (:class:`checkpoint.storage.FsdpWriter`) and the tensor-major one behind
-reshard / import (:mod:`checkpoint.rewrite`).
+reshard / import (:mod:`checkpoint.tool.rewrite`).
 """
 
 from __future__ import annotations

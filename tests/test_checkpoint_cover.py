@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from checkpoint.layout import flat_range_to_boxes
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME
 from checkpoint.planner import chunk_problem
-from checkpoint.rewrite import write_checkpoint
-from checkpoint.transforms import Target
+from checkpoint.tool.rewrite import write_checkpoint
+from checkpoint.tool.transforms import Target
 
 
 def _counts(shape, chunks) -> torch.Tensor:
@@ -115,7 +115,7 @@ def test_verify_exits_with_found_problems_naming_a_key_whose_chunks_overlap(tmp_
     (path / METADATA_NAME).write_bytes(pickle.dumps(metadata))
     (path / MANIFEST_NAME).unlink()  # a plain DCP directory, so only the chunk check can object
     proc = subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", "verify", str(path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "checkpoint.tool.cli", "verify", str(path)], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "PROBLEM model.w: chunks at [0, 0] and [1, 0] overlap (element [1, 0] is stored 2 times)" in proc.stdout

@@ -1,7 +1,7 @@
 """Hostile inputs: crafted checkpoint and import files never run code, never read outside, never hang.
 
 Each payload is built on disk, then every ``fsdp-ckpt`` command (in process
-through ``checkpoint.cli.main``; two as real subprocesses) and every load API
+through ``checkpoint.tool.cli.main``; two as real subprocesses) and every load API
 is run against it. Each run must end as one clear error naming the damaged
 file, or (for a command that never reads the crafted part, e.g. ``inspect`` of
 a value) succeed; a payload's marker file must never appear, and nothing may
@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
-from checkpoint.cli import main as cli_main
+from checkpoint.tool.cli import main as cli_main
 from tests.bounded import run_bounded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -438,7 +438,7 @@ def test_import_follows_links_to_regular_files_as_in_the_hugging_face_cache(tmp_
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     return subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", *args],
+        [sys.executable, "-m", "checkpoint.tool.cli", *args],
         capture_output=True,
         text=True,
         check=False,

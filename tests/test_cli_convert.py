@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
-from checkpoint.stream import CheckpointReader
+from checkpoint.tool.stream import CheckpointReader
 from tests.distributed import run_ranks
 
 FC1 = "layers.0.mlp.linear_fc1.weight"
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distrib
 
 def _cli(*args, check: int | None = 0) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "checkpoint.tool.cli", *map(str, args)], capture_output=True, text=True, timeout=120
     )
     if check is not None:
         assert proc.returncode == check, f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
@@ -327,7 +327,7 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
             "--nproc-per-node",
             "2",
             "-m",
-            "checkpoint.cli",
+            "checkpoint.tool.cli",
             "reshard",
             str(src),
             str(tmp_path / "w3"),
@@ -354,7 +354,7 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
             "--nproc-per-node",
             "2",
             "-m",
-            "checkpoint.cli",
+            "checkpoint.tool.cli",
             "export",
             str(src),
             str(tmp_path / "hf"),

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 def _cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", *map(str, args)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "checkpoint.tool.cli", *map(str, args)], capture_output=True, text=True, timeout=120
     )
 
 
@@ -79,7 +79,7 @@ CASES = {
 }
 
 
-# These run as real subprocesses; the rest call checkpoint.cli.main in process (the same code
+# These run as real subprocesses; the rest call checkpoint.tool.cli.main in process (the same code
 # path minus interpreter start-up, ~3 s each here), to keep this file's share of the suite small.
 AS_SUBPROCESS = {
     "missing path",
@@ -90,7 +90,7 @@ AS_SUBPROCESS = {
 
 
 def _in_process(args, capsys) -> subprocess.CompletedProcess:
-    from checkpoint.cli import main
+    from checkpoint.tool.cli import main
 
     code = main([str(a) for a in args])
     out = capsys.readouterr()
@@ -116,7 +116,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "reshard", "export", "import", "diff"])
 def test_help_of_every_command_has_examples(command, capsys):
-    from checkpoint.cli import main
+    from checkpoint.tool.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -127,7 +127,7 @@ def test_help_of_every_command_has_examples(command, capsys):
 def test_a_reader_closing_the_pipe_early_is_not_reported_as_an_error(ckpt):
     # `fsdp-ckpt inspect CKPT | head`: the pipe is gone before the output is written.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpoint.cli", "inspect", str(ckpt)],
+        [sys.executable, "-m", "checkpoint.tool.cli", "inspect", str(ckpt)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,6 +1,6 @@
 """``fsdp-ckpt``: inspect, verify, reshard, export, import and diff checkpoints.
 
-Installed as the console script ``fsdp-ckpt``; also ``python -m checkpoint.cli``.
+Installed as the console script ``fsdp-ckpt``; also ``python -m checkpoint.tool.cli``.
 Works in one process without ``torchrun``. Every command streams tensor by
 tensor, so memory stays near the largest tensor, never the whole checkpoint.
 
@@ -29,12 +29,12 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from checkpoint.cli_convert import cmd_export, cmd_import, cmd_reshard
-from checkpoint.cli_diff import cmd_diff
-from checkpoint.cli_inspect import cmd_inspect, cmd_verify
-from checkpoint.cli_parallel import SOLO, PeerFailed, join_group, leave_group
-from checkpoint.cli_report import EXIT_CANNOT_RUN, PROG, CliError, process_rank
 from checkpoint.manifest import NotACheckpointError
+from checkpoint.tool.cli_convert import cmd_export, cmd_import, cmd_reshard
+from checkpoint.tool.cli_diff import cmd_diff
+from checkpoint.tool.cli_inspect import cmd_inspect, cmd_verify
+from checkpoint.tool.cli_parallel import SOLO, PeerFailed, join_group, leave_group
+from checkpoint.tool.cli_report import EXIT_CANNOT_RUN, PROG, CliError, process_rank
 
 __all__ = ["CliError", "build_parser", "main"]
 

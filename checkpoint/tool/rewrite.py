@@ -46,13 +46,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from checkpoint.atomic import is_committed, make_staging, remove_staging, staging_path, write_lock
-from checkpoint.cli_parallel import SOLO, Group
 from checkpoint.commit import commit_staged, write_metadata
 from checkpoint.data_file import CrcStream, write_tensor
 from checkpoint.layout import Box, row_block, split_box
 from checkpoint.manifest import FileRecord
+from checkpoint.tool.cli_parallel import SOLO, Group
+from checkpoint.tool.transforms import Target
 from checkpoint.training_state import key_path
-from checkpoint.transforms import Target
 
 __all__ = ["row_blocks", "write_checkpoint"]
 

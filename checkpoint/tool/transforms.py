@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.stream import Entry
+from checkpoint.tool.stream import Entry
 from checkpoint.training_state import TIED_SECTION
 
 __all__ = [

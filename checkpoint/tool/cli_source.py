@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.cli_report import PROG, CliError, human_bytes
 from checkpoint.manifest import CheckpointCorruptError
-from checkpoint.stream import CheckpointReader
+from checkpoint.tool.cli_report import PROG, CliError, human_bytes
+from checkpoint.tool.stream import CheckpointReader
 
 __all__ = ["open_source"]
 
