@@ -1,0 +1,39 @@
+"""The one place tests run ``fsdp-ckpt``.
+
+In process (the default, through the ``cli`` fixture in conftest.py): ``main(argv)`` returns
+the exit code and ``capsys`` holds what it printed, so a test costs no interpreter start.
+As a real subprocess (:func:`run_subprocess`) only where the interpreter itself is under
+test: the exit status of a closed pipe, ``--debug``'s traceback on stderr, ``-m`` entry.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from checkpoint.tool.cli import main
+
+__all__ = ["run_in_process", "run_subprocess"]
+
+
+def _checked(proc: subprocess.CompletedProcess, check: int | None) -> subprocess.CompletedProcess:
+    if check is not None:
+        assert proc.returncode == check, f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
+    return proc
+
+
+def run_in_process(capsys: pytest.CaptureFixture[str], *args, check: int | None = 0) -> subprocess.CompletedProcess:
+    """``fsdp-ckpt ARGS`` via ``main``: exit code, stdout and stderr of this run only (``check``: expected code)."""
+    argv = [str(a) for a in args]
+    capsys.readouterr()  # drop what the test printed before: the result holds this run's output only
+    code = main(argv)
+    out = capsys.readouterr()
+    return _checked(subprocess.CompletedProcess(argv, code, out.out, out.err), check)
+
+
+def run_subprocess(*args, check: int | None = 0, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m checkpoint.tool.cli ARGS`` in a fresh interpreter (for what only a real process shows)."""
+    argv = [sys.executable, "-m", "checkpoint.tool.cli", *map(str, args)]
+    return _checked(subprocess.run(argv, capture_output=True, text=True, timeout=timeout), check)
