@@ -28,7 +28,10 @@ def run_in_process(capsys: pytest.CaptureFixture[str], *args, check: int | None 
     """``fsdp-ckpt ARGS`` via ``main``: exit code, stdout and stderr of this run only (``check``: expected code)."""
     argv = [str(a) for a in args]
     capsys.readouterr()  # drop what the test printed before: the result holds this run's output only
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's usage errors and --help, as the console script would exit
+        code = exit_.code if isinstance(exit_.code, int) else 1
     out = capsys.readouterr()
     return _checked(subprocess.CompletedProcess(argv, code, out.out, out.err), check)
 

@@ -8,14 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.manifest import KeyRecord, Manifest, checksum_file, write_manifest
+from tests.cli import run_subprocess
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "checkpoint.tool.cli", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.fixture(scope="module")
@@ -79,29 +74,16 @@ CASES = {
 }
 
 
-# These run as real subprocesses; the rest call checkpoint.tool.cli.main in process (the same code
-# path minus interpreter start-up, ~3 s each here), to keep this file's share of the suite small.
-AS_SUBPROCESS = {
-    "missing path",
-    "unknown command",
-    "truncated file of a committed checkpoint",
-    "unreadable chunk of a plain DCP directory",
-}
-
-
-def _in_process(args, capsys) -> subprocess.CompletedProcess:
-    from checkpoint.tool.cli import main
-
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
+# These run as real subprocesses, one error of ours and one of argparse's: the exit code a shell
+# sees. The rest run in process (the cli fixture: the same code path minus ~3 s of interpreter start).
+AS_SUBPROCESS = {"missing path", "unknown command"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_failure_exits_nonzero_with_one_error_line(case, ckpt, tmp_path, capsys):
+def test_failure_exits_nonzero_with_one_error_line(case, ckpt, tmp_path, cli):
     make_args, code, fragment = CASES[case]
     args = make_args(ckpt, tmp_path)
-    proc = _cli(*args) if case in AS_SUBPROCESS else _in_process(args, capsys)
+    proc = run_subprocess(*args, check=None) if case in AS_SUBPROCESS else cli(*args, check=None)
     assert proc.returncode == code, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -110,7 +92,7 @@ def test_failure_exits_nonzero_with_one_error_line(case, ckpt, tmp_path, capsys)
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc = _cli("inspect", tmp_path / "nope", "--debug")
+    proc = run_subprocess("inspect", tmp_path / "nope", "--debug", check=None)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr
 
 
