@@ -4,7 +4,8 @@ Without ``torchrun`` (``WORLD_SIZE`` unset or 1) everything is :data:`SOLO`,
 a group of one whose synchronisation is a no-op. Under ``torchrun
 --nproc-per-node P`` the processes join a gloo group and split the work
 (export: safetensors shards or torch-file tensors; reshard / import: the
-destination ranks' data files; verify: keys). Only two kinds of collective are
+destination ranks' data files). inspect, verify and diff run on process 0
+only; the others exit 0 at once. Only two kinds of collective are
 used, both at fixed points: :meth:`Group.agree` (did every process get here
 without an error? if not, all raise, so none waits forever) and
 :meth:`Group.gather` (small per-process results, e.g. file records, to every
