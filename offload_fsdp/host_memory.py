@@ -26,7 +26,7 @@ __all__ = ["HostArena", "HostLayout"]
 
 logger = logging.getLogger(__name__)
 
-_ALIGN_BYTES = 64  # one cache line: keeps every view's start vector-aligned for the fused kernels
+ALIGN_BYTES = 64  # one cache line: keeps every view's start vector-aligned for the fused kernels
 
 
 @dataclass
@@ -39,7 +39,7 @@ class HostLayout:
 
     def add(self, numel: int, dtype: torch.dtype) -> int:
         """Reserve room for a flat buffer; returns its handle for :meth:`HostArena.view`."""
-        offset = -(-self.nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        offset = -(-self.nbytes // ALIGN_BYTES) * ALIGN_BYTES
         self.requests.append((numel, dtype, offset))
         self.nbytes = offset + numel * dtype.itemsize
         return len(self.requests) - 1

@@ -24,10 +24,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from offload_fsdp.grad import get_grad, set_grad
+from offload_fsdp.host_memory import ALIGN_BYTES
 
 __all__ = ["GraphSafeGrads", "graph_safe_grads"]
-
-_ALIGN_BYTES = 64  # each view starts on a 64-byte boundary: fused kernels vectorise aligned loads
 
 
 class GraphSafeGrads:
@@ -44,7 +43,7 @@ class GraphSafeGrads:
 
 
 def _aligned(numel: int, dtype: torch.dtype) -> int:
-    per = max(1, _ALIGN_BYTES // dtype.itemsize)
+    per = max(1, ALIGN_BYTES // dtype.itemsize)  # each view starts as aligned as a host arena's
     return -(-numel // per) * per
 
 
