@@ -23,13 +23,14 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_ranks", "RankFailed"]
+__all__ = ["PROCESSES", "RankFailed", "run_ranks"]
 
 DEFAULT_TIMEOUT_S = 180.0
 _POLL_S = 0.5
@@ -37,27 +38,20 @@ _POLL_S = 0.5
 # Imported once by the fork server. A fork copies only the forking thread; the one other thread
 # these imports start is numpy's OpenBLAS pool, which OpenBLAS stops around a fork (pthread_atfork).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "checkpoint", "offload_fsdp", "optim"]
-_CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(_PRELOAD)
+PROCESSES = multiprocessing.get_context("forkserver")
+"""The context every test starts a helper process with (ranks here; other tests' racers too)."""
+PROCESSES.set_forkserver_preload(_PRELOAD)
 
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _rank_main(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -67,7 +61,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     # default threading oversubscribe badly and turn seconds into minutes.
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file store, not a TCP one: a port picked free here could be taken (by any process on
+        # the machine) before rank 0 binds it; a fresh file in a fresh directory cannot.
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Plain pickle, by value: torch's queue would send tensors as shared-memory
         # handles, which die with this process if it exits before the parent reads them.
@@ -90,11 +86,12 @@ def run_ranks(
     ``fn`` must be defined at module level (it is pickled by reference). Returns
     the per-rank return values in rank order.
     """
-    ctx = _CONTEXT
+    ctx = PROCESSES
     queue = ctx.Queue()
-    port = _free_port()
+    store_dir = tempfile.mkdtemp(prefix="run_ranks-")
+    store = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world_size, store, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -141,6 +138,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failures:
         raise RankFailed("\n".join(failures))
     return [results[r] for r in range(world_size)]

@@ -2,7 +2,6 @@
 
 import errno
 import logging
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 import checkpoint
 import checkpoint.storage
 from checkpoint.atomic import MARKER_NAME, staging_path
+from tests.distributed import PROCESSES
 
 REPO = Path(__file__).resolve().parents[1]
 TRIALS = 10
@@ -43,7 +43,7 @@ def _racer(path: str, first_value: int, barrier, trials: int) -> None:
 
 
 def test_two_processes_saving_to_one_path_commit_one_whole_state_each_time(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = PROCESSES  # forked from a server that imported torch once (tests/distributed.py)
     barrier = ctx.Barrier(3)
     path = str(tmp_path / "ck")
     procs = [ctx.Process(target=_racer, args=(path, first, barrier, TRIALS)) for first in (0, 1)]
