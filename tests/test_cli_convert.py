@@ -304,10 +304,8 @@ def test_plain_dcp_directory_is_verified_and_exported_with_a_note(cli, tmp_path)
     assert "truncated" in cli("verify", tmp_path / "plain", check=1).stdout
 
 
-@pytest.mark.slow  # two torchrun launches, two interpreters each
-def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(src, tmp_path):
-    from safetensors.torch import load_file
-
+@pytest.mark.slow  # a real torchrun launch: three interpreters
+def test_reshard_under_torchrun_splits_the_work_and_equals_one_process(src, tmp_path):
     # --standalone: torchrun binds its rendezvous port itself (a port picked here could be
     # taken by a concurrently running suite before torchrun binds it)
     proc = subprocess.run(
@@ -337,30 +335,19 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
     _assert_equal(_load_full(tmp_path / "w3", ref), ref)
     assert sorted(p.name for p in (tmp_path / "w3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
     _assert_row_block_layout(tmp_path / "w3", 3)  # process 1 wrote rank 1's file: same layout
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "checkpoint.tool.cli",
-            "export",
-            str(src),
-            str(tmp_path / "hf"),
-            "--format",
-            "safetensors",
-            "--model-only",
-            "--max-shard-size",
-            "64B",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+
+
+def _export_safetensors_in_each_rank(rank: int, world_size: int, src: str, dst: str) -> int:
+    from checkpoint.tool.cli import main
+
+    # WORLD_SIZE is set and the gloo group is up, as under torchrun: main joins it and splits the shards
+    return main(["export", src, dst, "--format", "safetensors", "--model-only", "--max-shard-size", "64B", "-q"])
+
+
+def test_export_over_two_processes_splits_the_shards_and_equals_one_process(src, tmp_path):
+    from safetensors.torch import load_file
+
+    assert run_ranks(_export_safetensors_in_each_rank, 2, args=(str(src), str(tmp_path / "hf"))) == [0, 0]
+    ref = _reference()
     got = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
     _assert_equal(got, {k.removeprefix("model."): v for k, v in ref.items() if k.startswith("model.")})
