@@ -48,6 +48,7 @@ def test_sibling_packages_import_the_base_downward_only():
 def test_the_checkpoint_library_never_imports_its_fsdp_ckpt_tool():
     # The format library (checkpoint/*.py) is what training code imports; the tool (checkpoint/tool/)
     # builds on it, never the other way round, so the library stays usable without the tool's modules.
+    # Indented (function-level) imports count too: the pattern allows leading whitespace.
     pattern = re.compile(r"^\s*(from|import) checkpoint\.tool\b|^\s*from checkpoint import tool\b", re.MULTILINE)
     library = sorted((REPO / "checkpoint").glob("*.py"))
     assert len(library) > 10, "found no library modules: did checkpoint/ move?"
@@ -55,13 +56,6 @@ def test_the_checkpoint_library_never_imports_its_fsdp_ckpt_tool():
         assert not pattern.search(path.read_text()), (
             f"{path.relative_to(REPO)} imports checkpoint.tool: move the piece it needs into the library"
         )
-
-
-def test_importing_checkpoint_loads_none_of_the_tool():
-    code = "import sys, checkpoint; print(sorted(m for m in sys.modules if m.startswith('checkpoint.tool')))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", f"import checkpoint loaded the fsdp-ckpt tool: {out.stdout}"
 
 
 def test_importing_checkpoint_loads_only_the_base_leaf_modules_not_the_optimizer():
