@@ -8,14 +8,18 @@ test: the exit status of a closed pipe, ``--debug``'s traceback on stderr, ``-m`
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from checkpoint.tool.cli import main
 
 __all__ = ["run_in_process", "run_subprocess"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _checked(proc: subprocess.CompletedProcess, check: int | None) -> subprocess.CompletedProcess:
@@ -37,6 +41,10 @@ def run_in_process(capsys: pytest.CaptureFixture[str], *args, check: int | None 
 
 
 def run_subprocess(*args, check: int | None = 0, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``python -m checkpoint.tool.cli ARGS`` in a fresh interpreter (for what only a real process shows)."""
+    """``python -m checkpoint.tool.cli ARGS`` in a fresh interpreter (for what only a real process shows).
+
+    It imports this checkout, as the test process does, whatever is installed.
+    """
     argv = [sys.executable, "-m", "checkpoint.tool.cli", *map(str, args)]
-    return _checked(subprocess.run(argv, capture_output=True, text=True, timeout=timeout), check)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return _checked(subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env), check)

@@ -16,7 +16,6 @@ import pickle
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 import checkpoint
 from checkpoint.tool.cli import main as cli_main
 from tests.bounded import run_bounded
+from tests.cli import run_subprocess
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -436,15 +436,7 @@ def test_import_follows_links_to_regular_files_as_in_the_hugging_face_cache(tmp_
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    return subprocess.run(
-        [sys.executable, "-m", "checkpoint.tool.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=_TIMEOUT_S,
-        env=env,
-    )
+    return run_subprocess(*args, check=None, timeout=_TIMEOUT_S)
 
 
 def test_the_cli_process_exits_2_on_a_metadata_payload_and_on_a_fifo(good, tmp_path):
