@@ -47,10 +47,18 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def _rank_main(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue) -> None:
+def _rank_main(
+    rank: int, world_size: int, store: str, caller: tuple[dict[str, str], str], fn: Callable, args: tuple, queue
+) -> None:
     import torch
     import torch.distributed as dist
 
+    # A forked rank starts with the fork server's environment and directory: take the caller's
+    # as they are now, as a spawned process would (a test's monkeypatch.setenv / chdir included).
+    environ, cwd = caller
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -64,6 +72,9 @@ def _rank_main(rank: int, world_size: int, store: str, fn: Callable, args: tuple
         # A file store, not a TCP one: a port picked free here could be taken (by any process on
         # the machine) before rank 0 binds it; a fresh file in a fresh directory cannot.
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        # Gloo connects the ranks pairwise; a rank whose fn needs no collective could return and close
+        # its sockets while a peer is still completing the handshake ("Connection closed by peer").
+        dist.barrier()
         result = fn(rank, world_size, *args)
         # Plain pickle, by value: torch's queue would send tensors as shared-memory
         # handles, which die with this process if it exits before the parent reads them.
@@ -90,8 +101,9 @@ def run_ranks(
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="run_ranks-")
     store = os.path.join(store_dir, "store")
+    caller = (dict(os.environ), os.getcwd())
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, store, fn, args, queue), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world_size, store, caller, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
