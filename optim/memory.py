@@ -24,7 +24,7 @@ buffers the copies go through: the gradient in its own dtype (device to host)
 and, when the model param is not in the main dtype, the param-dtype cast of the
 update (host to device; with equal dtypes the main param is copied directly).
 
-Not counted: activations, communication buffers (``grad_comm_dtype``), the
+Not counted: activations, communication buffers (FSDP2's ``reduce_dtype``), the
 per-tensor ``step`` scalar, allocator slack.
 """
 
