@@ -394,6 +394,16 @@ class RingCopyEngine:
         # step()) would otherwise hold slots, or device grads, across steps.
         with self._d2h_lock:
             self._waiting.clear()
+        self.release_grads()
+
+    def release_grads(self) -> None:
+        """Free every held D2H slot and the device grads it references (``end_step``, ``zero_grad``).
+
+        Each is drained (its copies waited for) into its bucket's staging, so a bucket
+        whose host step is still to come reads the same grads; the slots are free again
+        and the user's dropped grads can be freed.
+        """
+        with self._d2h_lock:
             for slot in list(self._held.values()):
                 self._drain(slot)
 

@@ -1,0 +1,118 @@
+"""An adversarial review of ``pinned_transfer_slots``: random training sequences, ring vs full pinning.
+
+The ring engine runs over the emulated device of ``tests/fakes/deferred_queues.py``
+(copies complete only when waited on, in-flight destinations read as NaN, an
+in-flight source that changes raises), so a missing wait gives NaN or raises.
+Every sequence of backward (with and without ``defer_grad_copies``, on some params
+only), ``zero_grad`` (to None or to zeros), in-place grad edits, replaced grads,
+``step``, ``state_dict`` and ``load_state_dict`` must leave params and state
+bit-identical to the default mode, with the ring never past its slots and
+nothing held across steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import weakref
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_offload_transfer_ring import _build, _loss, _params, _ring_engines, _state_bits
+
+_OPS = ("backward", "backward_deferred", "backward_some", "zero_grad", "zero_grad_to_zeros", "scale_grads",
+        "replace_grads", "step", "state_dict", "load_state_dict")  # fmt: skip
+
+
+def _run_ops(opt, params, ops, dtype):
+    """Apply ``ops`` (name, seed) to ``opt`` / ``params``; one last step at the end."""
+    saved = None
+    for op, seed in ops:
+        gen = torch.Generator().manual_seed(seed)
+        if op.startswith("backward"):
+            x = torch.randn(4, 13, generator=gen).to(dtype)
+            ctx = opt.defer_grad_copies() if op == "backward_deferred" else contextlib.nullcontext()
+            with ctx:
+                loss = _loss(params, x)
+                if op == "backward_some":  # only the params picked by the seed's bits get a grad
+                    picked = [p for i, p in enumerate(params) if (seed >> i) & 1]
+                    loss = sum((p.float().square().sum() * 1e-2 for p in picked), torch.zeros(()))
+                if loss.requires_grad:
+                    loss.backward()
+        elif op == "zero_grad":
+            opt.zero_grad()
+        elif op == "zero_grad_to_zeros":
+            opt.zero_grad(set_to_none=False)
+        elif op == "scale_grads":  # an in-place edit after backward (unscaling, clipping)
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(1 + (seed % 7) / 10)
+        elif op == "replace_grads":
+            for p in params:
+                if p.grad is not None:
+                    p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        elif op == "step":
+            opt.step()
+        elif op == "state_dict":
+            saved = io.BytesIO()
+            torch.save(opt.state_dict(), saved)
+        elif op == "load_state_dict" and saved is not None:
+            saved.seek(0)
+            opt.load_state_dict(torch.load(saved, weights_only=True))
+    opt.step()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, 1000)), min_size=1, max_size=12),
+    slots=st.integers(1, 3),
+    cls=st.sampled_from([torch.optim.AdamW, torch.optim.SGD]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    fraction=st.sampled_from([1.0, 0.5]),
+)
+def test_any_sequence_of_backward_zero_grad_grad_edits_steps_and_state_dict_round_trips_is_bit_identical(
+    ops, slots, cls, dtype, fraction
+):
+    ref_params = _params(dtype)
+    ref = _build(ref_params, cls, fraction, None)
+    _run_ops(ref, ref_params, ops, dtype)
+
+    params = _params(dtype)
+    with pytest_monkeypatch() as m:
+        engines = _ring_engines(m, slots)
+        opt = _build(params, cls, fraction, slots)
+    _run_ops(opt, params, ops, dtype)
+
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    for ours, theirs in zip(_state_bits(opt), _state_bits(ref)):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    (engine,) = engines
+    assert engine.d2h_ring.peak_in_use <= slots and engine.h2d_ring.peak_in_use <= slots
+    assert engine.d2h_ring.in_use == 0 and engine.queues.d2h_lane.pending == []  # nothing held after a step
+
+
+@contextlib.contextmanager
+def pytest_monkeypatch():
+    """``monkeypatch.context()`` for a hypothesis test (function-scoped fixtures do not reset per example)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+def test_zero_grad_between_backward_and_step_frees_the_held_slots_and_the_dropped_device_grads(monkeypatch):
+    params = _params(torch.bfloat16)
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, 2)
+        opt = _build(params, torch.optim.AdamW, 1.0, 2)
+    (engine,) = engines
+    _loss(params, torch.randn(4, 13).bfloat16()).backward()
+    assert len(opt._buckets) > 2 and engine.d2h_ring.in_use == 2  # the hooks' copies hold both slots
+    dropped = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad()
+    gc.collect()
+    assert engine.d2h_ring.in_use == 0 and engine.queues.d2h_lane.pending == []
+    assert all(g() is None for g in dropped)  # no slot keeps a grad the user dropped alive
