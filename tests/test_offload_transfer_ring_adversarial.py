@@ -17,6 +17,7 @@ import gc
 import io
 import weakref
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,3 +117,122 @@ def test_zero_grad_between_backward_and_step_frees_the_held_slots_and_the_droppe
     gc.collect()
     assert engine.d2h_ring.in_use == 0 and engine.queues.d2h_lane.pending == []
     assert all(g() is None for g in dropped)  # no slot keeps a grad the user dropped alive
+
+
+# ------------------------------------------------------------------ FSDP2 over gloo: tied weights, clipping, SGD
+
+
+def _tied_fsdp_body(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from offload_fsdp import HybridDeviceOptimizer
+    from offload_fsdp.transfer_ring import RingCopyEngine
+    from optim.clip import clip_grad_norm_  # torch's on DTensor grads: see the xfail tests below
+    from tests.fakes.deferred_queues import DeferredQueues
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    final, peaks = {}, []
+    default_engine_for = HybridDeviceOptimizer._engine_for
+    for slots in (None, 1):
+        torch.manual_seed(0)
+        # 5 rows: uneven shards at 2 ranks; the last layer reuses the first one's weight (its
+        # grad is final only once backward has passed both uses).
+        model = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(),
+                                    torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5))  # fmt: skip
+        model[6].weight = model[0].weight
+        fully_shard(model[2], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if slots is not None:  # the emulated device, in this rank's process
+            HybridDeviceOptimizer._engine_for = lambda self, device, s=slots: self._engines.setdefault(  # type: ignore[method-assign]
+                device, RingCopyEngine(device, s, queues=DeferredQueues(), pin=False)
+            )
+        try:
+            opt = HybridDeviceOptimizer(
+                model.parameters(), 1.0, cpu_optimizer_cls=torch.optim.SGD, lr=0.05, momentum=0.9,
+                bucket_numel=8, pinned_transfer_slots=slots,
+            )  # fmt: skip
+        finally:
+            HybridDeviceOptimizer._engine_for = default_engine_for  # type: ignore[method-assign]
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            for _ in range(2):  # gradient accumulation
+                model(torch.randn(4, 5, generator=gen)).square().mean().backward()
+            clip_grad_norm_(model.parameters(), 0.05)  # grads edited after the hooks copied them
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        final[slots] = [p.to_local().clone() for p in model.parameters()]
+        peaks += [e.d2h_ring.peak_in_use for e in opt._engines.values() if isinstance(e, RingCopyEngine)]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(final[None], final[1])), "peaks": peaks}
+
+
+def test_fsdp2_tied_weights_clipping_and_sgd_momentum_through_a_one_slot_ring_match_full_pinning_at_2_ranks():
+    from tests.distributed import run_ranks
+
+    for result in run_ranks(_tied_fsdp_body, 2):
+        assert result == {"equal": True, "peaks": [1]}
+
+
+# ------------------------------------------------------------------ grads edited after backward under FSDP2 (any mode)
+
+
+def _edited_fsdp_grads_body(rank: int, world_size: int, edits: tuple[str, ...]) -> dict:
+    """Max |difference| of the local params after 2 steps, HybridDeviceOptimizer (default mode)
+    vs torch's SGD, per way of editing the DTensor grads after backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from offload_fsdp import HybridDeviceOptimizer
+    from optim.clip import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    edit_fns = {
+        "none": lambda ps: None,
+        "optim.clip.clip_grad_norm_": lambda ps: clip_grad_norm_(ps, 0.01),
+        "torch clip_grad_norm_": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.01),
+        "grad.mul_": lambda ps: [p.grad.mul_(0.01) for p in ps],
+    }
+    out = {}
+    for edit in edits:
+        finals = []
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = fully_shard(
+                torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5)), mesh=mesh
+            )
+            params = list(model.parameters())
+            opt = (HybridDeviceOptimizer(params, 1.0, cpu_optimizer_cls=torch.optim.SGD, lr=0.05) if offload
+                   else torch.optim.SGD(params, lr=0.05))  # fmt: skip
+            for step in range(2):
+                gen = torch.Generator().manual_seed(step + rank)
+                model(torch.randn(4, 5, generator=gen)).square().mean().backward()  # hooks copy the grads
+                edit_fns[edit](params)
+                opt.step()
+                opt.zero_grad()
+            finals.append([p.to_local().clone() for p in params])
+        out[edit] = max((a - b).abs().max().item() for a, b in zip(*finals) if a.numel())
+    return out
+
+
+def test_fsdp2_grads_clipped_with_optim_clip_after_the_hooks_copied_them_are_recopied_by_step():
+    from tests.distributed import run_ranks
+
+    edits = ("none", "optim.clip.clip_grad_norm_")
+    for result in run_ranks(_edited_fsdp_grads_body, 2, (edits,)):
+        assert result == dict.fromkeys(edits, 0.0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="in-place edits of a DTensor grad run below autograd's version-counter bump: the local "
+    "tensor's _version never moves (and _foreach_mul_, as torch's clip_grad_norm_ uses, leaves the "
+    "DTensor's unchanged too), so step() keeps the hook's unclipped copy (_stage_grad's key); all modes",
+)
+def test_fsdp2_grads_edited_in_place_by_torch_clip_or_mul_after_the_hooks_copied_them_are_recopied_by_step():
+    from tests.distributed import run_ranks
+
+    edits = ("torch clip_grad_norm_", "grad.mul_")
+    for result in run_ranks(_edited_fsdp_grads_body, 2, (edits,)):
+        assert result == dict.fromkeys(edits, 0.0)
