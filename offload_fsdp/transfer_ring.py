@@ -326,8 +326,9 @@ class RingCopyEngine:
     def _drain(self, slot: _Slot) -> None:
         """Wait for the slot's D2H copies, move the grads into the owner's pageable staging, free the slot."""
         owner = slot.owner
-        assert owner is not None and owner.grad_stage is not None and slot.event is not None
-        slot.event.synchronize()  # the grads copied into the slot have landed
+        assert owner is not None and owner.grad_stage is not None
+        if slot.event is not None:  # None: its first copy raised when queued, nothing is in flight
+            slot.event.synchronize()  # the grads copied into the slot have landed
         typed = slot.typed(owner.grad_dtype)
         for start, end in _coalesced(slot.ranges):
             owner.grad_stage[start:end].copy_(typed[start:end])
@@ -369,8 +370,8 @@ class RingCopyEngine:
         self._last_h2d = slot.event
 
     def _reclaim(self, slot: _Slot) -> None:
-        assert slot.event is not None
-        slot.event.synchronize()  # the H2D that reads this slot has finished: the host may overwrite it
+        if slot.event is not None:  # None: its copy raised when queued, nothing reads the slot
+            slot.event.synchronize()  # the H2D that reads this slot has finished: the host may overwrite it
         self.h2d_ring.release(slot)
 
     def note_params_read(self) -> None:

@@ -236,3 +236,93 @@ def test_fsdp2_grads_edited_in_place_by_torch_clip_or_mul_after_the_hooks_copied
     edits = ("torch clip_grad_norm_", "grad.mul_")
     for result in run_ranks(_edited_fsdp_grads_body, 2, (edits,)):
         assert result == dict.fromkeys(edits, 0.0)
+
+
+# ------------------------------------------------------------------ a device copy that raises
+
+
+class _DeviceError(RuntimeError):
+    pass
+
+
+def _fail_once(queues, direction: str) -> None:
+    """Make the ``direction`` ("d2h" / "h2d") copy of ``queues`` raise the first time it is queued."""
+    real, calls = getattr(queues, direction), []
+
+    def queue(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1:
+            raise _DeviceError(f"{direction} copy failed (injected)")
+        return real(*args, **kwargs)
+
+    setattr(queues, direction, queue)
+
+
+def _set_grads(params, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:  # assigned, not from backward: step() stages every grad itself
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def test_a_grad_copy_that_raises_inside_step_surfaces_its_own_error_and_a_retried_step_is_bit_identical(monkeypatch):
+    ref_params = _params(torch.bfloat16)
+    ref = _build(ref_params, torch.optim.AdamW, 1.0, None)
+    params = _params(torch.bfloat16)
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, 1)
+        opt = _build(params, torch.optim.AdamW, 1.0, 1)
+    for step in range(3):
+        _set_grads(ref_params, step)
+        _set_grads(params, step)
+        ref.step()
+        if step == 1:
+            _fail_once(engines[0].queues, "d2h")
+            with pytest.raises(_DeviceError):  # its own error, nothing updated: the D2H runs before any host step
+                opt.step()
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert engines[0].d2h_ring.in_use == 0
+
+
+def test_a_param_copy_that_raises_surfaces_its_own_error_and_leaves_the_ring_usable(monkeypatch):
+    params = _params(torch.bfloat16)
+    with monkeypatch.context() as m:
+        engines = _ring_engines(m, 1)
+        opt = _build(params, torch.optim.AdamW, 1.0, 1)
+    _fail_once(engines[0].queues, "h2d")
+    _set_grads(params, 0)
+    with pytest.raises(_DeviceError):
+        opt.step()
+    _set_grads(params, 1)
+    opt.step()  # the slot of the failed copy is reused: nothing was queued from it
+    assert engines[0].h2d_ring.peak_in_use == 1 and not any(p.isnan().any() for p in params)
+
+
+def test_transposed_sliced_and_stride_0_grads_cross_the_ring_bit_identically(monkeypatch):
+    def grads_of(params, step):
+        gen = torch.Generator().manual_seed(step)
+        out = []
+        for i, p in enumerate(params):
+            if i % 3 == 0 and p.dim() == 2:  # transposed
+                out.append(torch.randn(p.shape[::-1], generator=gen).to(p.dtype).t())
+            elif i % 3 == 1:  # every other element of a longer buffer
+                out.append(torch.randn(2 * p.numel(), generator=gen).to(p.dtype)[::2].view(p.shape))
+            else:  # stride 0: one value broadcast
+                out.append(torch.randn(1, generator=gen).to(p.dtype).expand(p.shape))
+        return out
+
+    def run(slots):
+        params = _params(torch.bfloat16)
+        opt = _build(params, torch.optim.AdamW, 1.0, slots)
+        for step in range(3):
+            for p, g in zip(params, grads_of(params, step)):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+        return params
+
+    ref = run(None)
+    with monkeypatch.context() as m:
+        _ring_engines(m, 1)
+        ours = run(1)
+    assert all(torch.equal(a, b) for a, b in zip(ours, ref))

@@ -25,7 +25,7 @@ class SlotOverwritten(AssertionError):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)  # compares NaNs too
+    return t.detach().contiguous().view(-1).view(torch.uint8)  # compares NaNs too; contiguous: stride-0 grads
 
 
 class DeferredEvent:
