@@ -27,8 +27,9 @@ alignment per slot.
 A slot is never written while a copy still reads or writes it (its event is
 waited first), and at most ``n`` slots per direction are ever in use. The host
 step reads the same pageable staging as the default mode, so results are
-bit-identical; the price is one extra host memcpy of each grad and param (2+2
-bytes per bf16 parameter, next to the ~28 the host Adam step moves).
+bit-identical; the price is one extra host memcpy of each grad and param (2 bytes
+each per bf16 parameter: 8 bytes read + written, next to the 28 the host Adam step
+reads + writes).
 
 Where copies run is a :class:`CopyQueues`: :class:`StreamQueues` on a device,
 or a test's emulation whose copies complete only when their event is waited on
