@@ -326,3 +326,41 @@ def test_transposed_sliced_and_stride_0_grads_cross_the_ring_bit_identically(mon
         _ring_engines(m, 1)
         ours = run(1)
     assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+
+
+# ------------------------------------------------------------------ GradScaler (any mode, single process)
+
+
+def _params_after_grad_scaler_steps(offload: bool, enabled: bool) -> list[torch.Tensor]:
+    from offload_fsdp import HybridDeviceOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5))
+    params = list(model.parameters())
+    opt = (HybridDeviceOptimizer(params, 1.0, cpu_optimizer_cls=torch.optim.SGD, lr=0.05) if offload
+           else torch.optim.SGD(params, lr=0.05))  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=enabled)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        scaler.scale(model(torch.randn(4, 5, generator=gen)).square().mean()).backward()  # hooks copy the grads
+        scaler.unscale_(opt)  # in place, after the hooks' copies
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return [p.detach().clone() for p in params]
+
+
+def test_without_loss_scaling_a_grad_scaler_loop_matches_torch_sgd_bit_for_bit():
+    ours, theirs = (_params_after_grad_scaler_steps(offload, enabled=False) for offload in (True, False))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="GradScaler.unscale_ divides the grads with torch._amp_foreach_non_finite_check_and_unscale_, "
+    "which does not bump their version counters, so step() keeps the hooks' copies of the SCALED grads "
+    "(_stage_grad's key); every mode, also without FSDP; results are off by the loss scale",
+)
+def test_grads_unscaled_by_a_grad_scaler_after_the_hooks_copied_them_are_recopied_by_step():
+    ours, theirs = (_params_after_grad_scaler_steps(offload, enabled=True) for offload in (True, False))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
