@@ -1095,6 +1095,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
             r.staged_grad_key = None
+        for engine in self._engines.values():
+            if isinstance(engine, RingCopyEngine):
+                engine.release_grads()  # slots held since backward reference the grads just dropped
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
