@@ -224,12 +224,6 @@ def test_fsdp2_grads_clipped_with_optim_clip_after_the_hooks_copied_them_are_rec
         assert result == dict.fromkeys(edits, 0.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="in-place edits of a DTensor grad run below autograd's version-counter bump: the local "
-    "tensor's _version never moves (and _foreach_mul_, as torch's clip_grad_norm_ uses, leaves the "
-    "DTensor's unchanged too), so step() keeps the hook's unclipped copy (_stage_grad's key); all modes",
-)
 def test_fsdp2_grads_edited_in_place_by_torch_clip_or_mul_after_the_hooks_copied_them_are_recopied_by_step():
     from tests.distributed import run_ranks
 
@@ -355,12 +349,6 @@ def test_without_loss_scaling_a_grad_scaler_loop_matches_torch_sgd_bit_for_bit()
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GradScaler.unscale_ divides the grads with torch._amp_foreach_non_finite_check_and_unscale_, "
-    "which does not bump their version counters, so step() keeps the hooks' copies of the SCALED grads "
-    "(_stage_grad's key); every mode, also without FSDP; results are off by the loss scale",
-)
 def test_grads_unscaled_by_a_grad_scaler_after_the_hooks_copied_them_are_recopied_by_step():
     ours, theirs = (_params_after_grad_scaler_steps(offload, enabled=True) for offload in (True, False))
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
