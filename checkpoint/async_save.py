@@ -45,8 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -54,106 +53,20 @@ import torch.distributed as dist
 
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree
+from checkpoint.safe_unpickle import check_saved_values
 from checkpoint.save_errors import raise_on_every_rank
+from checkpoint.save_queue import AsyncSaveError, lock, submit, wait_for_async_save
 from checkpoint.shard import CheckpointShard
-from checkpoint.staging import copy_to_staging, gate_state_dict, replace_shards
+from checkpoint.staging import StagingGate, copy_to_staging, gate_state_dict, replace_shards
 from checkpoint.staging_pool import StagingPool
+from checkpoint.state_dict_io import write_state_dict
 
 __all__ = ["AsyncSaveError", "async_save_state_dict", "release_staging_buffers", "stage", "wait_for_async_save"]
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
-_in_flight: _SaveFuture | None = None
 _group = None
-_pool = StagingPool()  # guarded by _lock
-
-
-class AsyncSaveError(RuntimeError):
-    """An earlier async save failed and nobody had asked its future; raised by the next save or wait.
-
-    The save's own error is the ``__cause__``.
-    """
-
-
-class _SaveFuture(Future):
-    """The future of one async save; remembers whether its outcome was looked at (so it is raised once)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__()
-        self.path = path
-        self.observed = False
-
-    def result(self, timeout: float | None = None):
-        self.observed = True
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None):
-        self.observed = True
-        return super().exception(timeout)
-
-
-def _run(future: _SaveFuture, save, *args, **kwargs) -> None:
-    """The writer thread's body: the save, its outcome into ``future``, a failure logged as it happens."""
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        save(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - handed to the future, logged, raised by the next save
-        logger.error("async checkpoint save to %s failed: %s: %s", future.path, type(exc).__name__, exc)
-        future.set_exception(exc)
-    else:
-        future.set_result(None)
-
-
-def wait_for_async_save() -> None:
-    """Wait for the async save in flight, if any; raise :class:`AsyncSaveError` if it failed unobserved.
-
-    Every save calls it first, so a failure is raised once, by the next save,
-    when the caller never asked the future. Raises nothing for a failure
-    already seen through the future's ``result()`` / ``exception()``.
-    """
-    future = _in_flight
-    if future is None:
-        return
-    wait([future])
-    error = super(_SaveFuture, future).exception()
-    if error is not None and not future.observed:
-        future.observed = True
-        raise AsyncSaveError(
-            f"the async checkpoint save to {str(future.path)!r} failed ({type(error).__name__}: {error}); "
-            "that checkpoint was not committed and this call did not start another save (call it again to go on; "
-            "call future.result() on an async save's future to handle its failure where it happens)"
-        ) from error
-
-
-def _finish_at_exit() -> None:
-    """Interpreter exit with a save in flight: finish it; say loudly when the last save did not commit.
-
-    A failure nobody asked the future about is said again here: its first
-    ERROR line may be far up the log, and the process is about to exit 0.
-    """
-    future = _in_flight
-    if future is None:
-        return
-    if not future.done():
-        logger.warning("waiting for the async checkpoint save to %s to finish before the process exits", future.path)
-        wait([future])
-    error = super(_SaveFuture, future).exception()
-    if error is not None and not future.observed:
-        logger.error(
-            "the process exits, and its last async checkpoint save, to %s, did not commit (%s: %s)",
-            future.path,
-            type(error).__name__,
-            error,
-        )
-
-
-# A private hook, and deliberately so: it runs before concurrent.futures' own exit hook stops every
-# thread pool from taking work (registered later, so run earlier), which the save in flight still needs.
-# atexit.register would run too late ("cannot schedule new futures after interpreter shutdown").
-threading._register_atexit(_finish_at_exit)  # type: ignore[attr-defined]
+_pool = StagingPool()  # guarded by save_queue.lock
 
 
 def _background_group():
@@ -171,7 +84,7 @@ def release_staging_buffers() -> None:
     it finishes, and frees them then. The next async save allocates afresh.
     Waits while another thread is inside :func:`async_save_state_dict` (staging).
     """
-    with _lock:
+    with lock:
         _pool.clear()
 
 
@@ -215,56 +128,45 @@ def async_save_state_dict(
     async save unless ``reuse_staging_buffers=False`` (see
     :func:`release_staging_buffers`).
     """
-    global _executor, _in_flight
-    from checkpoint.safe_unpickle import check_saved_values
-    from checkpoint.state_dict_io import write_state_dict
-
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     check_saved_values(state_dict)  # refused here, in the caller, not later in the background
-    with _lock:
+    with lock:
         # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
+        # Reusing staging buffers relies on this too: nothing reads the previous save's buffers any more.
         wait_for_async_save()
-        # Reusing staging buffers relies on this: nothing reads the previous save's buffers any more.
-        assert _in_flight is None or _in_flight.done()
         _pool.begin_save(reuse=reuse_staging_buffers)
         group = process_group if process_group is not None else _background_group()
-        rank, distributed = (dist.get_rank(), True) if dist.is_available() and dist.is_initialized() else (0, False)
-        gate = None
+        distributed = dist.is_available() and dist.is_initialized()
         error: Exception | None = None
         try:
-            if max_staging_bytes is None:
-                staged = stage(
-                    state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool
-                )
-            else:
-                converted = convert_tree(
-                    state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes
-                )
-                _synchronize_devices(converted)
-                staged, gate = gate_state_dict(converted, max_staging_bytes, _pool)
+            staged, gate = _stage_now(state_dict, mode, max_chunk_bytes, max_staging_bytes)
         except Exception as exc:  # noqa: BLE001 - raised on every rank
             error = exc
         # The writer threads meet in collectives: a rank whose state cannot be staged must not send the others there.
         raise_on_every_rank(error, path, group=group, distributed=distributed)
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-async-save")
-        _in_flight = _SaveFuture(path)
-        _executor.submit(
-            _run,
-            _in_flight,
-            write_state_dict,
-            staged,
-            path,
-            mode=mode,
-            max_chunk_bytes=max_chunk_bytes,
-            process_group=group,
+        future = submit(
+            path, write_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
         )
         if gate is not None:
-            gate.wait_staged(_in_flight)
+            gate.wait_staged(future)
             logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
         _pool.end_staging()
-        return _in_flight
+        return future
+
+
+def _stage_now(
+    state_dict: dict[str, Any], mode: str, max_chunk_bytes: int | None, max_staging_bytes: int | None
+) -> tuple[dict[str, Any], StagingGate | None]:
+    """The state as the writer will read it: a full snapshot, or (bounded) live tensors behind a gate."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if max_staging_bytes is None:
+        return stage(state_dict, rank=rank, scale=mode == "scale", max_chunk_bytes=max_chunk_bytes, pool=_pool), None
+    converted = convert_tree(
+        state_dict, rank=rank, replicas_on_rank0_only=mode == "scale", max_chunk_bytes=max_chunk_bytes
+    )
+    _synchronize_devices(converted)
+    return gate_state_dict(converted, max_staging_bytes, _pool)
 
 
 def _synchronize_devices(converted: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from checkpoint.shard import CheckpointShard
+from offload_fsdp.grad import local_tensor
 from offload_fsdp.shard_spec import ShardSpec, shard_spec_of
 
 __all__ = ["StatefulPath", "convert_tree", "load_stateful", "resolve_stateful", "to_checkpointable"]
@@ -67,8 +68,7 @@ def _from_dtensor(value: DTensor, *, name: str, replicas_on_rank0_only: bool, ma
         raise ValueError(f"{name}: a DTensor with Partial placements cannot be checkpointed; reduce it first")
     mesh = value.device_mesh
     coordinate = mesh.get_coordinate()
-    with torch.no_grad():  # no autograd node; the same storage, so a load writes into the DTensor
-        local = value.to_local().detach()
+    local = local_tensor(value).detach()  # the same storage, so a load writes into the DTensor
     if coordinate is None:
         # This rank is not in the DTensor's mesh: it holds nothing of it.
         spec = ShardSpec(tuple(value.shape), offsets=(0,) * value.dim())

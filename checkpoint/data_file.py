@@ -6,7 +6,7 @@ thread while the OS copies them. :func:`write_tensor` appends one tensor as the 
 archive DCP stores per chunk, from the tensor's raw bytes
 (:mod:`checkpoint.chunk_archive`). :class:`DataFile` is the one way a data
 file is written: DCP's writer (:class:`checkpoint.storage.FsdpWriter`) and the
-tensor-major one behind reshard / import (:mod:`checkpoint.rewrite`) both
+tensor-major one behind reshard / import (:mod:`checkpoint.tool.rewrite`) both
 append through it, each item returning the :data:`StorageInfo` that
 ``.metadata`` records for it (:mod:`checkpoint.dcp_metadata`).
 """

@@ -1,7 +1,7 @@
 """Opening a checkpoint for reading: the one place that reads ``manifest.json`` and ``.metadata``.
 
 Every reader (``checkpoint.load``, ``load_state_dict``, the streaming
-:class:`~checkpoint.stream.CheckpointReader` behind every ``fsdp-ckpt``
+:class:`~checkpoint.tool.stream.CheckpointReader` behind every ``fsdp-ckpt``
 command) opens through :func:`open_checkpoint`, in this order: the manifest
 (strictly checked, :mod:`checkpoint.manifest`), the files it lists (regular
 files of the recorded sizes), ``.metadata``'s CRC-32, and only then

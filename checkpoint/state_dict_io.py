@@ -68,6 +68,7 @@ from checkpoint.save_errors import (
     raise_unwrapped,
     unwrap_dcp_error,
 )
+from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = [
@@ -156,8 +157,6 @@ def save_state_dict(
     trades DCP's plan exchange for three small gathers; in it, plain tensors are
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
-    from checkpoint.async_save import wait_for_async_save
-
     wait_for_async_save()
     check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)

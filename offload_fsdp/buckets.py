@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -101,6 +101,40 @@ def build_buckets(
     bucket's ``kernel`` and each record's ``bucket``/``offset``/``master``/``param_stage``/``grad_stage``. Masters and
     staging are NOT initialised from the params here (the caller fetches them).
     """
+    buckets = _group(records, first_index, bucket_numel, master_dtype_of, engine_for)
+    layouts = _BufferLayouts()
+    handles = [layouts.add_bucket(b, pin, kernel_of) for b in buckets]
+    arenas = layouts.allocate()
+    for b, (h, hs) in zip(buckets, handles):
+        grad_stage, master = arenas.view(h.grad), arenas.view(h.master)
+        param_stage = arenas.view(h.param_stage) if h.param_stage is not None else None
+        b.grad_stage, b.master, b.param_stage = grad_stage, master, param_stage
+        b.state = {name: arenas.view(entry) for name, entry in hs.items()}
+        for r in b.records:  # each record's shaped views into the bucket's flat buffers
+            sl = slice(r.offset, r.offset + r.numel)
+            r.master = master[sl].view(r.local.shape)
+            r.grad_stage = grad_stage[sl].view(r.local.shape)
+            r.param_stage = param_stage[sl].view(r.local.shape) if param_stage is not None else None
+    return buckets, arenas.buffers
+
+
+_Entry = tuple[HostLayout, int]  # (the layout of an arena, a buffer's handle in it)
+
+
+class _BucketEntries(NamedTuple):
+    grad: _Entry
+    master: _Entry
+    param_stage: _Entry | None
+
+
+def _group(
+    records: list[ParamShard],
+    first_index: int,
+    bucket_numel: int,
+    master_dtype_of: Callable[[torch.dtype], torch.dtype],
+    engine_for: Callable[[torch.device], CopyEngine],
+) -> list[HostBucket]:
+    """The offloaded ``records``, in order, into buckets of one (group, device, dtypes) of at most ``bucket_numel``."""
     buckets: list[HostBucket] = []
     for record in (r for r in records if r.offloaded):
         assert record.grad_dtype is not None  # chosen for every offloaded record before bucketing
@@ -120,51 +154,58 @@ def build_buckets(
         record.bucket, record.offset = last, last.numel
         last.records.append(record)
         last.numel += record.numel
+    return buckets
 
-    pin_grads, pin_params = pin
-    pinned = HostLayout()
-    pageable: dict[tuple[torch.dtype, str], HostLayout] = {}
 
-    def add(pin_it: bool, numel: int, dtype: torch.dtype, role: str) -> tuple[HostLayout, int]:
+class _BufferLayouts:
+    """Where each bucket's flat buffers go: one pinned arena, and a pageable one per (dtype, role)."""
+
+    def __init__(self) -> None:
+        self.pinned = HostLayout()
+        self.pageable: dict[tuple[torch.dtype, str], HostLayout] = {}
+
+    def _add(self, pin_it: bool, numel: int, dtype: torch.dtype, role: str) -> _Entry:
         # Nothing in the pinned arena is optimizer state (only staging, and masters that
         # are the params' own dtype), so only the pageable side needs one arena per role.
-        layout = pinned if pin_it else pageable.setdefault((dtype, role), HostLayout())
+        layout = self.pinned if pin_it else self.pageable.setdefault((dtype, role), HostLayout())
         return layout, layout.add(numel, dtype)
 
-    handles = []
-    state_handles: list[dict[str, tuple[HostLayout, int]]] = []
-    for b in buckets:
+    def add_bucket(
+        self,
+        b: HostBucket,
+        pin: tuple[bool, bool],
+        kernel_of: Callable[[HostBucket], tuple[HostKernel, dict[str, torch.dtype]] | None],
+    ) -> tuple[_BucketEntries, dict[str, _Entry]]:
+        """Lay out ``b``'s grad staging, param staging, master and (with a kernel, set here) state buffers."""
+        pin_grads, pin_params = pin
         separate = b.master_dtype != b.param_dtype
-        h: dict[str, tuple[HostLayout, int] | None] = {"grad": add(pin_grads, b.numel, b.grad_dtype, "staging")}
-        # The H2D source is pinned; a separate fp32 master never crosses the bus.
-        h["param_stage"] = add(pin_params, b.numel, b.param_dtype, "staging") if separate else None
-        h["master"] = add(pin_params and not separate, b.numel, b.master_dtype, "master")
+        entries = _BucketEntries(
+            grad=self._add(pin_grads, b.numel, b.grad_dtype, "staging"),
+            # The H2D source is pinned; a separate fp32 master never crosses the bus.
+            param_stage=self._add(pin_params, b.numel, b.param_dtype, "staging") if separate else None,
+            master=self._add(pin_params and not separate, b.numel, b.master_dtype, "master"),
+        )
         served = kernel_of(b)
-        state_h = {}
-        if served is not None:
-            b.kernel, state_dtypes = served
-            state_h = {name: add(False, b.numel, dtype, "state") for name, dtype in state_dtypes.items()}
-        handles.append(h)
-        state_handles.append(state_h)
+        if served is None:
+            return entries, {}
+        b.kernel, state_dtypes = served
+        return entries, {name: self._add(False, b.numel, dtype, "state") for name, dtype in state_dtypes.items()}
 
-    arenas = {id(pinned): pinned.allocate(pin=True)}
-    arenas.update({id(layout): layout.allocate(pin=False) for layout in pageable.values()})
+    def allocate(self) -> _Arenas:
+        return _Arenas(self)
 
-    def view(entry):
+
+class _Arenas:
+    """The allocated arenas of a :class:`_BufferLayouts`; ``view`` turns a layout entry into its tensor."""
+
+    def __init__(self, layouts: _BufferLayouts) -> None:
+        self._by_layout = {id(layouts.pinned): layouts.pinned.allocate(pin=True)}
+        self._by_layout.update({id(layout): layout.allocate(pin=False) for layout in layouts.pageable.values()})
+        self.buffers = HostBuffers(
+            pinned=self._by_layout[id(layouts.pinned)],
+            pageable={key: self._by_layout[id(layout)] for key, layout in layouts.pageable.items()},
+        )
+
+    def view(self, entry: _Entry) -> torch.Tensor:
         layout, handle = entry
-        return arenas[id(layout)].view(handle)
-
-    for b, h, hs in zip(buckets, handles, state_handles):
-        b.grad_stage = view(h["grad"])
-        b.master = view(h["master"])
-        b.param_stage = view(h["param_stage"]) if h["param_stage"] is not None else None
-        b.state = {name: view(entry) for name, entry in hs.items()}
-        for r in b.records:
-            sl = slice(r.offset, r.offset + r.numel)
-            shape = r.local.shape
-            r.master = b.master[sl].view(shape)
-            r.grad_stage = b.grad_stage[sl].view(shape)
-            r.param_stage = b.param_stage[sl].view(shape) if b.param_stage is not None else None
-    return buckets, HostBuffers(
-        pinned=arenas[id(pinned)], pageable={key: arenas[id(layout)] for key, layout in pageable.items()}
-    )
+        return self._by_layout[id(layout)].view(handle)

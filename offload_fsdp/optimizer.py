@@ -710,6 +710,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._overlapped is None and self._grad_scaler_skips_step():
+            return loss
         try:
             self._step_records(done)
         except BaseException:
@@ -766,6 +768,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with record_function("HybridDeviceOptimizer.d2h"):
                 for r, g in active:
                     if r.offloaded:
+                        if r.is_dtensor and id(r) not in done:
+                            # A DTensor runs in-place ops on its local shard below autograd: no version
+                            # counter moves for torch's clip_grad_norm_ (_foreach_mul_), so a copy from
+                            # the backward hooks cannot be trusted; copy the grad as it is now.
+                            r.staged_grad_key = None
                         self._stage_grad(r, g)
             self._step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in self._buckets:
@@ -799,13 +806,35 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 "in bf16 without a GradScaler, or build the optimizer without overlap_step_with_backward"
             )
 
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        """In the overlapped mode, makes ``torch.amp.GradScaler.step`` call :meth:`step` with
-        ``grad_scale`` / ``found_inf`` set (its protocol for optimizers that handle scaling), so
-        step() can refuse it instead of GradScaler silently skipping a step already applied.
-        Default mode: False, GradScaler unscales and calls step() (or skips it) as for any optimizer."""
-        return getattr(self, "_overlapped", None) is not None
+    # torch.amp.GradScaler's protocol for optimizers that handle scaling: GradScaler.step then calls
+    # step() with `grad_scale` / `found_inf` set instead of unscaling and maybe skipping on its own.
+    # Needed because GradScaler unscales with torch._amp_foreach_non_finite_check_and_unscale_, which
+    # bumps no version counter: the backward hooks' host copies of the still-scaled grads would look
+    # current to step() (_stage_grad's key). The overlapped mode uses it to refuse GradScaler.
+    _step_supports_amp_scaling = True
+
+    def _grad_scaler_skips_step(self) -> bool:
+        """GradScaler's part of :meth:`step` (default mode): True when it found inf/NaN grads (no update).
+
+        Otherwise the grads are unscaled here in place exactly as ``GradScaler.unscale_``
+        does (a multiply by the float32 reciprocal of the scale) unless the user already
+        called ``unscale_``; either way every host copy is dropped so step() copies the
+        unscaled grads again.
+        """
+        found_inf, grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found_inf is None and grad_scale is None:
+            return False
+        for r in self._records:
+            r.staged_grad_key = None  # scaled (or unscaled behind the version counters) since the hooks' copies
+        if found_inf is not None and found_inf.item() != 0:
+            return True
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float().item()  # GradScaler's own reciprocal
+            with torch.no_grad():
+                for r in self._records:
+                    if r.param.grad is not None:  # GradScaler unscales .grad only
+                        r.param.grad.mul_(inv_scale)
+        return False
 
     @staticmethod
     def _wait_pushed(bucket: HostBucket) -> None:
@@ -1112,6 +1141,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             zero_grads((r.param for r in self._records), set_to_none=set_to_none)
         for r in self._records:
             r.staged_grad_key = None
+        for engine in self._engines.values():
+            if isinstance(engine, RingCopyEngine):
+                engine.release_grads()  # slots held since backward reference the grads just dropped
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

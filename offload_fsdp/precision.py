@@ -14,12 +14,12 @@ _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
-    """Dtypes of the main (master) params, main grads, gradient communication and Adam state.
+    """Dtypes of the main (master) params, main grads and Adam state.
 
-    ``None`` for ``main_grads_dtype`` / ``grad_comm_dtype`` means "follow the one
-    before": main grads follow the main params, communication follows the main
-    grads (as in Megatron-FSDP's ``MixedPrecisionPolicy``). Use the
-    ``resolved_*`` properties to read the effective dtypes.
+    ``None`` for ``main_grads_dtype`` means "follow the main params" (as in
+    Megatron-FSDP's ``MixedPrecisionPolicy``); ``resolved_main_grads_dtype`` reads
+    the effective dtype. The dtype gradients travel in over collectives is FSDP2's
+    own setting (``MixedPrecisionPolicy.reduce_dtype``), not this policy's.
     """
 
     main_params_dtype: torch.dtype | None = torch.float32
@@ -30,9 +30,6 @@ class PrecisionPolicy:
     main_grads_dtype: torch.dtype | None = None
     """dtype gradients are accumulated / reduced into; None = ``main_params_dtype``."""
 
-    grad_comm_dtype: torch.dtype | None = None
-    """dtype gradients travel in over collectives; None = the resolved ``main_grads_dtype``."""
-
     exp_avg_dtype: torch.dtype = torch.float32
     """dtype of Adam's first moment (fp32, or bf16 to halve its memory and bytes moved)."""
 
@@ -40,7 +37,7 @@ class PrecisionPolicy:
     """dtype of Adam's second moment (fp32, or bf16)."""
 
     def __post_init__(self) -> None:
-        for name in ("main_params_dtype", "main_grads_dtype", "grad_comm_dtype"):
+        for name in ("main_params_dtype", "main_grads_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:
                 raise ValueError(
@@ -75,7 +72,3 @@ class PrecisionPolicy:
         fp32 ``decoupled_grad`` produces (set ``main_grads_dtype`` explicitly then).
         """
         return self.main_grads_dtype if self.main_grads_dtype is not None else param_dtype
-
-    @property
-    def resolved_grad_comm_dtype(self) -> torch.dtype | None:
-        return self.grad_comm_dtype if self.grad_comm_dtype is not None else self.resolved_main_grads_dtype

@@ -27,8 +27,9 @@ alignment per slot.
 A slot is never written while a copy still reads or writes it (its event is
 waited first), and at most ``n`` slots per direction are ever in use. The host
 step reads the same pageable staging as the default mode, so results are
-bit-identical; the price is one extra host memcpy of each grad and param (2+2
-bytes per bf16 parameter, next to the ~28 the host Adam step moves).
+bit-identical; the price is one extra host memcpy of each grad and param (2 bytes
+each per bf16 parameter: 8 bytes read + written, next to the 28 the host Adam step
+reads + writes).
 
 Where copies run is a :class:`CopyQueues`: :class:`StreamQueues` on a device,
 or a test's emulation whose copies complete only when their event is waited on
@@ -326,8 +327,9 @@ class RingCopyEngine:
     def _drain(self, slot: _Slot) -> None:
         """Wait for the slot's D2H copies, move the grads into the owner's pageable staging, free the slot."""
         owner = slot.owner
-        assert owner is not None and owner.grad_stage is not None and slot.event is not None
-        slot.event.synchronize()  # the grads copied into the slot have landed
+        assert owner is not None and owner.grad_stage is not None
+        if slot.event is not None:  # None: its first copy raised when queued, nothing is in flight
+            slot.event.synchronize()  # the grads copied into the slot have landed
         typed = slot.typed(owner.grad_dtype)
         for start, end in _coalesced(slot.ranges):
             owner.grad_stage[start:end].copy_(typed[start:end])
@@ -369,8 +371,8 @@ class RingCopyEngine:
         self._last_h2d = slot.event
 
     def _reclaim(self, slot: _Slot) -> None:
-        assert slot.event is not None
-        slot.event.synchronize()  # the H2D that reads this slot has finished: the host may overwrite it
+        if slot.event is not None:  # None: its copy raised when queued, nothing reads the slot
+            slot.event.synchronize()  # the H2D that reads this slot has finished: the host may overwrite it
         self.h2d_ring.release(slot)
 
     def note_params_read(self) -> None:
@@ -394,6 +396,16 @@ class RingCopyEngine:
         # step()) would otherwise hold slots, or device grads, across steps.
         with self._d2h_lock:
             self._waiting.clear()
+        self.release_grads()
+
+    def release_grads(self) -> None:
+        """Free every held D2H slot and the device grads it references (``end_step``, ``zero_grad``).
+
+        Each is drained (its copies waited for) into its bucket's staging, so a bucket
+        whose host step is still to come reads the same grads; the slots are free again
+        and the user's dropped grads can be freed.
+        """
+        with self._d2h_lock:
             for slot in list(self._held.values()):
                 self._drain(slot)
 

@@ -24,7 +24,7 @@ buffers the copies go through: the gradient in its own dtype (device to host)
 and, when the model param is not in the main dtype, the param-dtype cast of the
 update (host to device; with equal dtypes the main param is copied directly).
 
-Not counted: activations, communication buffers (``grad_comm_dtype``), the
+Not counted: activations, communication buffers (FSDP2's ``reduce_dtype``), the
 per-tensor ``step`` scalar, allocator slack.
 """
 
@@ -54,12 +54,12 @@ class MemoryFootprint:
     """name -> bytes for each device buffer (``param``, ``grad``, ...)"""
 
 
-def _state_dtypes(name: str, policy: PrecisionPolicy) -> dict[str, torch.dtype]:
-    """Optimizer ``name``'s per-element state buffers and their dtypes under ``policy``."""
+def _state_dtypes(name: str, policy: PrecisionPolicy, main_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Optimizer ``name``'s per-element state buffers and their dtypes under ``policy`` (``main_dtype``: what it steps)."""
     if name in ("adamw", "adam"):
         return {"exp_avg": policy.exp_avg_dtype, "exp_avg_sq": policy.exp_avg_sq_dtype}
     if name == "sgd":  # in the dtype of what it steps: the main param (the host kernel's and torch's alike)
-        return {"momentum_buffer": policy.main_params_dtype}
+        return {"momentum_buffer": main_dtype}
     if name == "sgd_no_momentum":
         return {}
     raise ValueError(f"unknown optimizer name {name!r}; valid names: adamw, adam, sgd, sgd_no_momentum")
@@ -83,9 +83,9 @@ def bytes_per_param(
     if not 0.0 <= offload <= 1.0:
         raise ValueError(f"offload={offload} must lie in [0, 1] (a share of the parameter elements)")
     policy = policy if policy is not None else PrecisionPolicy()
-    state_dtypes = _state_dtypes(name, policy)
     grad_dtype = policy.resolved_main_grads_dtype or param_dtype  # None: no master, grads in the param's dtype
     main_dtype = master_dtype(param_dtype, policy.main_params_dtype)
+    state_dtypes = _state_dtypes(name, policy, main_dtype)
     separate_main = main_dtype != param_dtype
 
     device_parts: dict[str, float] = {"param": param_dtype.itemsize, "grad": grad_dtype.itemsize}

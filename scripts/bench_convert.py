@@ -121,15 +121,15 @@ with open(sys.argv[2], "rb+") as f:
 
 # stdout of the CLI goes to stderr so the last stdout line is the time
 _CLI = _TIMED.format(
-    imports="import contextlib, checkpoint.cli",
+    imports="import contextlib, checkpoint.tool.cli",
     body="""
 with contextlib.redirect_stdout(sys.stderr):
-    code = checkpoint.cli.main(sys.argv[1:])
+    code = checkpoint.tool.cli.main(sys.argv[1:])
 assert code == 0, code
 """,
 )
 
-_IMPORT_ONLY = _TIMED.format(imports="import torch, checkpoint.cli", body="")
+_IMPORT_ONLY = _TIMED.format(imports="import torch, checkpoint.tool.cli", body="")
 
 
 def main() -> None:
@@ -219,7 +219,7 @@ def main() -> None:
     print(
         f"\nseconds: fastest of {args.repeat} rounds, timed inside each process after its imports; "
         f"'vs raw' = raw-copy time / this time (1.0 = as fast as copying the bytes); 'vs dcp_to_torch' = its "
-        f"time / this time; '- import' = peak RSS minus the bare `import torch, checkpoint.cli` process "
+        f"time / this time; '- import' = peak RSS minus the bare `import torch, checkpoint.tool.cli` process "
         f"({base_rss / 2**20:.0f} MiB); '/largest' = that excess over the largest tensor. "
         f"Checkpoint {info['bytes'] / 2**20:.0f} MiB, largest tensor {info['largest'] / 2**20:.0f} MiB."
     )

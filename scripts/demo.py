@@ -407,7 +407,7 @@ def orchestrate(args: argparse.Namespace, cfg: Config) -> dict:
         [
             sys.executable,
             "-m",
-            "checkpoint.cli",
+            "checkpoint.tool.cli",
             "export",
             str(final),
             str(export_dir),

@@ -9,18 +9,26 @@ Input, either:
   preferred to its CPU issue time); or
 * the timings json of ``python scripts/bench_offload.py --timeline-json PATH``
   (per-bucket start/end of each stage in ms from the step's start; CUDA events
-  on a GPU, synchronous copies timed on the host otherwise).
+  on a GPU, synchronous copies timed on the host otherwise), or of
+  ``python scripts/overlap_pipeline_model.py --timeline-json PATH`` (a simulated
+  schedule). Optional fields draw a backward lane above the pipeline: ``backward``
+  ([start, end] in ms) and each bucket's ``grads_ready`` (ms: when its last grad
+  became final), so host steps running under backward show.
 
 Usage::
 
     python scripts/plot_offload_timeline.py trace.json -o timeline.png
     python scripts/plot_offload_timeline.py timings.json --step 0
+    python scripts/overlap_pipeline_model.py --case qwen3-0.6b --timeline-json docs/overlap_timeline.json
+    python scripts/plot_offload_timeline.py docs/overlap_timeline.json -o docs/overlap_timeline.png
 
 The title gives the overlap efficiency: the busiest stage's busy time over the
 step's wall time (1.0 = the step costs only its slowest stage; a serial
 pipeline scores max/sum). The step's window is the optimizer's
 ``Optimizer.step`` range widened to every bar, so D2H copies started by
-post-accumulate-grad hooks during backward are shown (and counted) too.
+post-accumulate-grad hooks during backward are shown (and counted) too. With a
+backward lane the title also gives ``(T_backward + host busy) / window`` (2.0 when a
+host step as long as the backward hides under it completely).
 Exits 1 with a one-line reason on a missing or invalid input.
 """
 
@@ -66,6 +74,10 @@ class Timeline:
     step_range: tuple[float, float] | None = None
     """the optimizer's own step() range, when the input has one"""
     notes: list[str] = field(default_factory=list)
+    backward: tuple[float, float] | None = None
+    """the backward's span, when the input has one (the backward lane)"""
+    grads_ready: dict[int, float] = field(default_factory=dict)
+    """bucket -> when its last grad became final (ticks on the backward lane)"""
 
     @property
     def buckets(self) -> list[int]:
@@ -90,6 +102,13 @@ class Timeline:
         busiest = max(self.busy_ms(s) for s in STAGES)
         return busiest / self.step_ms if self.step_ms > 0 else float("nan")
 
+    @property
+    def backward_overlap(self) -> float | None:
+        """``(T_backward + host busy) / window``: 1.0 when the host step runs after backward, 2.0 at best."""
+        if self.backward is None or self.step_ms <= 0:
+            return None
+        return (self.backward[1] - self.backward[0] + self.busy_ms("host_step")) / self.step_ms
+
 
 def _read_json(path: Path) -> Any:
     if not path.exists():
@@ -110,16 +129,25 @@ def _merge(spans: dict[tuple[str, int], list[tuple[float, float]]]) -> dict[tupl
 
 
 def _build(
-    spans: dict[tuple[str, int], tuple[float, float]], step: tuple[float, float] | None, source: str
+    spans: dict[tuple[str, int], tuple[float, float]],
+    step: tuple[float, float] | None,
+    source: str,
+    backward: tuple[float, float] | None = None,
+    grads_ready: dict[int, float] | None = None,
 ) -> Timeline:
-    starts = [s for s, _ in spans.values()] + ([step[0]] if step else [])
-    ends = [e for _, e in spans.values()] + ([step[1]] if step else [])
+    extra = [x for x in (step, backward) if x is not None]
+    starts = [s for s, _ in spans.values()] + [x[0] for x in extra]
+    ends = [e for _, e in spans.values()] + [x[1] for x in extra]
     origin, finish = min(starts), max(ends)
     bars: dict[str, list[Bar]] = {s: [] for s in STAGES}
     for (stage, bucket), (start, end) in sorted(spans.items(), key=lambda kv: (kv[0][1], kv[1][0])):
         bars[stage].append(Bar(bucket, start - origin, end - origin))
     step_rel = (step[0] - origin, step[1] - origin) if step else None
-    return Timeline(bars=bars, window=(0.0, finish - origin), source=source, step_range=step_rel)
+    return Timeline(
+        bars=bars, window=(0.0, finish - origin), source=source, step_range=step_rel,
+        backward=(backward[0] - origin, backward[1] - origin) if backward else None,
+        grads_ready={b: t - origin for b, t in (grads_ready or {}).items()},
+    )  # fmt: skip
 
 
 def _from_chrome_trace(events: list[Any], step_index: int, path: Path) -> Timeline:
@@ -170,19 +198,24 @@ def _from_timings(data: dict[str, Any], step_index: int, path: Path) -> Timeline
     if step_index not in (0, -1):
         raise InputError(f"--step {step_index}: a timings file holds one step (use 0)")
     try:
-        spans = {}
+        spans, ready = {}, {}
         for bucket in data["buckets"]:
             for stage in STAGES:
                 span = bucket.get(stage)
                 if span is not None:
                     start, end = (float(x) for x in span)
                     spans[(stage, int(bucket["index"]))] = (start, end)
+            if bucket.get("grads_ready") is not None:
+                ready[int(bucket["index"])] = float(bucket["grads_ready"])
         step = tuple(float(x) for x in data["step"])
+        backward = tuple(float(x) for x in data["backward"]) if data.get("backward") is not None else None
+        if backward is not None and len(backward) != 2:
+            raise ValueError(f"'backward' must be [start, end], got {data['backward']!r}")
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{str(path)!r} is not a valid {TIMINGS_FORMAT} file: {exc!r}") from exc
     if not spans:
         raise InputError(f"{str(path)!r} holds no bucket timings")
-    return _build(spans, step, f"bench_offload timings ({data.get('device', '?')})")
+    return _build(spans, step, f"timings: {data.get('device', '?')}", backward, ready)  # type: ignore[arg-type]
 
 
 def load_timeline(path: str | Path, *, step: int = -1) -> Timeline:
@@ -203,11 +236,17 @@ def load_timeline(path: str | Path, *, step: int = -1) -> Timeline:
 def _title(t: Timeline) -> str:
     busy = {s: t.busy_ms(s) for s in STAGES}
     busiest = max(busy, key=busy.get)
-    return (
+    title = (
         f"HybridDeviceOptimizer step, {len(t.buckets)} buckets ({t.source})\n"
         f"step {t.step_ms:.2f} ms; busiest stage {STAGE_LABELS[busiest]} {busy[busiest]:.2f} ms; "
         f"overlap efficiency {t.efficiency:.2f} (1.00 = step costs only its slowest stage)"
     )
+    if t.backward is not None:
+        title += (
+            f"\nbackward {t.backward[1] - t.backward[0]:.2f} ms + host step {busy['host_step']:.2f} ms over "
+            f"{t.step_ms:.2f} ms = {t.backward_overlap:.2f} (1.00 = host step after backward, 2.00 = fully hidden)"
+        )
+    return title
 
 
 def plot_timeline(t: Timeline, output: Path) -> None:
@@ -220,9 +259,19 @@ def plot_timeline(t: Timeline, output: Path) -> None:
     import matplotlib.pyplot as plt
 
     colors = plt.get_cmap("tab10").colors
-    fig, ax = plt.subplots(figsize=(11, 3.4), dpi=110)
+    lanes = len(STAGES) + (t.backward is not None)
+    fig, ax = plt.subplots(figsize=(11, 2.2 + 0.6 * lanes), dpi=110)
     span = max(t.window[1], 1e-9)
     rows = list(reversed(STAGES))  # D2H at the top, in pipeline order downwards
+    labels = [STAGE_LABELS[s] for s in rows]
+    if t.backward is not None:  # a lane above D2H: the backward, a tick where each bucket's grads became final
+        y = len(rows)
+        start, end = t.backward
+        ax.broken_barh([(start, end - start)], (y - 0.35, 0.7), facecolors="0.8", edgecolor="black", linewidth=0.5)
+        for bucket, ready in t.grads_ready.items():
+            ax.vlines(ready, y - 0.35, y + 0.35, colors=[colors[bucket % len(colors)]], linewidth=1.2)
+        ax.text(span * 1.005, y, f"{end - start:.2f} ms", va="center", fontsize=8)
+        labels.append("backward\n(| grads final)")
     for y, stage in enumerate(rows):
         for bar in t.bars.get(stage, []):
             width = max(bar.end - bar.start, span * 4e-3)  # a copy of a few microseconds stays visible
@@ -234,8 +283,8 @@ def plot_timeline(t: Timeline, output: Path) -> None:
     if t.step_range is not None:
         ax.axvspan(*t.step_range, color="0.92", zorder=0, label="optimizer.step()")
         ax.legend(loc="upper right", fontsize=8, framealpha=0.8)
-    ax.set_yticks(range(len(rows)), [STAGE_LABELS[s] for s in rows])
-    ax.set_ylim(-0.6, len(rows) - 0.4 + (0.5 if t.step_range is not None else 0))
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_ylim(-0.6, len(labels) - 0.4 + (0.5 if t.step_range is not None else 0))
     ax.set_xlim(0, span * 1.12)
     ax.set_xlabel("time since the first stage or step() started (ms)")
     ax.set_title(_title(t), fontsize=9)
@@ -268,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     per_stage = ", ".join(f"{s} {len(timeline.bars[s])}" for s in STAGES)
     print(f"wrote {output}: {len(timeline.buckets)} buckets (bars: {per_stage}); step {timeline.step_ms:.3f} ms; "
           f"busy ms: {busy}; overlap efficiency {timeline.efficiency:.2f}")  # fmt: skip
+    if timeline.backward_overlap is not None:
+        print(f"backward lane: (backward + host busy) / step = {timeline.backward_overlap:.2f}")
     for note in timeline.notes:
         print(f"note: {note}")
     return 0

@@ -1,5 +1,9 @@
+import functools
+
 import pytest
 import torch
+
+from tests.cli import run_in_process
 
 # marker -> (is it available here, why it is skipped)
 _NEEDS = {
@@ -19,3 +23,9 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if marker in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def cli(capsys):
+    """``cli(*args, check=0)``: run ``fsdp-ckpt`` in this process (tests/cli.py) -> CompletedProcess."""
+    return functools.partial(run_in_process, capsys)

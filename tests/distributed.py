@@ -10,44 +10,56 @@ Usage::
 
 A failure on any rank is re-raised in the test with that rank's traceback.
 Keeping launch details here means a torch API change is a one-file fix.
+
+Ranks are forked from one server process that has imported torch and this project once
+(multiprocessing's ``forkserver`` with a preload list), so a test pays for that import once
+per session instead of once per rank per test (3-15 s each on a loaded 2-core machine), while
+every rank is still a fresh process: nothing one test does to a rank's globals reaches the next.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import queue as queue_mod
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
-__all__ = ["run_ranks", "RankFailed"]
+__all__ = ["PROCESSES", "RankFailed", "run_ranks"]
 
 DEFAULT_TIMEOUT_S = 180.0
 _POLL_S = 0.5
+
+# Imported once by the fork server. A fork copies only the forking thread; the one other thread
+# these imports start is numpy's OpenBLAS pool, which OpenBLAS stops around a fork (pthread_atfork).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "checkpoint", "offload_fsdp", "optim"]
+PROCESSES = multiprocessing.get_context("forkserver")
+"""The context every test starts a helper process with (ranks here; other tests' racers too)."""
+PROCESSES.set_forkserver_preload(_PRELOAD)
 
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _rank_main(
+    rank: int, world_size: int, store: str, caller: tuple[dict[str, str], str], fn: Callable, args: tuple, queue
+) -> None:
     import torch
     import torch.distributed as dist
 
+    # A forked rank starts with the fork server's environment and directory: take the caller's
+    # as they are now, as a spawned process would (a test's monkeypatch.setenv / chdir included).
+    environ, cwd = caller
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -57,7 +69,12 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     # default threading oversubscribe badly and turn seconds into minutes.
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file store, not a TCP one: a port picked free here could be taken (by any process on
+        # the machine) before rank 0 binds it; a fresh file in a fresh directory cannot.
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        # Gloo connects the ranks pairwise; a rank whose fn needs no collective could return and close
+        # its sockets while a peer is still completing the handshake ("Connection closed by peer").
+        dist.barrier()
         result = fn(rank, world_size, *args)
         # Plain pickle, by value: torch's queue would send tensors as shared-memory
         # handles, which die with this process if it exits before the parent reads them.
@@ -80,11 +97,13 @@ def run_ranks(
     ``fn`` must be defined at module level (it is pickled by reference). Returns
     the per-rank return values in rank order.
     """
-    ctx = mp.get_context("spawn")
+    ctx = PROCESSES
     queue = ctx.Queue()
-    port = _free_port()
+    store_dir = tempfile.mkdtemp(prefix="run_ranks-")
+    store = os.path.join(store_dir, "store")
+    caller = (dict(os.environ), os.getcwd())
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_rank_main, args=(rank, world_size, store, caller, fn, args, queue), daemon=True)
         for rank in range(world_size)
     ]
     for p in procs:
@@ -125,11 +144,13 @@ def run_ranks(
                 f"--- ranks {dead} exited (codes {[procs[i].exitcode for i in dead]}) without reporting ---"
             )
     finally:
+        complete = len(results) == world_size  # else a failure or a dead rank: the survivors may wait forever
         for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
+            p.join(timeout=5 if complete else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if failures:
         raise RankFailed("\n".join(failures))
     return [results[r] for r in range(world_size)]

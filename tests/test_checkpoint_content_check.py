@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint.cli import main as cli_main
 from checkpoint.content_check import ContentCheck
 from checkpoint.manifest import FileRecord
+from checkpoint.tool.cli import main as cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -117,7 +117,7 @@ def _full(v: float) -> dict:
 
 def test_a_load_racing_a_save_to_the_same_path_says_it_was_replaced_not_damaged(tmp_path, monkeypatch):
     from checkpoint import state_dict_io
-    from checkpoint.stream import CheckpointReader
+    from checkpoint.tool.stream import CheckpointReader
 
     path = tmp_path / "ck"
     checkpoint.save_state_dict(_full(1.0), path)

@@ -5,8 +5,6 @@ Reference: a plain count tensor, each chunk adding 1 over its box.
 
 import math
 import pickle
-import subprocess
-import sys
 
 import torch
 from hypothesis import given, settings
@@ -15,8 +13,8 @@ from hypothesis import strategies as st
 from checkpoint.layout import flat_range_to_boxes
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME
 from checkpoint.planner import chunk_problem
-from checkpoint.rewrite import write_checkpoint
-from checkpoint.transforms import Target
+from checkpoint.tool.rewrite import write_checkpoint
+from checkpoint.tool.transforms import Target
 
 
 def _counts(shape, chunks) -> torch.Tensor:
@@ -104,7 +102,7 @@ def test_volume_only_check_misses_a_same_volume_overlap_that_the_full_check_name
     )
 
 
-def test_verify_exits_with_found_problems_naming_a_key_whose_chunks_overlap(tmp_path):
+def test_verify_exits_with_found_problems_naming_a_key_whose_chunks_overlap(tmp_path, cli):
     path = tmp_path / "ck"
     value = torch.arange(12.0).reshape(4, 3)
     target = Target("model.w", "tensor", value.dtype, (4, 3), ("model.w",))
@@ -114,8 +112,5 @@ def test_verify_exits_with_found_problems_naming_a_key_whose_chunks_overlap(tmp_
     md.chunks[1] = type(md.chunks[1])(offsets=torch.Size((1, 0)), sizes=md.chunks[1].sizes)  # rows 1-2: overlap + hole
     (path / METADATA_NAME).write_bytes(pickle.dumps(metadata))
     (path / MANIFEST_NAME).unlink()  # a plain DCP directory, so only the chunk check can object
-    proc = subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", "verify", str(path)], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    proc = cli("verify", path, check=1)
     assert "PROBLEM model.w: chunks at [0, 0] and [1, 0] overlap (element [1, 0] is stored 2 times)" in proc.stdout

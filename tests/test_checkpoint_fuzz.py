@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint.cli import main as cli_main
+from checkpoint.tool.cli import main as cli_main
 from tests.bounded import run_bounded
 from tests.distributed import run_ranks
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import checkpoint
-from checkpoint.cli import main as fsdp_ckpt
+from checkpoint.tool.cli import main as fsdp_ckpt
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,7 +1,7 @@
 """Hostile inputs: crafted checkpoint and import files never run code, never read outside, never hang.
 
 Each payload is built on disk, then every ``fsdp-ckpt`` command (in process
-through ``checkpoint.cli.main``; two as real subprocesses) and every load API
+through ``checkpoint.tool.cli.main``; two as real subprocesses) and every load API
 is run against it. Each run must end as one clear error naming the damaged
 file, or (for a command that never reads the crafted part, e.g. ``inspect`` of
 a value) succeed; a payload's marker file must never appear, and nothing may
@@ -16,7 +16,6 @@ import pickle
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -26,8 +25,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
-from checkpoint.cli import main as cli_main
+from checkpoint.tool.cli import main as cli_main
 from tests.bounded import run_bounded
+from tests.cli import run_subprocess
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -436,15 +436,7 @@ def test_import_follows_links_to_regular_files_as_in_the_hugging_face_cache(tmp_
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    return subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=_TIMEOUT_S,
-        env=env,
-    )
+    return run_subprocess(*args, check=None, timeout=_TIMEOUT_S)
 
 
 def test_the_cli_process_exits_2_on_a_metadata_payload_and_on_a_fifo(good, tmp_path):

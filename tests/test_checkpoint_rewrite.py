@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from checkpoint.atomic import staging_path
 from checkpoint.chunk_archive import archive_layout
 from checkpoint.manifest import METADATA_NAME, read_manifest, verify_files
-from checkpoint.rewrite import write_checkpoint
 from checkpoint.state_dict_io import load_state_dict
-from checkpoint.transforms import Target
+from checkpoint.tool.rewrite import write_checkpoint
+from checkpoint.tool.transforms import Target
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

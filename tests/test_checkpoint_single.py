@@ -283,8 +283,8 @@ def _record_fsync_and_replace(monkeypatch) -> list[tuple[str, str]]:
 
 
 def _reshard_two_ranks(state: dict, path: Path) -> None:
-    from checkpoint.rewrite import write_checkpoint
-    from checkpoint.transforms import Target
+    from checkpoint.tool.rewrite import write_checkpoint
+    from checkpoint.tool.transforms import Target
 
     targets = [Target(k, "tensor", v.dtype, tuple(v.shape), (k,)) for k, v in state.items()]
     write_checkpoint(path, 2, targets, [(t, state[t.name]) for t in targets], max_chunk_bytes=64)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint.cli import main as fsdp_ckpt
+from checkpoint.tool.cli import main as fsdp_ckpt
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

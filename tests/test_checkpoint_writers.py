@@ -2,7 +2,6 @@
 
 import errno
 import logging
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 import checkpoint
 import checkpoint.storage
 from checkpoint.atomic import MARKER_NAME, staging_path
+from tests.distributed import PROCESSES
 
 REPO = Path(__file__).resolve().parents[1]
 TRIALS = 10
@@ -43,7 +43,7 @@ def _racer(path: str, first_value: int, barrier, trials: int) -> None:
 
 
 def test_two_processes_saving_to_one_path_commit_one_whole_state_each_time(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = PROCESSES  # forked from a server that imported torch once (tests/distributed.py)
     barrier = ctx.Barrier(3)
     path = str(tmp_path / "ck")
     procs = [ctx.Process(target=_racer, args=(path, first, barrier, TRIALS)) for first in (0, 1)]
@@ -213,7 +213,7 @@ def test_a_target_that_is_not_a_checkpoint_is_refused_before_anything_is_written
 
 
 def test_an_export_with_force_never_touches_the_users_dir_beside_the_output(tmp_path):
-    from checkpoint.cli import main
+    from checkpoint.tool.cli import main
 
     checkpoint.save_state_dict({"model": {"a": torch.arange(4.0)}}, tmp_path / "ck")
     dst = tmp_path / "hf"
@@ -276,7 +276,7 @@ def test_saves_and_exports_onto_a_full_disk_fail_clearly_and_leave_no_staging(tm
         [
             sys.executable,
             "-m",
-            "checkpoint.cli",
+            "checkpoint.tool.cli",
             "export",
             str(tmp_path / "big"),
             str(small_tmpfs / "model.pt"),
@@ -293,7 +293,7 @@ def test_saves_and_exports_onto_a_full_disk_fail_clearly_and_leave_no_staging(tm
     assert done.returncode not in (0, -7), done.stderr  # -7: killed by SIGBUS
     assert "no space left" in done.stderr, done.stderr
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["ck"]
-    from checkpoint.cli import main
+    from checkpoint.tool.cli import main
 
     for command, *options, out in (["export", "--format", "safetensors", "hf"], ["reshard", "--world-size", "2", "re"]):
         assert main([command, str(tmp_path / "big"), str(small_tmpfs / out), *options, "-q"]) != 0
@@ -324,7 +324,7 @@ def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_at_exi
 
 
 def test_a_save_or_export_to_a_symbolic_link_is_refused_and_leaves_link_and_target_alone(tmp_path):
-    from checkpoint.cli import main as cli_main
+    from checkpoint.tool.cli import main as cli_main
 
     real = tmp_path / "runs" / "step1"
     checkpoint.save_state_dict(_state(1), real)

@@ -1,4 +1,5 @@
-"""fsdp-ckpt run as a subprocess: inspect, verify, export, import, reshard, split/merge, diff.
+"""fsdp-ckpt in process (the ``cli`` fixture): inspect, verify, export, import, reshard, split/merge, diff;
+under ``torchrun`` as real processes.
 
 The source checkpoint is written at 2 ranks by the format's own single-process
 writer (``checkpoint.write_rank`` + ``checkpoint.commit``) with row blocks, an
@@ -18,22 +19,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import checkpoint
-from checkpoint.stream import CheckpointReader
+from checkpoint.tool.stream import CheckpointReader
 from tests.distributed import run_ranks
 
 FC1 = "layers.0.mlp.linear_fc1.weight"
 
-# every test here starts one to six interpreters (~3 s each on this machine)
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
-
-
-def _cli(*args, check: int | None = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-    if check is not None:
-        assert proc.returncode == check, f"exit {proc.returncode}\nstdout:{proc.stdout}\nstderr:{proc.stderr}"
-    return proc
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _reference() -> dict:
@@ -97,8 +88,8 @@ def _assert_equal(got: dict, want: dict) -> None:
             assert got[key] == value, key
 
 
-def test_inspect_json_reports_keys_shapes_chunks_world_size_and_commit(src):
-    info = json.loads(_cli("inspect", src, "--json").stdout)
+def test_inspect_json_reports_keys_shapes_chunks_world_size_and_commit(cli, src):
+    info = json.loads(cli("inspect", src, "--json").stdout)
     ref = _reference()
     assert info["committed"] and info["world_size"] == 2 and info["format"] == "fsdp_dtensor"
     rows = {r["key"]: r for r in info["keys"]}
@@ -108,16 +99,16 @@ def test_inspect_json_reports_keys_shapes_chunks_world_size_and_commit(src):
     assert info["totals"]["model"]["bytes"] == sum(
         v.numel() * v.element_size() for k, v in ref.items() if k.startswith("model.")
     )
-    assert "model.tiny" in _cli("inspect", src).stdout
+    assert "model.tiny" in cli("inspect", src).stdout
 
 
-def test_export_safetensors_equals_full_tensors_with_hf_index_and_shard_limit(src, tmp_path):
+def test_export_safetensors_equals_full_tensors_with_hf_index_and_shard_limit(cli, src, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     ref = {k.removeprefix("model."): v for k, v in _reference().items() if k.startswith("model.")}
     limit = 100
-    _cli("export", src, tmp_path / "hf", "--format", "safetensors", "--model-only", "--max-shard-size", f"{limit}B")
+    cli("export", src, tmp_path / "hf", "--format", "safetensors", "--model-only", "--max-shard-size", f"{limit}B")
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -133,44 +124,44 @@ def test_export_safetensors_equals_full_tensors_with_hf_index_and_shard_limit(sr
     _assert_equal(got, ref)
     assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in ref.values())
 
-    _cli("export", src, tmp_path / "bf16", "--format", "safetensors", "--model-only", "--dtype", "bf16")
+    cli("export", src, tmp_path / "bf16", "--format", "safetensors", "--model-only", "--dtype", "bf16")
     got = load_file(tmp_path / "bf16" / "model-00001-of-00001.safetensors")
     _assert_equal(got, {k: v.bfloat16() for k, v in ref.items()})
 
 
-def test_export_torch_writes_one_file_with_every_key(src, tmp_path):
-    _cli("export", src, tmp_path / "full.pt", "--format", "torch")
+def test_export_torch_writes_one_file_with_every_key(cli, src, tmp_path):
+    cli("export", src, tmp_path / "full.pt", "--format", "torch")
     _assert_equal(torch.load(tmp_path / "full.pt", weights_only=True), _reference())
 
 
-def test_import_of_a_full_safetensors_export_restores_every_key(src, tmp_path):
-    _cli("export", src, tmp_path / "hf", "--format", "safetensors")
-    _cli("import", tmp_path / "hf", tmp_path / "back", "--world-size", "2")
+def test_import_of_a_full_safetensors_export_restores_every_key(cli, src, tmp_path):
+    cli("export", src, tmp_path / "hf", "--format", "safetensors")
+    cli("import", tmp_path / "hf", tmp_path / "back", "--world-size", "2")
     state = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in _reference().items()}
     checkpoint.load_state_dict(state, tmp_path / "back", verify="full")
     _assert_equal(state, _reference())
-    assert json.loads(_cli("inspect", tmp_path / "back", "--json").stdout)["world_size"] == 2
+    assert json.loads(cli("inspect", tmp_path / "back", "--json").stdout)["world_size"] == 2
 
 
-def test_import_of_a_torch_model_state_dict_prefixes_model(tmp_path):
+def test_import_of_a_torch_model_state_dict_prefixes_model(cli, tmp_path):
     sd = {"lin.weight": torch.randn(3, 2), "lin.bias": torch.randn(3)}
     torch.save(sd, tmp_path / "w.pt")
-    _cli("import", tmp_path / "w.pt", tmp_path / "ck")
+    cli("import", tmp_path / "w.pt", tmp_path / "ck")
     want = {f"model.{k}": v for k, v in sd.items()}
     _assert_equal(_load_full(tmp_path / "ck", want), want)
-    _cli("verify", tmp_path / "ck")
+    cli("verify", tmp_path / "ck")
 
 
-def test_import_reads_dcp_to_torch_save_output_and_a_single_safetensors_file(src, tmp_path):
+def test_import_reads_dcp_to_torch_save_output_and_a_single_safetensors_file(cli, src, tmp_path):
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(src, tmp_path / "d.pt")
-    _cli("import", tmp_path / "d.pt", tmp_path / "from_torch")
+    cli("import", tmp_path / "d.pt", tmp_path / "from_torch")
     _assert_equal(_load_full(tmp_path / "from_torch", _reference()), _reference())
     w = torch.randn(3, 5).bfloat16()
     save_file({"head.weight": w}, tmp_path / "one.safetensors")
-    _cli("import", tmp_path / "one.safetensors", tmp_path / "from_st", "--world-size", "4")
+    cli("import", tmp_path / "one.safetensors", tmp_path / "from_st", "--world-size", "4")
     _assert_equal(_load_full(tmp_path / "from_st", {"model.head.weight": w}), {"model.head.weight": w})
 
 
@@ -234,9 +225,9 @@ def _assert_row_block_layout(path, world_size: int) -> None:
         assert torch.equal(owner, want), f"{key}: ranks per element {owner.tolist()}, FSDP2 row blocks {want.tolist()}"
 
 
-def test_reshard_2_to_3_loads_equal_at_3_ranks(src, tmp_path):
+def test_reshard_2_to_3_loads_equal_at_3_ranks(cli, src, tmp_path):
     dst = tmp_path / "w3"
-    _cli("reshard", src, dst, "--world-size", "3", "--max-chunk-size", "32B")
+    cli("reshard", src, dst, "--world-size", "3", "--max-chunk-size", "32B")
     assert sorted(p.name for p in dst.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
     _assert_row_block_layout(dst, 3)  # FC1 2+2+2 rows in 2-row chunks, emb 2+2+1, tiny and norm leave rank 2 empty
     results = run_ranks(_load_rows_at_3_ranks, 3, args=(str(dst),))
@@ -246,10 +237,10 @@ def test_reshard_2_to_3_loads_equal_at_3_ranks(src, tmp_path):
     assert sum(checked for _, checked in results) == total + 3 * scalars  # every element once, scalars per rank
 
 
-def test_split_then_merge_round_trips_weights_and_optimizer_state(src, tmp_path):
+def test_split_then_merge_round_trips_weights_and_optimizer_state(cli, src, tmp_path):
     parts = "layers.*.mlp.w.weight,layers.*.mlp.v.weight"
     rule = ("layers.*.mlp.linear_fc1.weight", "0", parts)
-    _cli("reshard", src, tmp_path / "split", "--world-size", "2", "--split", *rule)
+    cli("reshard", src, tmp_path / "split", "--world-size", "2", "--split", *rule)
     ref = _reference()
     fc1, m = ref[f"model.{FC1}"], ref[f"optimizer.state.{FC1}.exp_avg"]
     want = {k: v for k, v in ref.items() if FC1 not in k}
@@ -260,62 +251,61 @@ def test_split_then_merge_round_trips_weights_and_optimizer_state(src, tmp_path)
         want[f"optimizer.param_groups.layers.0.mlp.{part}.weight.lr"] = ref[f"optimizer.param_groups.{FC1}.lr"]
     _assert_equal(_load_full(tmp_path / "split", want), want)
     assert sorted(CheckpointReader(tmp_path / "split").entries) == sorted(want)
-    _cli("reshard", tmp_path / "split", tmp_path / "merged", "--world-size", "3", "--merge", *rule)
+    cli("reshard", tmp_path / "split", tmp_path / "merged", "--world-size", "3", "--merge", *rule)
     _assert_equal(_load_full(tmp_path / "merged", ref), ref)
 
 
-def test_rename_renames_a_weight_and_its_optimizer_state_and_groups_in_an_export(src, tmp_path):
-    _cli("export", src, tmp_path / "renamed.pt", "--format", "torch", "--rename", r"\.linear_fc1\.", ".fc_in.")
+def test_rename_renames_a_weight_and_its_optimizer_state_and_groups_in_an_export(cli, src, tmp_path):
+    cli("export", src, tmp_path / "renamed.pt", "--format", "torch", "--rename", r"\.linear_fc1\.", ".fc_in.")
     want = {k.replace(".linear_fc1.", ".fc_in."): v for k, v in _reference().items()}
     assert sum(".fc_in." in k for k in want) == 4  # weight, exp_avg, step, lr
     _assert_equal(torch.load(tmp_path / "renamed.pt", weights_only=True), want)
 
 
-def test_diff_exits_nonzero_on_a_one_element_change_and_honours_tolerances(src, tmp_path):
+def test_diff_exits_nonzero_on_a_one_element_change_and_honours_tolerances(cli, src, tmp_path):
     ref = _reference()
     ref["model.emb.weight"] = ref["model.emb.weight"].clone()
     ref["model.emb.weight"][3, 1] += 1e-3
     _write(tmp_path / "changed", ref)
-    proc = _cli("diff", src, tmp_path / "changed", check=1)
+    proc = cli("diff", src, tmp_path / "changed", check=1)
     assert "model.emb.weight: 1 of 15 elements differ" in proc.stdout and "[3, 1]" in proc.stdout
     assert proc.stderr.strip().startswith("fsdp-ckpt: error: 1 difference(s)")
-    _cli("diff", src, tmp_path / "changed", "--atol", "1e-2")
+    cli("diff", src, tmp_path / "changed", "--atol", "1e-2")
 
 
-def test_verify_passes_then_catches_a_truncated_and_a_missing_file(src, tmp_path):
-    assert _cli("verify", src).stdout.startswith("OK")
+def test_verify_passes_then_catches_a_truncated_and_a_missing_file(cli, src, tmp_path):
+    assert cli("verify", src).stdout.startswith("OK")
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     data = bad / "__1_0.distcp"
     data.write_bytes(data.read_bytes()[:-10])
-    proc = _cli("verify", bad, check=1)
+    proc = cli("verify", bad, check=1)
     assert "__1_0.distcp" in proc.stdout and "truncated" in proc.stdout
     shutil.copy(src / "__1_0.distcp", data)
     raw = bytearray(data.read_bytes())
     raw[-100] ^= 0xFF  # same size, one byte flipped
     data.write_bytes(bytes(raw))
-    assert "CRC-32 does not match" in _cli("verify", bad, check=1).stdout
+    assert "CRC-32 does not match" in cli("verify", bad, check=1).stdout
     data.unlink()
-    proc = _cli("verify", bad, check=1)
+    proc = cli("verify", bad, check=1)
     assert "__1_0.distcp: missing" in proc.stdout
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
-def test_plain_dcp_directory_is_verified_and_exported_with_a_note(tmp_path):
+def test_plain_dcp_directory_is_verified_and_exported_with_a_note(cli, tmp_path):
     sd = {"model.w": torch.randn(4, 2), "extra.step": 3}
     dcp.save(sd, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    proc = _cli("verify", tmp_path / "plain")
+    proc = cli("verify", tmp_path / "plain")
     assert "note: no manifest.json" in proc.stdout and "OK" in proc.stdout
-    proc = _cli("export", tmp_path / "plain", tmp_path / "p.pt", "--format", "torch")
+    proc = cli("export", tmp_path / "plain", tmp_path / "p.pt", "--format", "torch")
     assert "manifest checks" in proc.stdout
     _assert_equal(torch.load(tmp_path / "p.pt", weights_only=True), sd)
     (tmp_path / "plain" / "__0_0.distcp").write_bytes(b"garbage")
-    assert "truncated" in _cli("verify", tmp_path / "plain", check=1).stdout
+    assert "truncated" in cli("verify", tmp_path / "plain", check=1).stdout
 
 
-def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(src, tmp_path):
-    from safetensors.torch import load_file
-
+@pytest.mark.slow  # a real torchrun launch: three interpreters
+def test_reshard_under_torchrun_splits_the_work_and_equals_one_process(src, tmp_path):
     # --standalone: torchrun binds its rendezvous port itself (a port picked here could be
     # taken by a concurrently running suite before torchrun binds it)
     proc = subprocess.run(
@@ -327,7 +317,7 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
             "--nproc-per-node",
             "2",
             "-m",
-            "checkpoint.cli",
+            "checkpoint.tool.cli",
             "reshard",
             str(src),
             str(tmp_path / "w3"),
@@ -345,30 +335,19 @@ def test_reshard_and_export_under_torchrun_split_the_work_and_equal_one_process(
     _assert_equal(_load_full(tmp_path / "w3", ref), ref)
     assert sorted(p.name for p in (tmp_path / "w3").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(3)]
     _assert_row_block_layout(tmp_path / "w3", 3)  # process 1 wrote rank 1's file: same layout
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "checkpoint.cli",
-            "export",
-            str(src),
-            str(tmp_path / "hf"),
-            "--format",
-            "safetensors",
-            "--model-only",
-            "--max-shard-size",
-            "64B",
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
+
+
+def _export_safetensors_in_each_rank(rank: int, world_size: int, src: str, dst: str) -> int:
+    from checkpoint.tool.cli import main
+
+    # WORLD_SIZE is set and the gloo group is up, as under torchrun: main joins it and splits the shards
+    return main(["export", src, dst, "--format", "safetensors", "--model-only", "--max-shard-size", "64B", "-q"])
+
+
+def test_export_over_two_processes_splits_the_shards_and_equals_one_process(src, tmp_path):
+    from safetensors.torch import load_file
+
+    assert run_ranks(_export_safetensors_in_each_rank, 2, args=(str(src), str(tmp_path / "hf"))) == [0, 0]
+    ref = _reference()
     got = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
     _assert_equal(got, {k.removeprefix("model."): v for k, v in ref.items() if k.startswith("model.")})

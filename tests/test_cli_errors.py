@@ -8,14 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from checkpoint.manifest import KeyRecord, Manifest, checksum_file, write_manifest
+from tests.cli import run_subprocess
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "checkpoint.cli", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
 
 
 @pytest.fixture(scope="module")
@@ -79,29 +74,17 @@ CASES = {
 }
 
 
-# These run as real subprocesses; the rest call checkpoint.cli.main in process (the same code
-# path minus interpreter start-up, ~3 s each here), to keep this file's share of the suite small.
-AS_SUBPROCESS = {
-    "missing path",
-    "unknown command",
-    "truncated file of a committed checkpoint",
-    "unreadable chunk of a plain DCP directory",
-}
-
-
-def _in_process(args, capsys) -> subprocess.CompletedProcess:
-    from checkpoint.cli import main
-
-    code = main([str(a) for a in args])
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
+# This one runs as a real subprocess: the exit code a shell sees (argparse's usage errors get theirs
+# through the installed console script in test_cli_sizes.py). The rest run in process (the cli
+# fixture: the same code path minus ~3 s of interpreter start).
+AS_SUBPROCESS = {"missing path"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_failure_exits_nonzero_with_one_error_line(case, ckpt, tmp_path, capsys):
+def test_failure_exits_nonzero_with_one_error_line(case, ckpt, tmp_path, cli):
     make_args, code, fragment = CASES[case]
     args = make_args(ckpt, tmp_path)
-    proc = _cli(*args) if case in AS_SUBPROCESS else _in_process(args, capsys)
+    proc = run_subprocess(*args, check=None) if case in AS_SUBPROCESS else cli(*args, check=None)
     assert proc.returncode == code, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -110,13 +93,13 @@ def test_failure_exits_nonzero_with_one_error_line(case, ckpt, tmp_path, capsys)
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    proc = _cli("inspect", tmp_path / "nope", "--debug")
+    proc = run_subprocess("inspect", tmp_path / "nope", "--debug", check=None)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "FileNotFoundError" in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "reshard", "export", "import", "diff"])
 def test_help_of_every_command_has_examples(command, capsys):
-    from checkpoint.cli import main
+    from checkpoint.tool.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -127,7 +110,7 @@ def test_help_of_every_command_has_examples(command, capsys):
 def test_a_reader_closing_the_pipe_early_is_not_reported_as_an_error(ckpt):
     # `fsdp-ckpt inspect CKPT | head`: the pipe is gone before the output is written.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpoint.cli", "inspect", str(ckpt)],
+        [sys.executable, "-m", "checkpoint.tool.cli", "inspect", str(ckpt)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

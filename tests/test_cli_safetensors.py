@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from checkpoint.safetensors_io import write_shards
+from checkpoint.tool.safetensors_io import write_shards
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -28,7 +28,7 @@ def test_shards_read_back_with_the_safetensors_library_for_bool_empty_and_stride
 
 
 def _export(src, dst, *extra) -> int:
-    from checkpoint.cli import main
+    from checkpoint.tool.cli import main
 
     return main(
         [
@@ -52,7 +52,7 @@ def _files(directory) -> dict[str, bytes]:
 
 def _fail_after_first_shard(monkeypatch) -> None:
     """The writer raises as it starts the second shard's tensor (the first shard is complete on disk)."""
-    import checkpoint.safetensors_io as io
+    import checkpoint.tool.safetensors_io as io
 
     real, calls = io.tensor_bytes, []
 

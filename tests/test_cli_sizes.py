@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from checkpoint.cli import parse_size
+from checkpoint.tool.cli import parse_size
 
 
 @pytest.mark.parametrize(

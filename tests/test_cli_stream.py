@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from checkpoint.stream import CheckpointReader, prefetch
+from checkpoint.tool.stream import CheckpointReader, prefetch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

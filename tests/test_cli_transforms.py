@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from checkpoint.stream import Entry
-from checkpoint.transforms import Rename, Rules, Split, parse_part_list, plan, split_key, stream_targets
+from checkpoint.tool.stream import Entry
+from checkpoint.tool.transforms import Rename, Rules, Split, parse_part_list, plan, split_key, stream_targets
 
 FC1 = "layers.*.mlp.linear_fc1.weight"
 PARTS = ("layers.*.mlp.w.weight", "layers.*.mlp.v.weight")
@@ -188,7 +188,7 @@ def test_entry_nbytes_is_numel_times_the_dtype_size_without_making_a_tensor(monk
 
 
 def test_stack_builds_fused_experts_with_their_optimizer_state_and_unstack_is_its_inverse():
-    from checkpoint.transforms import Stack
+    from checkpoint.tool.transforms import Stack
 
     g = torch.Generator().manual_seed(0)
     values = {}
@@ -225,7 +225,7 @@ def test_stack_builds_fused_experts_with_their_optimizer_state_and_unstack_is_it
 
 
 def test_reshape_gives_a_merged_tensor_its_shape():
-    from checkpoint.transforms import Reshape
+    from checkpoint.tool.transforms import Reshape
 
     source = _DictSource({"model.w": torch.arange(24.0).reshape(6, 4)})
     [(target, value)] = stream_targets(source, plan(source.entries, Rules(reshapes=(Reshape("w", (2, 3, 4)),))))

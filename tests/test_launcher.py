@@ -54,3 +54,28 @@ def test_run_ranks_returns_tensors_intact_after_the_rank_exits():
     for rank, result in enumerate(results):
         assert torch.equal(result["rank"], torch.full((1000,), float(rank)))
         assert torch.equal(result["nested"][0], torch.arange(3) * rank)
+
+
+def _mark_a_preloaded_module(rank: int, world_size: int) -> object:
+    seen = getattr(torch, "_run_ranks_test_mark", None)
+    torch._run_ranks_test_mark = rank  # torch is preloaded in the fork server: a rank's change must die with it
+    return seen
+
+
+def test_each_run_gets_fresh_rank_processes_that_see_no_earlier_runs_globals():
+    first = run_ranks(_mark_a_preloaded_module, world_size=2)
+    second = run_ranks(_mark_a_preloaded_module, world_size=2)
+    assert first + second == [None] * 4
+
+
+def _environment_and_directory(rank: int, world_size: int) -> tuple[str | None, str]:
+    import os
+
+    return os.environ.get("RUN_RANKS_TEST_VALUE"), os.getcwd()
+
+
+def test_ranks_see_the_callers_current_environment_and_directory(tmp_path, monkeypatch):
+    run_ranks(_allreduce_rank, world_size=2)  # the fork server is up before the change below
+    monkeypatch.setenv("RUN_RANKS_TEST_VALUE", "set by the test")
+    monkeypatch.chdir(tmp_path)
+    assert run_ranks(_environment_and_directory, world_size=2) == [("set by the test", str(tmp_path))] * 2

@@ -45,6 +45,19 @@ def test_sibling_packages_import_the_base_downward_only():
             )
 
 
+def test_the_checkpoint_library_never_imports_its_fsdp_ckpt_tool():
+    # The format library (checkpoint/*.py) is what training code imports; the tool (checkpoint/tool/)
+    # builds on it, never the other way round, so the library stays usable without the tool's modules.
+    # Indented (function-level) imports count too: the pattern allows leading whitespace.
+    pattern = re.compile(r"^\s*(from|import) checkpoint\.tool\b|^\s*from checkpoint import tool\b", re.MULTILINE)
+    library = sorted((REPO / "checkpoint").glob("*.py"))
+    assert len(library) > 10, "found no library modules: did checkpoint/ move?"
+    for path in library:
+        assert not pattern.search(path.read_text()), (
+            f"{path.relative_to(REPO)} imports checkpoint.tool: move the piece it needs into the library"
+        )
+
+
 def test_importing_checkpoint_loads_only_the_base_leaf_modules_not_the_optimizer():
     code = "import sys, checkpoint; print('offload_fsdp.optimizer' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

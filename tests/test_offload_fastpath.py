@@ -272,3 +272,69 @@ def _dynamic_symbols(path: str) -> list[str]:
     import subprocess
 
     return subprocess.run(["nm", "-D", "-u", path], capture_output=True, text=True, check=True).stdout.splitlines()
+
+
+def _odd_values_train(monkeypatch, host_step, policy):
+    """Three AdamW steps whose bf16 casts see NaN and denormal values, as c10::BFloat16 rounds them."""
+    params = _params(BF16, (1000, 77))
+    with torch.no_grad():
+        params[0][200:240] = 1e-39  # bf16 denormals: the master stays denormal where the grad is 0
+    opt = _build(monkeypatch, host_step, params, policy, torch.optim.AdamW, 1 << 19, weight_decay=0.1)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        for i, p in enumerate(params):
+            g = torch.randn(p.shape, generator=gen) * 0.1
+            if i == 0:
+                g[100:140] = 1e-40  # fp32 denormal grads: exp_avg = 0.1 * g is denormal
+                g[200:240] = 0.0
+                g[500] = float("nan")  # NaN in one lane of a vector; its neighbours are ordinary
+            p.decoupled_grad = g
+        opt.step()
+    return [p.detach().clone() for p in params], opt.state_dict()
+
+
+@needs_cc
+def test_bf16_casts_of_nan_and_denormal_values_match_the_fused_path(monkeypatch, c_calls):
+    """The C loop's fast bf16 cast (vcvtneps2bf16 where the CPU has it) flushes denormals and keeps NaN
+    payloads; c10::BFloat16 does neither, so those lanes must come out as the fused path's."""
+    policy = PrecisionPolicy(main_grads_dtype=FP32, exp_avg_dtype=BF16)  # exp_avg: round-to-nearest (beta1 0.9)
+    fused = _odd_values_train(monkeypatch, "fused", policy)
+    compiled = _odd_values_train(monkeypatch, "compiled", policy)
+    assert sum(c_calls) == 3 * 1077
+    params, sd = compiled
+    m = sd["state"][0]["exp_avg"]
+    assert m[100:140].abs().max() < torch.finfo(torch.float32).tiny  # the denormals were really there
+    assert params[0][200:240].abs().max() < torch.finfo(torch.float32).tiny and params[0][200:240].abs().min() > 0
+    assert params[0][500].isnan()
+    # Every lane bit for bit, NaN lanes excepted: those must be NaN in both, but torch's own casts
+    # disagree on a NaN's bits (its vectorised fp32->bf16 gives 0xffff, c10's scalar cast 0x7fc0).
+    for x, y in [*zip(fused[0], params), *((v, sd["state"][k][n]) for k, e in fused[1]["state"].items()
+                                           for n, v in e.items() if v.dim())]:  # fmt: skip
+        nan = x.isnan()
+        assert torch.equal(nan, y.isnan())
+        assert torch.equal(x[~nan], y[~nan])
+    assert torch.equal(fused[1]["state"][0]["exp_avg"][100:140], m[100:140])  # denormal moments, not flushed
+
+
+def _has_avx512_body(library) -> bool:
+    return bool(library.offload_fsdp_adam_avx512_body())
+
+
+@needs_cc
+def test_the_auto_vectorised_body_for_cpus_without_avx512_bf16_is_bit_identical_too(monkeypatch, tmp_path, c_calls):
+    """On an AVX512_BF16 machine the default build uses the intrinsic body; this builds the portable one."""
+    assert compiled_step.compiled_step_available()
+    if not _has_avx512_body(compiled_step._library):
+        pytest.skip("this CPU has no AVX512_BF16: every other test here already runs the portable body")
+    monkeypatch.setenv("OFFLOAD_FSDP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_step, "_library", None)
+    monkeypatch.setattr(compiled_step, "_load_failed", False)
+    monkeypatch.setattr(compiled_step, "_CFLAGS", [*compiled_step._CFLAGS, "-mno-avx512bf16"])
+    assert compiled_step.compiled_step_available()
+    assert not _has_avx512_body(compiled_step._library)
+    for case in ("bf16 params, bf16 state (SR on exp_avg_sq), Adam L2 maximize", "bf16 params, fp32 state, AdamW"):
+        dtype, policy, opt_cls, hyper = CASES[case]
+        fused = _train(monkeypatch, "fused", dtype, policy, opt_cls, 3, **hyper)
+        compiled = _train(monkeypatch, "compiled", dtype, policy, opt_cls, 3, **hyper)
+        _assert_identical(fused, compiled)
+    assert c_calls

@@ -389,7 +389,9 @@ def test_a_worker_error_also_surfaces_at_the_next_hook():
     real = opt._host_kernel.host_step
 
     def failing(bucket, *args):
-        if bucket.index == 0:  # the last bucket of backward: no hook of this backward runs after it (no race)
+        # Only the bucket whose grads are final last (layers.0): no hook of this backward runs after it
+        # is queued, so the failure cannot race the rest of this backward (it surfaces at the next one).
+        if bucket.index == 0:
             raise MemoryError("host out of memory")
         return real(bucket, *args)
 

@@ -25,8 +25,7 @@ def test_set_grad_routes_other_dtypes_to_decoupled_grad_and_clears_the_other_slo
 def test_precision_policy_follows_the_one_before_when_unset():
     policy = PrecisionPolicy(main_grads_dtype=torch.bfloat16)
     assert policy.resolved_main_grads_dtype == torch.bfloat16
-    assert policy.resolved_grad_comm_dtype == torch.bfloat16
-    assert PrecisionPolicy().resolved_grad_comm_dtype == torch.float32
+    assert PrecisionPolicy().resolved_main_grads_dtype == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -34,12 +33,18 @@ def test_precision_policy_follows_the_one_before_when_unset():
     [
         ({"main_params_dtype": torch.bfloat16}, "main_params_dtype"),
         ({"exp_avg_dtype": torch.float16}, "exp_avg_dtype"),
-        ({"grad_comm_dtype": torch.int8}, "grad_comm_dtype"),
+        ({"main_grads_dtype": torch.int8}, "main_grads_dtype"),
     ],
 )
 def test_precision_policy_rejects_bad_combinations_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PrecisionPolicy(**kwargs)
+
+
+def test_precision_policy_refuses_grad_comm_dtype_which_nothing_read():
+    # It was accepted and ignored; FSDP2's MixedPrecisionPolicy(reduce_dtype=...) is the real setting.
+    with pytest.raises(TypeError, match="grad_comm_dtype"):
+        PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
 
 
 def test_precision_policy_is_frozen():

@@ -129,3 +129,32 @@ def test_missing_or_invalid_input_exits_nonzero_with_one_line_reason(tmp_path):
     empty = _run(str(no_ranges), "-o", str(tmp_path / "x.png"))
     assert empty.returncode == 1 and "HybridDeviceOptimizer" in empty.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_timings_with_a_backward_lane_draw_host_steps_under_backward(tmp_path):
+    timings = {
+        "format": "offload_timeline", "version": 1, "device": "model", "unit": "ms", "step": [10.0, 14.0],
+        "backward": [0.0, 10.0],
+        "buckets": [
+            {"index": i, "grads_ready": 3.0 * i + 2, "d2h": [3.0 * i + 2, 3.0 * i + 2.5],
+             "host_step": [3.0 * i + 2.5, 3.0 * i + 5], "h2d": [3.0 * i + 5, 3.0 * i + 5.5]}
+            for i in range(3)
+        ],
+    }  # fmt: skip
+    path = tmp_path / "overlap.json"
+    path.write_text(json.dumps(timings))
+    module = _load_script()
+    timeline = module.load_timeline(path)
+    assert timeline.backward == (0.0, 10.0) and timeline.grads_ready == {0: 2.0, 1: 5.0, 2: 8.0}
+    # backward 10 ms + host busy 7.5 ms over the 14 ms window (step() ends at 14)
+    assert timeline.window == (0.0, 14.0)
+    assert timeline.backward_overlap == pytest.approx(17.5 / 14.0)
+    result = _run(str(path), "-o", str(tmp_path / "overlap.png"))
+    assert result.returncode == 0, result.stderr
+    assert "(backward + host busy) / step = 1.25" in result.stdout
+    assert (tmp_path / "overlap.png").stat().st_size > 10_000
+
+    timings["backward"] = [0.0]
+    path.write_text(json.dumps(timings))
+    bad = _run(str(path))
+    assert bad.returncode == 1 and "backward" in bad.stderr and bad.stderr.strip().count("\n") == 0

@@ -8,7 +8,9 @@ and H2D are independent lanes, and while a copy is in flight:
 * its destination reads as NaN (float dtypes): a host read before the wait
   shows up as NaN in the result, never as a lucky right answer;
 * its source must not change: a host write into memory a queued copy still
-  reads raises :class:`SlotOverwritten` when the copy runs.
+  reads raises :class:`SlotOverwritten` when the copy runs; a device grad
+  changed before its copy ran (accumulation, clipping) makes the copy land NaN,
+  so only a later copy of the final value gives the right result.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class SlotOverwritten(AssertionError):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)  # compares NaNs too
+    return t.detach().contiguous().view(-1).view(torch.uint8)  # compares NaNs too; contiguous: stride-0 grads
 
 
 class DeferredEvent:
@@ -46,18 +48,22 @@ class _Lane:
 
     def queue(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, frozen_sources: bool) -> DeferredEvent:
         """``frozen_sources``: the sources are host buffers nobody may write until the copy ran (checked).
-        Otherwise (device grads, which a later micro-batch may accumulate into and then copy
-        again) the copy reads the source when it runs, as late as a real device could."""
-        snapshots = [(dst, src, _bits(src).clone() if frozen_sources else None) for dst, src in pairs]
+        Otherwise (device grads, which a later micro-batch may accumulate into, or clipping edit,
+        and then copy again) a source written before the copy ran was read mid-write by a real
+        device: the copy lands NaN, and only a later copy of the final value may cover it."""
+        snapshots = [(dst, src, _bits(src).clone()) for dst, src in pairs]
         for dst, _ in pairs:
             if dst.is_floating_point():
                 dst.data.fill_(float("nan"))  # undefined until the copy lands; `.data`: no version bump
 
         def run() -> None:
             for dst, src, before in snapshots:
-                if before is not None and not torch.equal(_bits(src), before):
+                if torch.equal(_bits(src), before):
+                    dst.data.copy_(src)
+                elif frozen_sources:
                     raise SlotOverwritten(f"{self.name}: a copy's source was written before the copy ran")
-                dst.data.copy_(src)
+                else:
+                    dst.data.fill_(float("nan"))  # raced with the write: undefined
 
         self.queued += 1
         self.pending.append((self.queued, run))

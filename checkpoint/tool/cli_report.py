@@ -1,6 +1,6 @@
 """How ``fsdp-ckpt`` reports to its user: the one-line failure, byte sizes, the progress bar.
 
-:class:`CliError` carries the exit code; ``checkpoint.cli.main`` turns it (and
+:class:`CliError` carries the exit code; ``checkpoint.tool.cli.main`` turns it (and
 any other exception) into the single ``fsdp-ckpt: error: ...`` line.
 """
 

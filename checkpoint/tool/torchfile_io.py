@@ -31,7 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from checkpoint.durable import disk_full_is_clear
-from checkpoint.stream import Entry
+from checkpoint.tool.stream import Entry
 
 __all__ = ["TorchFileSource", "fill_tensors", "reserve_space", "write_skeleton"]
 

@@ -17,6 +17,8 @@ come from.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -285,6 +287,60 @@ class _Failure:
 _DONE = object()
 
 
+class _Handoff:
+    """What :func:`prefetch`'s producer thread and its consumer share: one slot and a byte count."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.slot: queue.Queue = queue.Queue(maxsize=1)
+        self.cond = threading.Condition()
+        self.alive = 0
+        """bytes of the items the producer has started on and the consumer not yet released"""
+        self.stop = False
+
+    def reserve(self, size: int) -> bool:
+        """Wait until an item of ``size`` bytes fits beside what the consumer holds; False once stopped."""
+        with self.cond:
+            # reserve before reading: the item must fit beside what the consumer still holds
+            self.cond.wait_for(lambda: self.stop or self.alive == 0 or self.alive + size <= self.limit_bytes)
+            if self.stop:
+                return False
+            self.alive += size
+            return True
+
+    def release(self, size: int) -> None:
+        with self.cond:
+            self.alive -= size
+            self.cond.notify_all()
+
+    def put(self, value: Any) -> bool:
+        # a consumer that stopped early never takes it: give up then instead of blocking forever
+        while not self.stop:
+            try:
+                self.slot.put(value, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+
+    def produce(self, items: Iterable[Any], sizes: Sequence[int]) -> None:
+        """The producer thread: each item, once its bytes are reserved, then :data:`_DONE` (or the error)."""
+        try:
+            it = iter(items)
+            for size in sizes:
+                if not self.reserve(size) or not self.put((next(it), size)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            self.put(_Failure(exc))
+            return
+        self.put(_DONE)
+
+
 def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) -> Iterator[Any]:
     """``items`` produced one step ahead on a background thread, with at most ``limit_bytes`` alive.
 
@@ -295,52 +351,17 @@ def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) ->
     producer waits rather than exceed ``limit_bytes``, except for an item
     alone (a tensor larger than the limit is still read, just not overlapped).
     """
-    import queue
-    import threading
-
-    handoff: queue.Queue = queue.Queue(maxsize=1)
-    cond = threading.Condition()
-    state = {"alive": 0, "stop": False}
-
-    def hand_over(value: Any) -> bool:
-        # a consumer that stopped early never takes it: give up then instead of blocking forever
-        while not state["stop"]:
-            try:
-                handoff.put(value, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            it = iter(items)
-            for size in sizes:
-                with cond:
-                    # reserve before reading: the item must fit beside what the consumer still holds
-                    cond.wait_for(lambda: state["stop"] or state["alive"] == 0 or state["alive"] + size <= limit_bytes)  # noqa: B023 - waited on here
-                    if state["stop"]:
-                        return
-                    state["alive"] += size
-                if not hand_over((next(it), size)):
-                    return
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            hand_over(_Failure(exc))
-            return
-        hand_over(_DONE)
-
-    thread = threading.Thread(target=produce, name="fsdp-ckpt-prefetch", daemon=True)
+    handoff = _Handoff(limit_bytes)
+    thread = threading.Thread(target=handoff.produce, args=(items, sizes), name="fsdp-ckpt-prefetch", daemon=True)
     thread.start()
     held = 0
     try:
         while True:
-            with cond:
-                # done with the previous item: release it before waiting, or a producer
-                # waiting for room would wait for us while we wait for it
-                state["alive"] -= held
-                cond.notify_all()
+            # done with the previous item: release it before waiting, or a producer
+            # waiting for room would wait for us while we wait for it
+            handoff.release(held)
             held = 0
-            got = handoff.get()
+            got = handoff.slot.get()
             if got is _DONE:
                 return
             if isinstance(got, _Failure):
@@ -350,6 +371,4 @@ def prefetch(items: Iterable[Any], sizes: Sequence[int], *, limit_bytes: int) ->
             yield item
             del item
     finally:
-        with cond:
-            state["stop"] = True
-            cond.notify_all()
+        handoff.close()

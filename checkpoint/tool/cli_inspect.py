@@ -6,11 +6,11 @@ import argparse
 import json
 from typing import Any
 
-from checkpoint.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
-from checkpoint.cli_source import open_source
 from checkpoint.manifest import dtype_name, verify_files
 from checkpoint.planner import metadata_problems
-from checkpoint.stream import CheckpointReader, Entry
+from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
+from checkpoint.tool.cli_source import open_source
+from checkpoint.tool.stream import CheckpointReader, Entry
 
 __all__ = ["cmd_inspect", "cmd_verify"]
 

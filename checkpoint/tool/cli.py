@@ -1,6 +1,6 @@
 """``fsdp-ckpt``: inspect, verify, reshard, export, import and diff checkpoints.
 
-Installed as the console script ``fsdp-ckpt``; also ``python -m checkpoint.cli``.
+Installed as the console script ``fsdp-ckpt``; also ``python -m checkpoint.tool.cli``.
 Works in one process without ``torchrun``. Every command streams tensor by
 tensor, so memory stays near the largest tensor, never the whole checkpoint.
 
@@ -26,15 +26,15 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from checkpoint.cli_convert import cmd_export, cmd_import, cmd_reshard
-from checkpoint.cli_diff import cmd_diff
-from checkpoint.cli_inspect import cmd_inspect, cmd_verify
-from checkpoint.cli_parallel import SOLO, PeerFailed, join_group, leave_group
-from checkpoint.cli_report import EXIT_CANNOT_RUN, PROG, CliError, process_rank
 from checkpoint.manifest import NotACheckpointError
+from checkpoint.tool.cli_convert import cmd_export, cmd_import, cmd_reshard
+from checkpoint.tool.cli_diff import cmd_diff
+from checkpoint.tool.cli_inspect import cmd_inspect, cmd_verify
+from checkpoint.tool.cli_parallel import SOLO, PeerFailed, join_group, leave_group
+from checkpoint.tool.cli_report import EXIT_CANNOT_RUN, PROG, CliError, process_rank
 
 __all__ = ["CliError", "build_parser", "main"]
 
@@ -161,6 +161,9 @@ _EXAMPLES = {
 }
 
 
+_AddCommand = Callable[[str, str], argparse.ArgumentParser]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -184,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
         _add_common(p)
         return p
 
+    _add_inspect_and_verify(add)
+    _add_reshard_and_import(add)
+    _add_export(add)
+    _add_diff(add)
+    return parser
+
+
+def _add_inspect_and_verify(add: _AddCommand) -> None:
     p = add("inspect", "keys with dtype, global shape, chunk count and bytes; totals; format, world size, commit")
     p.add_argument("ckpt")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -194,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-checksums", action="store_true", help="check file sizes only (faster)")
     p.set_defaults(func=cmd_verify)
 
+
+def _add_reshard_and_import(add: _AddCommand) -> None:
     for name, verb in (
         ("reshard", "rewrite a checkpoint for --world-size ranks (no model code needed)"),
         ("import", "safetensors file / HF directory / torch file -> fsdp_dtensor checkpoint"),
@@ -225,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_rule_args(p)
         p.set_defaults(func=cmd_reshard if name == "reshard" else cmd_import, parallel=True)
 
+
+def _add_export(add: _AddCommand) -> None:
     p = add("export", "checkpoint -> HF-style sharded safetensors or one torch file")
     p.add_argument("src")
     p.add_argument("dst")
@@ -246,13 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rule_args(p)
     p.set_defaults(func=cmd_export, parallel=True)
 
+
+def _add_diff(add: _AddCommand) -> None:
     p = add("diff", "key-by-key comparison; exit 1 on any difference")
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--atol", type=float, default=0.0)
     p.add_argument("--rtol", type=float, default=0.0)
     p.set_defaults(func=cmd_diff)
-    return parser
 
 
 def _error_line(exc: BaseException) -> str:

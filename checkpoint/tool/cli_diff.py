@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from checkpoint.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress
-from checkpoint.cli_source import open_source
 from checkpoint.manifest import dtype_name
-from checkpoint.stream import Entry
+from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress
+from checkpoint.tool.cli_source import open_source
+from checkpoint.tool.stream import Entry
 
 __all__ = ["cmd_diff"]
 

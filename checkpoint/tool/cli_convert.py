@@ -20,11 +20,42 @@ from typing import Any
 
 import torch
 
-from checkpoint.atomic import MARKER_NAME, make_staging, remove_staging, staging_path, swap_into_place, write_lock
-from checkpoint.cli_report import CliError, Progress, human_bytes
-from checkpoint.cli_source import open_source
-from checkpoint.stream import Entry, parse_dtype, prefetch
-from checkpoint.transforms import Rename, Reshape, Rules, Split, Stack, Target, parse_part_list, plan, stream_targets
+from checkpoint.atomic import (
+    MARKER_NAME,
+    make_staging,
+    recover_interrupted_swap,
+    remove_staging,
+    staging_path,
+    swap_into_place,
+    write_lock,
+)
+from checkpoint.durable import durable_replace
+from checkpoint.manifest import open_regular
+from checkpoint.tool.cli_report import CliError, Progress, human_bytes
+from checkpoint.tool.cli_source import open_source
+from checkpoint.tool.rewrite import write_checkpoint
+from checkpoint.tool.safetensors_io import (
+    SafetensorsSource,
+    is_export,
+    is_export_file,
+    plan_shards,
+    write_index,
+    write_shards,
+)
+from checkpoint.tool.stream import Entry, parse_dtype, prefetch
+from checkpoint.tool.torchfile_io import TorchFileSource, fill_tensors, reserve_space, write_skeleton
+from checkpoint.tool.transforms import (
+    Rename,
+    Reshape,
+    Rules,
+    Split,
+    Stack,
+    Target,
+    parse_part_list,
+    plan,
+    stream_targets,
+)
+from checkpoint.training_state import TIED_SECTION
 
 __all__ = ["OVERLAP_BYTES", "cmd_export", "cmd_import", "cmd_reshard"]
 
@@ -134,8 +165,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _without_tied_aliases(reader: Any, targets: list[Target]) -> list[Target]:
     """``targets`` less the second name of each tied weight ``checkpoint.save`` recorded (HF ties it on load)."""
-    from checkpoint.training_state import TIED_SECTION
-
     keys = [k for k in reader.entries if k.startswith(f"{TIED_SECTION}.")]
     if not keys:
         return targets
@@ -146,8 +175,6 @@ def _without_tied_aliases(reader: Any, targets: list[Target]) -> list[Target]:
 
 
 def _export_safetensors(args, reader, dst: Path, specs, tensors, object_values, out_name, cast) -> tuple[str, Progress]:
-    from checkpoint.safetensors_io import plan_shards, write_shards
-
     group = args.group
     # written whole under the staging dir, then swapped in: a crash leaves DST absent or as it was
     staging = staging_path(dst)
@@ -179,9 +206,6 @@ def _export_safetensors(args, reader, dst: Path, specs, tensors, object_values, 
 
 
 def _export_torch_file(args, reader, dst: Path, specs, tensors, object_values, out_name, cast) -> tuple[str, Progress]:
-    from checkpoint.durable import durable_replace
-    from checkpoint.torchfile_io import fill_tensors
-
     group = args.group
     tmp = staging_path(dst)  # a name no user would pick: a user's DST.tmp is never overwritten
     try:
@@ -207,9 +231,6 @@ def _prepare_safetensors_dir(dst: Path, force: bool) -> None:
     beside the new ones, unindexed); anything else there (``config.json``, a
     tokenizer) is hard-linked (else copied) so the swap keeps it.
     """
-    from checkpoint.atomic import recover_interrupted_swap
-    from checkpoint.safetensors_io import is_export, is_export_file
-
     recover_interrupted_swap(dst, complete=is_export)  # an export killed mid-swap left it in the swap dir
     _check_fresh_output(dst, force)
     if dst.exists() and not dst.is_dir():
@@ -234,16 +255,12 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
 
 def _commit_safetensors(staging: Path, dst: Path, shards, objects: dict[str, Any], force: bool) -> None:
     """Index last (the export's commit record), then the crash-safe swap of ``staging`` into ``dst``."""
-    from checkpoint.safetensors_io import is_export, write_index
-
     write_index(staging, shards, objects=objects)
     # with --force the user asked to replace DST whatever it holds (its other files were carried over)
     swap_into_place(staging, dst, complete=(lambda p: p.is_dir()) if force else is_export)
 
 
 def _prepare_torch_file(dst: Path, tmp: Path, specs, objects: dict[str, Any], force: bool) -> None:
-    from checkpoint.torchfile_io import reserve_space, write_skeleton
-
     if dst.is_dir():
         raise CliError(f"output {str(dst)!r} is a directory; --format torch writes one file: give a file name")
     _check_fresh_output(dst, force)
@@ -304,18 +321,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not src.exists():
         raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
     if not src.is_dir():
-        from checkpoint.manifest import open_regular
-
-        open_regular(
-            src, follow_symlinks=True
-        ).close()  # a FIFO or device given as the source: a clear error, never a hang
+        open_regular(src, follow_symlinks=True).close()  # a FIFO or device as the source: a clear error, not a hang
     if src.is_dir() or src.suffix == ".safetensors":
-        from checkpoint.safetensors_io import SafetensorsSource
-
         source: Any = SafetensorsSource(src, prefix=args.key_prefix if args.key_prefix is not None else "model.")
     else:
-        from checkpoint.torchfile_io import TorchFileSource
-
         source = TorchFileSource(src, prefix=args.key_prefix)
     return _write_from(source, args, verb="imported")
 
@@ -325,8 +334,6 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
-    from checkpoint.rewrite import write_checkpoint
-
     if args.world_size < 1:
         raise CliError(f"--world-size {args.world_size} must be at least 1")
     targets = plan(source.entries, _rules(args))

@@ -30,7 +30,7 @@ import torch
 from checkpoint.data_file import tensor_bytes
 from checkpoint.durable import disk_full_is_clear, durable_write
 from checkpoint.manifest import check_relative_name, open_regular
-from checkpoint.stream import Entry
+from checkpoint.tool.stream import Entry
 
 __all__ = [
     "INDEX_NAME",

@@ -4,7 +4,8 @@ Without ``torchrun`` (``WORLD_SIZE`` unset or 1) everything is :data:`SOLO`,
 a group of one whose synchronisation is a no-op. Under ``torchrun
 --nproc-per-node P`` the processes join a gloo group and split the work
 (export: safetensors shards or torch-file tensors; reshard / import: the
-destination ranks' data files; verify: keys). Only two kinds of collective are
+destination ranks' data files). inspect, verify and diff run on process 0
+only; the others exit 0 at once. Only two kinds of collective are
 used, both at fixed points: :meth:`Group.agree` (did every process get here
 without an error? if not, all raise, so none waits forever) and
 :meth:`Group.gather` (small per-process results, e.g. file records, to every
@@ -15,6 +16,10 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+import torch.distributed as dist
+
+from checkpoint.save_errors import agree_on_failure
 
 __all__ = ["Group", "PeerFailed", "SOLO", "join_group", "leave_group"]
 
@@ -60,8 +65,6 @@ class Group:
         A process that failed passes its exception and gets it re-raised; the
         others raise :class:`PeerFailed` naming the first failing process.
         """
-        from checkpoint.save_errors import agree_on_failure
-
         failures = agree_on_failure(error, group=None, distributed=self.size > 1)
         if failures:
             rank = min(failures)
@@ -71,8 +74,6 @@ class Group:
         """``value`` of every process, in process order (picklable, small)."""
         if self.size == 1:
             return [value]
-        import torch.distributed as dist
-
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, value)
         return out
@@ -86,8 +87,6 @@ def join_group() -> Group:
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size <= 1:
         return SOLO
-    import torch.distributed as dist
-
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     return Group(dist.get_rank(), dist.get_world_size())
@@ -97,7 +96,5 @@ def leave_group(group: Group) -> None:
     """Tear the gloo group down: exiting with its threads alive aborts the process ("terminate called ...")."""
     if group.size == 1:
         return
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -36,14 +36,14 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from checkpoint.atomic import is_committed, make_staging, remove_staging, staging_path, write_lock
-from checkpoint.cli_parallel import SOLO, Group
 from checkpoint.commit import commit_staged
 from checkpoint.data_file import DataFile, StorageInfo, data_file_name
 from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
 from checkpoint.layout import Box, row_block, split_box
 from checkpoint.manifest import METADATA_NAME, FileRecord
+from checkpoint.tool.cli_parallel import SOLO, Group
+from checkpoint.tool.transforms import Target
 from checkpoint.training_state import key_path
-from checkpoint.transforms import Target
 
 __all__ = ["row_blocks", "write_checkpoint"]
 

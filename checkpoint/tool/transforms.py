@@ -46,11 +46,10 @@ from typing import Any
 
 import torch
 
-from checkpoint.stream import Entry
+from checkpoint.tool.stream import Entry
 from checkpoint.training_state import TIED_SECTION
 
 __all__ = [
-    "Merge",
     "Rename",
     "Reshape",
     "Rules",
@@ -116,6 +115,8 @@ class Rename:
 
 @dataclass(frozen=True)
 class Split:
+    """One fused tensor <-> its named parts: a split rule, and (in ``Rules.merges``) the merge that undoes it."""
+
     fused: str
     """name template of the fused tensor, e.g. ``layers.*.mlp.linear_fc1.weight``"""
     dim: int
@@ -174,10 +175,6 @@ class Split:
                 f"along dim {self.dim}; fix the sizes"
             )
         return self.sizes
-
-
-Merge = Split
-"""A merge rule has the same fields as the split it undoes."""
 
 
 @dataclass(frozen=True)
