@@ -167,6 +167,21 @@ def _staged_is_current(r: ParamShard) -> bool:
     return grad is not None and grad_key(local_tensor(grad)) == r.staged_grad_key
 
 
+def _staged_equals_grad(r: ParamShard) -> bool:
+    """True when ``r``'s host grad staging holds, bit for bit, its DTensor grad as it is now.
+
+    A DTensor runs in-place ops on its local shard below autograd, and ``_foreach_*``
+    ops (torch's ``clip_grad_norm_``) move neither its nor the shard's version counter:
+    the key check cannot see them, so the grad is read back once (one D2H) and compared.
+    """
+    grad = get_grad(r.param)
+    assert grad is not None and r.host_grad_stage is not None  # a started record with a current key
+    now = torch.empty_like(r.host_grad_stage)
+    r.host_bucket.engine.fetch(now, local_tensor(grad))
+    bits = (t.reshape(-1).view(torch.uint8) for t in (now, r.host_grad_stage))
+    return torch.equal(*bits)  # bit for bit: a NaN equals itself here
+
+
 class OverlappedStep:
     """Readiness counting and the started buckets of the current step (one per optimizer).
 
@@ -284,7 +299,7 @@ class OverlappedStep:
 
     @staticmethod
     def _check_grad_unchanged(r: ParamShard) -> None:
-        if not _staged_is_current(r):
+        if not _staged_is_current(r) or (r.is_dtensor and not _staged_equals_grad(r)):
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
                 "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "

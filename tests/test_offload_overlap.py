@@ -541,6 +541,31 @@ def test_fsdp2_overlapped_steps_are_bit_identical_to_the_default_mode(world_size
             assert torch.equal(a, b)
 
 
+def _fsdp_torch_clip_body(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    for i in (0, 2):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01, bucket_numel=8, overlap_step_with_backward=True)
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    assert opt._overlapped.in_progress
+    # torch's clip scales FSDP2's DTensor grads with _foreach_mul_, which moves no version counter
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(ValueError, match="changed in place or replaced after its overlapped host update") as info:
+        opt.step()
+    return str(info.value)
+
+
+def test_fsdp2_grads_clipped_by_torch_after_their_overlapped_update_make_step_raise():
+    for message in run_ranks(_fsdp_torch_clip_body, 2):
+        assert "gradient clipping" in message
+
+
 # ------------------------------------------------------------------------------------ accelerator
 
 
