@@ -104,18 +104,24 @@ class DelegatedOptimizer:
         so the class creates its first-step state itself, exactly as torch's would.
         """
         self.sync_hyperparameters(groups)
+        stepped = {id(r) for r in self.records if r.working_tensor.grad is not None}
         for r in self.records:
-            if r.placeholder_state and r.working_tensor.grad is not None:
+            if r.placeholder_state and id(r) in stepped:
                 self.inner.state.pop(r.working_tensor, None)
                 r.placeholder_state = False
         self.step_inner_only()
-        self.expose(self.records)
+        self.expose(self.records, stepped)
 
-    def expose(self, records: list[ParamShard]) -> None:
-        """(Re)build each record's public state from the inner state, sharing its storage."""
+    def expose(self, records: list[ParamShard], fresh: set[int] | None = None) -> None:
+        """(Re)build each record's public state from the inner state, sharing its storage.
+
+        ``fresh``: ids of records just stepped or materialised (default: all of ``records``). A
+        class keeping no state of its own (SGD without momentum) leaves their inner state empty,
+        but a separate master is state all the same: exposed, so it is saved and loaded.
+        """
         for r in records:
-            inner = self.inner.state.get(r.working_tensor)
-            if not inner:
+            inner = self.inner.state.get(r.working_tensor) or {}
+            if not inner and not (r.has_separate_master and (r.state is not None or fresh is None or id(r) in fresh)):
                 continue
             public = r.state if r.state is not None else {}
             for k, v in inner.items():

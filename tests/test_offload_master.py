@@ -292,3 +292,31 @@ def test_a_resume_copies_each_offloaded_param_device_to_host_once_on_an_accelera
     accelerator = torch.accelerator.current_accelerator()
     assert accelerator is not None  # the marker skips this test without one
     _resume_copies_each_offloaded_param_device_to_host_once(tmp_path / "c", stepped, accelerator.type)
+
+
+@pytest.mark.parametrize("route", ["state_dict", "checkpoint"])
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_a_device_share_class_keeping_no_state_still_saves_its_fp32_masters_and_resumes_bit_exact(
+    tmp_path, fraction, route
+):
+    """Plain SGD keeps no state of its own, but a bf16 param's fp32 master on the device share is state:
+    it must be saved, or a resume restarts it from the bf16 weight and quietly drifts from an unbroken run."""
+
+    def build(seed: int) -> tuple[torch.nn.Module, HybridDeviceOptimizer]:
+        model = _model(seed)
+        return model, HybridDeviceOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), fraction, bucket_numel=40)
+
+    straight, straight_opt = build(0)
+    _steps(straight, straight_opt, 0, 5)
+    model, opt = build(0)
+    _steps(model, opt, 0, 3)
+    assert all(MASTER_KEY in opt.state_dict()["state"][i] for i in range(4)), "every stepped bf16 param has a master"
+    fresh, fresh_opt = build(7)  # other weights: everything must come from the load
+    if route == "checkpoint":
+        checkpoint.save(tmp_path / "ck", model=model, optimizer=opt)
+        checkpoint.load(tmp_path / "ck", model=fresh, optimizer=fresh_opt)
+    else:
+        fresh.load_state_dict(model.state_dict())
+        fresh_opt.load_state_dict(opt.state_dict())
+    _steps(fresh, fresh_opt, 3, 5)
+    _assert_same_training_state(straight, straight_opt, fresh, fresh_opt)
