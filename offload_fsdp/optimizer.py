@@ -753,7 +753,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self._refresh_masters_before_step:
             self.reload_model_params()
         else:
-            self._refresh_written([r for r, _ in active])  # a no-op for `done`: synced by their update
+            # Every record, gradless ones too: their state's master must show the user's write now
+            # (a no-op for `done`, synced by their update; a loop over version counters otherwise).
+            self._refresh_written(self._records)
         grads = {id(r): g for r, g in active}
         engines = list({id(e): e for e in [*self._engines.values(), *begun.values()]}.values())
         for engine in engines:
@@ -1171,7 +1173,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []
         for r, sid in zip(self._records, saved_ids):
             saved = saved_state.get(sid)
-            pairs.append((r, canonical_state(saved) if saved is not None else None))  # a legacy key read as ours
+            if saved is not None:  # a legacy master key read as ours; a None value is torch's "no value"
+                # (older torch saved SGD's momentum_buffer=None without momentum; torch loads and skips it)
+                saved = {k: v for k, v in canonical_state(saved).items() if v is not None} or None
+            pairs.append((r, saved))
         self._materialize_for_load(pairs)  # checks everything first: a failed load changes nothing
         for r, saved in pairs:
             if saved is None or not r.trainable:

@@ -40,8 +40,8 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
 
     Changes nothing: a load checks every param first, so a failed load leaves the optimizer as it was.
     """
-    assert r.state is not None and r.working is not None  # materialised before any load
-    expected = set(r.state) - {MASTER_KEY}
+    assert r.working is not None  # materialised before any load
+    expected = set(r.state or ()) - {MASTER_KEY}  # None: the class keeps no state with these options
     got = set(saved) - {MASTER_KEY}
     if expected != got:
         raise ValueError(
@@ -56,6 +56,7 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
                     f"expected {tuple(r.working.shape)}"
                 )
             continue
+        assert r.state is not None  # it holds ``key``: the keys matched
         dst = r.state[key]
         if not isinstance(dst, torch.Tensor):
             continue

@@ -201,6 +201,34 @@ def test_state_dicts_load_across_torch_sgd_and_the_host_kernel_and_continue_bit_
     _assert_matches(opt, ours, ref_opt, ref)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_a_momentum_buffer_saved_as_none_loads_as_no_buffer_and_steps_as_torch(momentum, dtype):
+    """Older torch saved ``momentum_buffer=None`` (SGD without momentum); torch loads it and starts afresh."""
+    ours = _params(dtype)
+    ref = [p.detach().float().clone().requires_grad_() for p in ours]
+    opt, ref_opt = _ours(ours, 1.0, lr=0.05, momentum=momentum), _reference(ref, lr=0.05, momentum=momentum)
+    for o in (opt, ref_opt):
+        saved = copy.deepcopy(o.state_dict())
+        saved["state"] = {i: {"momentum_buffer": None} for i in range(len(SHAPES))}
+        o.load_state_dict(saved)
+    _run(opt, ours, 0, 3)
+    _run(ref_opt, ref, 0, 3)
+    for q in ref:  # torch keeps the loaded None where it has no buffer; ours keeps no entry (same meaning)
+        if ref_opt.state[q].get("momentum_buffer", 0) is None:
+            del ref_opt.state[q]["momentum_buffer"]
+    _assert_matches(opt, ours, ref_opt, ref)
+
+
+def test_state_loaded_into_sgd_that_keeps_none_is_refused_naming_the_param_and_key():
+    """fp32 params, no momentum: torch's SGD keeps no state, so a saved momentum buffer is another setup's."""
+    opt = _ours(_params(), 1.0, lr=0.05)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"] = {0: {"momentum_buffer": torch.zeros(SHAPES[0])}}
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\].*momentum_buffer.*expected \[\]"):
+        opt.load_state_dict(saved)
+
+
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).bfloat16()

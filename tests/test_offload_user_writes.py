@@ -103,6 +103,27 @@ def test_a_master_in_state_dict_reflects_a_weight_written_since_the_last_step():
         assert torch.equal(state["master_param"], torch.zeros_like(state["master_param"])), "a stale master is saved"
 
 
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_step_adopts_a_weight_written_into_a_param_that_gets_no_grad_that_step(cls, fraction):
+    """torch leaves a gradless param as the user wrote it; its master in ``opt.state`` must say the same."""
+    model = _model(torch.bfloat16)
+    opt = HybridDeviceOptimizer(cls(model.parameters(), lr=0.01), fraction, bucket_numel=64)
+    _set_grads([model], 0)
+    opt.step()
+    _write("copy_", model)
+    written = [p.detach().clone() for p in model.parameters()]
+    _set_grads([model], 1)
+    gradless = list(model.parameters())[::2]
+    for p in gradless:
+        p.grad = None
+    opt.step()
+    for p, w in zip(model.parameters(), written):
+        if any(p is q for q in gradless):
+            assert torch.equal(p, w), "a gradless param keeps the user's write"
+            assert torch.equal(opt.state[p]["master_param"], w.float()), "a stale master in opt.state"
+
+
 def test_steps_without_writes_do_not_refresh_masters(monkeypatch):
     model = _model(torch.bfloat16)
     opt = HybridDeviceOptimizer(model.parameters(), 0.5, lr=0.01)
