@@ -431,6 +431,71 @@ def test_fsdp2_sgd_through_the_host_kernel_matches_torch_fused_sgd_on_2_ranks():
         assert result == {"kernel": True, "params": True, "momentum": True, "moved": True}, rank
 
 
+RESHARD_SETUPS = {"momentum": dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01), "plain": dict(lr=0.05)}
+
+
+def _reshard_setup(world_size: int, seed: int, hyper: dict) -> tuple[torch.nn.Module, HybridDeviceOptimizer]:
+    """bf16 FSDP2 model whose last layer gets no grad before step 3; half the params on the device share."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 3))
+    for layer in (model[0], model[2], model[3]):
+        fully_shard(layer, mesh=mesh)
+    model = fully_shard(model.bfloat16(), mesh=mesh)
+    return model, HybridDeviceOptimizer(torch.optim.SGD(model.parameters(), **hyper), 0.5, bucket_numel=24)
+
+
+def _reshard_train(model: torch.nn.Module, opt: HybridDeviceOptimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        out = model[2](model[1](model[0](torch.randn(4, 6, generator=gen).bfloat16())))
+        (model[3](out) if step >= 3 else out).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_training_state(model: torch.nn.Module, opt: HybridDeviceOptimizer) -> dict[str, torch.Tensor]:
+    full = {}
+    for i, p in enumerate(model.parameters()):
+        full[f"{i}"] = p.full_tensor()
+        for name, value in opt.state.get(p, {}).items():
+            full[f"{i}.{name}"] = value.full_tensor()
+    return full
+
+
+def _reshard_body(rank: int, world_size: int, root: str, save: bool) -> dict:
+    results = {}
+    for setup, hyper in RESHARD_SETUPS.items():
+        model, opt = _reshard_setup(world_size, 0 if save else 7, hyper)
+        if save:
+            _reshard_train(model, opt, rank, range(3))
+            checkpoint.save(f"{root}/{setup}", model=model, optimizer=opt)
+            results[setup] = _full_training_state(model, opt)
+        else:
+            checkpoint.load(f"{root}/{setup}", model=model, optimizer=opt)
+            results[setup] = _full_training_state(model, opt)
+            _reshard_train(model, opt, rank, range(3, 4))  # the last layer's first step, after the load
+            results[f"{setup} stepped"] = {k for k, v in _full_training_state(model, opt).items() if v.isfinite().all()}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_sgd_state_saved_on_2_fsdp2_ranks_loads_on_3_exactly_masters_and_missing_momentum_included(tmp_path):
+    saved = run_ranks(_reshard_body, 2, (str(tmp_path), True))[0]
+    loaded = run_ranks(_reshard_body, 3, (str(tmp_path), False))[0]
+    for setup in RESHARD_SETUPS:
+        # the never-stepped last layer (params 4, 5) has no momentum buffer; every bf16 param has its master
+        assert "4.momentum_buffer" not in saved[setup] and "0.master_param" in saved[setup], setup
+        assert saved[setup].keys() == loaded[setup].keys(), setup
+        assert all(torch.equal(saved[setup][k], loaded[setup][k]) for k in saved[setup]), setup
+        assert {"4.master_param", "5.master_param"} <= loaded[f"{setup} stepped"], setup
+    assert "4.momentum_buffer" in loaded["momentum stepped"]
+
+
 # ---------------------------------------------------------------- Adam(W), the first entry
 
 
