@@ -172,6 +172,25 @@ def test_materialized_momentum_buffers_are_placeholders_the_first_step_replaces_
     _assert_matches(opt, ours, ref_opt, ref)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="state_dict() saves materialize_state's placeholder momentum buffers (zeros) as real state, so a "
+    "resume from it dampens a zero buffer where the straight run starts it from the grad; fix: leave placeholder "
+    "state out of state_dict() (a kernel keeping no buffer leaves its records placeholders: keep their masters)",
+)
+def test_a_state_dict_taken_after_materialize_state_resumes_as_the_run_that_never_saved():
+    hyper = CONFIGS["dampening"]
+    straight, saved_from, resumed = _params(), _params(), _params()
+    straight_opt = _ours(straight, 1.0, **hyper)
+    saved_opt = _ours(saved_from, 1.0, **hyper)
+    saved_opt.materialize_state()  # e.g. by a loader that then found nothing to load
+    resumed_opt = _ours(resumed, 1.0, **hyper)
+    resumed_opt.load_state_dict(copy.deepcopy(saved_opt.state_dict()))
+    _run(straight_opt, straight, 0, 2)
+    _run(resumed_opt, resumed, 0, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
 def test_sgd_without_momentum_keeps_no_state_for_fp32_params_and_only_the_master_for_bf16():
     fp32, bf16 = _params(), _params(BF16)
     for params in (fp32, bf16):
