@@ -55,6 +55,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -73,6 +74,7 @@ from offload_fsdp.fused_step import (
     adam_bucket_step,
     fused_adam,
     noise_counter,
+    noise_offset,
     pieces,
 )
 from offload_fsdp.records import ParamShard
@@ -323,7 +325,7 @@ def _scalars(hyper: AdamHyper, step: float) -> dict[str, float | int]:
     }  # fmt: skip
 
 
-def _run(items: list[_AdamArgs], threads: int = 1) -> None:
+def _run(items: list[_AdamArgs] | ctypes.Array[_AdamArgs], threads: int = 1) -> None:
     """Step ``items`` in one C call, spread over ``threads`` threads; ctypes drops the GIL for the whole call.
 
     Built with OpenMP (``_OPENMP_FLAGS``), the call runs on torch's own OpenMP pool (the
@@ -332,10 +334,69 @@ def _run(items: list[_AdamArgs], threads: int = 1) -> None:
     """
     if not items:
         return
-    batch = (_AdamArgs * len(items))(*items)
+    batch = items if isinstance(items, ctypes.Array) else (_AdamArgs * len(items))(*items)
     assert _library is not None, "compiled_step_available() loads the library before any step"
     if _library.offload_fsdp_adam_batch(batch, len(items), threads) != 0:
         raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
+
+
+class _Plan:
+    """A bucket's C-call items, built once and reused while its active records and buffers are unchanged.
+
+    Every item's pointers, length and dtype modes are fixed by the layout; per step
+    only the scalars (step count, lr, ...) and the noise windows (tied to the step
+    count) change, and those are written into the array column-wise with a few torch
+    ops instead of rebuilding hundreds of ctypes structs in Python.
+    """
+
+    def __init__(self, key: tuple, records: list[ParamShard], items: list[_AdamArgs], item_record: list[int],
+                 item_piece: list[int], item_begin: list[int], piece_starts: list[int], piece_first: list[int]) -> None:  # fmt: skip
+        self.key = key
+        self.records = records
+        """the active records the key names by id, held so that no other object can take their ids"""
+        self.storage = torch.empty(len(items), ctypes.sizeof(_AdamArgs), dtype=torch.uint8)
+        self.batch = (_AdamArgs * len(items)).from_address(self.storage.data_ptr())  # storage outlives it
+        for i, item in enumerate(items):
+            self.batch[i] = item
+        self.words = self.storage.view(torch.int64)  # the pointer columns, as int64
+        self.item_piece = torch.tensor(item_piece, dtype=torch.int64)
+        self.item_begin2 = torch.tensor(item_begin, dtype=torch.int64) * 2  # bf16/uint16 bytes
+        self.piece_starts, self.piece_first = piece_starts, piece_first
+        rows: dict[int, list[int]] = {}
+        for i, rec in enumerate(item_record):
+            rows.setdefault(rec, []).append(i)
+        self.rows_by_record = {rec: torch.tensor(r) for rec, r in rows.items()}
+        """active-record index -> its items' rows (for steps where records are at different step counts)"""
+
+
+_SCALARS_BEGIN = _AdamArgs.gsign.offset
+_SCALARS_END = _AdamArgs.lerp_small.offset + ctypes.sizeof(ctypes.c_int32)
+"""The bytes of an item that change with the step count or the group's settings (scalars and flags)."""
+
+_plans: weakref.WeakKeyDictionary[FusedScratch, dict[int, _Plan]] = weakref.WeakKeyDictionary()
+"""Per optimizer (its scratch), bucket index -> plan; a plan whose key no longer matches is rebuilt."""
+
+
+def _build_plan(key: tuple, bucket: HostBucket, active: list[ParamShard], scratch: FusedScratch) -> _Plan:
+    m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
+    master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
+    assert master is not None and grads is not None, "a host bucket has its master and grad staging"
+    sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
+    bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
+    index = {id(r): i for i, r in enumerate(active)}
+    items, item_record, item_piece, item_begin, piece_starts, piece_first = [], [], [], [], [], []
+    for start, _stop, segs in pieces(active, scratch.numel):
+        piece_starts.append(start)
+        piece_first.append(index[id(segs[0][2])])
+        for b, e, record in segs:
+            item = _AdamArgs(param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
+                             exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
+                             stage=stage.data_ptr() + b * 2 if stage is not None else 0, n=e - b, vec_width=_vec_width)  # fmt: skip
+            items.append(item)
+            item_record.append(index[id(record)])
+            item_piece.append(len(piece_starts) - 1)
+            item_begin.append(b)
+    return _Plan(key, active, items, item_record, item_piece, item_begin, piece_starts, piece_first)
 
 
 @torch.no_grad()
@@ -347,7 +408,8 @@ def compiled_adam_bucket_step(
     Walks the same piece grid as the fused path (pieces of ``scratch.numel`` from the
     first active record) so the stochastic-rounding noise windows are the same, and
     calls the C loop once per (piece, active record) overlap: each call covers one
-    record, so one step count and one set of bias corrections.
+    record, so one step count and one set of bias corrections. The items are built
+    once per layout (:class:`_Plan`); each step rewrites only their scalars and noise pointers.
     """
     if not _covered(bucket) or not compiled_step_available(warn=False):  # `compiled` already warned at construction
         adam_bucket_step(bucket, active, hyper, scratch)
@@ -357,42 +419,41 @@ def compiled_adam_bucket_step(
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
     assert master is not None and grads is not None, "a host bucket has its master and grad staging"
     m_mode, v_mode = _moment_mode(m_flat, hyper.beta1), _moment_mode(v_flat, hyper.beta2)
-    sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
-    bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
-    stage_base = stage.data_ptr() if stage is not None else None
     sr_m, sr_v = m_mode == _MOMENT_BF16_SR, v_mode == _MOMENT_BF16_SR
-    # Per step count, a struct with every field but the per-call pointers and length:
-    # copying its bytes and setting those few fields is several times cheaper than
-    # building an item from keywords, and there are hundreds of items per bucket.
-    templates: dict[float, bytes] = {}
+    # the table's start (counter 0's window starts there; an empty window's data_ptr() would be 0)
+    noise_base = scratch.noise(1, 0, torch.uint16).data_ptr() if sr_m or sr_v else 0
+    # Everything the items' fixed fields depend on; the records are held by the plan, so their ids stay theirs.
+    key = (tuple(map(id, active)), scratch.numel, _vec_width, noise_base,
+           *((t.data_ptr(), t.dtype) for t in (master, grads, m_flat, v_flat)), stage.data_ptr() if stage is not None else 0)  # fmt: skip
+    plans = _plans.setdefault(scratch, {})
+    plan = plans.get(bucket.index)
+    if plan is None or plan.key != key:
+        plan = plans[bucket.index] = _build_plan(key, bucket, active, scratch)
     common = {
         "grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
-        "has_stage": int(stage is not None), "vec_width": _vec_width,
+        "has_stage": int(stage is not None),
     }  # fmt: skip
-    steps = {id(r): float(r.created_state["step"]) for r in active}
-    items = []
-    for start, stop, segs in pieces(active, scratch.numel):
-        if sr_m or sr_v:
-            counter = noise_counter(segs[0][2], start, scratch)
-            # the fused path's noise values as uint16 (2 B/element read instead of 4)
-            noise_m = scratch.noise(stop - start, counter, torch.uint16).data_ptr() - start * 2 if sr_m else 0
-            noise_v = scratch.noise(stop - start, counter + 1, torch.uint16).data_ptr() - start * 2 if sr_v else 0
-        for b, e, record in segs:
-            step = steps[id(record)]
-            if step not in templates:
-                templates[step] = bytes(_AdamArgs(**_scalars(hyper, step), **common))
-            item = _AdamArgs.from_buffer_copy(templates[step])
-            item.param, item.grad = bases["p"] + b * sizes["p"], bases["g"] + b * sizes["g"]
-            item.exp_avg, item.exp_avg_sq = bases["m"] + b * sizes["m"], bases["v"] + b * sizes["v"]
-            item.n = e - b
-            if stage_base is not None:
-                item.stage = stage_base + b * 2
-            if sr_m:
-                item.noise_m = noise_m + b * 2
-            if sr_v:
-                item.noise_v = noise_v + b * 2
-            items.append(item)
-    _run(items, torch.get_num_threads())
+    steps = [float(r.created_state["step"]) for r in active]
+    row_bytes = plan.storage[:, _SCALARS_BEGIN:_SCALARS_END]
+    templates: dict[float, torch.Tensor] = {}
+    for step in dict.fromkeys(steps):
+        raw = bytearray(bytes(_AdamArgs(**_scalars(hyper, step), **common))[_SCALARS_BEGIN:_SCALARS_END])
+        templates[step] = torch.frombuffer(raw, dtype=torch.uint8)
+    if len(templates) == 1:
+        row_bytes.copy_(next(iter(templates.values())).expand_as(row_bytes))
+    else:  # records at different step counts (e.g. one frozen for a while): rows per record
+        for rec, rows in plan.rows_by_record.items():
+            row_bytes[rows] = templates[steps[rec]]
+    for on, salt, field in ((sr_m, 0, _AdamArgs.noise_m), (sr_v, 1, _AdamArgs.noise_v)):
+        column = plan.words[:, field.offset // 8]
+        if not on:
+            column.zero_()
+            continue
+        # noise_counter's windows (as uint16: 2 B/element), shifted so that element b of the bucket reads [b - start]
+        bases = [noise_base + 2 * (noise_offset(noise_counter(active[first], start, scratch) + salt) - start)
+                 for start, first in zip(plan.piece_starts, plan.piece_first)]  # fmt: skip
+        column.copy_(torch.tensor(bases, dtype=torch.int64)[plan.item_piece] + plan.item_begin2)
+    _run(plan.batch, torch.get_num_threads())
 
 
 def select_host_step() -> HostStep:

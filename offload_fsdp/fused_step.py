@@ -107,8 +107,13 @@ class FusedScratch:
             )
         if dtype == torch.uint16 and "table16" not in self._buffers:
             self._buffers["table16"] = self._buffers["table"].to(torch.uint16)  # exact: every value is below 2**16
-        offset = (counter * _GOLDEN) % _NOISE_SPAN
+        offset = noise_offset(counter)
         return self._buffers["table16" if dtype == torch.uint16 else "table"][offset : offset + n]
+
+
+def noise_offset(counter: int) -> int:
+    """Where the noise window of ``counter`` starts in the table (:meth:`FusedScratch.noise`)."""
+    return (counter * _GOLDEN) % _NOISE_SPAN
 
 
 def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:
