@@ -51,6 +51,7 @@ import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
@@ -318,7 +319,7 @@ def _scalars(hyper: AdamHyper, step: float) -> dict[str, float | int]:
         "gsign": -1.0 if hyper.maximize else 1.0,
         "decay": 1.0 - hyper.lr * hyper.weight_decay if hyper.decoupled else 1.0,
         "wd": hyper.weight_decay, "l2": int(l2),
-        "lerp_w": lerp_w, "lerp_small": int(abs(float(torch.tensor(lerp_w, dtype=torch.float32))) < 0.5),
+        "lerp_w": lerp_w, "lerp_small": int(abs(ctypes.c_float(lerp_w).value) < 0.5),
         "beta2": hyper.beta2, "c2": 1.0 - hyper.beta2,
         "bc2_sqrt": math.sqrt(1.0 - hyper.beta2**step), "eps": hyper.eps,
         "step_size": hyper.lr / (1.0 - hyper.beta1**step),
@@ -340,38 +341,36 @@ def _run(items: list[_AdamArgs] | ctypes.Array[_AdamArgs], threads: int = 1) -> 
         raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
 
 
+_PER_STEP = struct.Struct("<QQqq9f6i")
+"""An item's fields from ``noise_m`` to ``lerp_small`` (contiguous in :class:`_AdamArgs`): the noise
+pointers, length and width (written with them), and the scalars and flags, in declaration order."""
+_PER_STEP_OFFSET = _AdamArgs.noise_m.offset
+_SCALAR_FIELDS = [name for name, _ in _AdamArgs._fields_[9:]]  # gsign .. lerp_small
+assert _PER_STEP_OFFSET + _PER_STEP.size == _AdamArgs.lerp_small.offset + 4, "_PER_STEP must match _AdamArgs"
+
+
 class _Plan:
     """A bucket's C-call items, built once and reused while its active records and buffers are unchanged.
 
-    Every item's pointers, length and dtype modes are fixed by the layout; per step
-    only the scalars (step count, lr, ...) and the noise windows (tied to the step
-    count) change, and those are written into the array column-wise with a few torch
-    ops instead of rebuilding hundreds of ctypes structs in Python.
+    The pointers into the bucket's buffers are fixed by the layout; per step only the
+    scalars (step count, lr, ...) and the noise windows (tied to the step count)
+    change. They are packed into the item array by one ``struct`` call per item: a
+    step runs this right after the previous bucket's C loop streamed hundreds of MB
+    through the caches, so what counts is how little code and data it touches (each
+    torch op there costs tens of microseconds cold).
     """
 
-    def __init__(self, key: tuple, records: list[ParamShard], items: list[_AdamArgs], item_record: list[int],
-                 item_piece: list[int], item_begin: list[int], piece_starts: list[int], piece_first: list[int]) -> None:  # fmt: skip
+    def __init__(self, key: tuple, records: list[ParamShard], batch: ctypes.Array[_AdamArgs],
+                 rows: list[tuple[int, int, int, int, int]], piece_starts: list[int], piece_first: list[int]) -> None:  # fmt: skip
         self.key = key
         self.records = records
         """the active records the key names by id, held so that no other object can take their ids"""
-        self.storage = torch.empty(len(items), ctypes.sizeof(_AdamArgs), dtype=torch.uint8)
-        self.batch = (_AdamArgs * len(items)).from_address(self.storage.data_ptr())  # storage outlives it
-        for i, item in enumerate(items):
-            self.batch[i] = item
-        self.words = self.storage.view(torch.int64)  # the pointer columns, as int64
-        self.item_piece = torch.tensor(item_piece, dtype=torch.int64)
-        self.item_begin2 = torch.tensor(item_begin, dtype=torch.int64) * 2  # bf16/uint16 bytes
+        self.batch = batch
+        self.view = memoryview(batch).cast("B")  # type: ignore[arg-type]  # raw bytes, for struct.pack_into
+        self.rows = rows
+        """per item: (byte offset of its per-step fields, length, bucket offset, piece index, record index)"""
         self.piece_starts, self.piece_first = piece_starts, piece_first
-        rows: dict[int, list[int]] = {}
-        for i, rec in enumerate(item_record):
-            rows.setdefault(rec, []).append(i)
-        self.rows_by_record = {rec: torch.tensor(r) for rec, r in rows.items()}
-        """active-record index -> its items' rows (for steps where records are at different step counts)"""
 
-
-_SCALARS_BEGIN = _AdamArgs.gsign.offset
-_SCALARS_END = _AdamArgs.lerp_small.offset + ctypes.sizeof(ctypes.c_int32)
-"""The bytes of an item that change with the step count or the group's settings (scalars and flags)."""
 
 _plans: weakref.WeakKeyDictionary[FusedScratch, dict[int, _Plan]] = weakref.WeakKeyDictionary()
 """Per optimizer (its scratch), bucket index -> plan; a plan whose key no longer matches is rebuilt."""
@@ -384,19 +383,17 @@ def _build_plan(key: tuple, bucket: HostBucket, active: list[ParamShard], scratc
     sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
     bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
     index = {id(r): i for i, r in enumerate(active)}
-    items, item_record, item_piece, item_begin, piece_starts, piece_first = [], [], [], [], [], []
+    items, rows, piece_starts, piece_first = [], [], [], []
     for start, _stop, segs in pieces(active, scratch.numel):
         piece_starts.append(start)
         piece_first.append(index[id(segs[0][2])])
         for b, e, record in segs:
-            item = _AdamArgs(param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
-                             exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
-                             stage=stage.data_ptr() + b * 2 if stage is not None else 0, n=e - b, vec_width=_vec_width)  # fmt: skip
-            items.append(item)
-            item_record.append(index[id(record)])
-            item_piece.append(len(piece_starts) - 1)
-            item_begin.append(b)
-    return _Plan(key, active, items, item_record, item_piece, item_begin, piece_starts, piece_first)
+            items.append(_AdamArgs(param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
+                                   exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
+                                   stage=stage.data_ptr() + b * 2 if stage is not None else 0))  # fmt: skip
+            offset = (len(items) - 1) * ctypes.sizeof(_AdamArgs) + _PER_STEP_OFFSET
+            rows.append((offset, e - b, b, len(piece_starts) - 1, index[id(record)]))
+    return _Plan(key, active, (_AdamArgs * len(items))(*items), rows, piece_starts, piece_first)
 
 
 @torch.no_grad()
@@ -423,36 +420,38 @@ def compiled_adam_bucket_step(
     # the table's start (counter 0's window starts there; an empty window's data_ptr() would be 0)
     noise_base = scratch.noise(1, 0, torch.uint16).data_ptr() if sr_m or sr_v else 0
     # Everything the items' fixed fields depend on; the records are held by the plan, so their ids stay theirs.
-    key = (tuple(map(id, active)), scratch.numel, _vec_width, noise_base,
+    key = (tuple(map(id, active)), scratch.numel, noise_base,
            *((t.data_ptr(), t.dtype) for t in (master, grads, m_flat, v_flat)), stage.data_ptr() if stage is not None else 0)  # fmt: skip
     plans = _plans.setdefault(scratch, {})
     plan = plans.get(bucket.index)
     if plan is None or plan.key != key:
         plan = plans[bucket.index] = _build_plan(key, bucket, active, scratch)
-    common = {
-        "grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
-        "has_stage": int(stage is not None),
-    }  # fmt: skip
+    flags = {"grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
+             "has_stage": int(stage is not None)}  # fmt: skip
     steps = [float(r.created_state["step"]) for r in active]
-    row_bytes = plan.storage[:, _SCALARS_BEGIN:_SCALARS_END]
-    templates: dict[float, torch.Tensor] = {}
-    for step in dict.fromkeys(steps):
-        raw = bytearray(bytes(_AdamArgs(**_scalars(hyper, step), **common))[_SCALARS_BEGIN:_SCALARS_END])
-        templates[step] = torch.frombuffer(raw, dtype=torch.uint8)
-    if len(templates) == 1:
-        row_bytes.copy_(next(iter(templates.values())).expand_as(row_bytes))
-    else:  # records at different step counts (e.g. one frozen for a while): rows per record
-        for rec, rows in plan.rows_by_record.items():
-            row_bytes[rows] = templates[steps[rec]]
-    for on, salt, field in ((sr_m, 0, _AdamArgs.noise_m), (sr_v, 1, _AdamArgs.noise_v)):
-        column = plan.words[:, field.offset // 8]
-        if not on:
-            column.zero_()
-            continue
-        # noise_counter's windows (as uint16: 2 B/element), shifted so that element b of the bucket reads [b - start]
-        bases = [noise_base + 2 * (noise_offset(noise_counter(active[first], start, scratch) + salt) - start)
-                 for start, first in zip(plan.piece_starts, plan.piece_first)]  # fmt: skip
-        column.copy_(torch.tensor(bases, dtype=torch.int64)[plan.item_piece] + plan.item_begin2)
+    scalars = {}
+    for step in set(steps):
+        fields = {**_scalars(hyper, step), **flags}
+        scalars[step] = [fields[name] for name in _SCALAR_FIELDS]
+    # noise_counter's windows (as uint16: 2 B/element), shifted so that element b of the bucket reads [b - start]
+    windows = [
+        (noise_base + 2 * (noise_offset(counter) - start) if sr_m else 0,
+         noise_base + 2 * (noise_offset(counter + 1) - start) if sr_v else 0)
+        for start, first in zip(plan.piece_starts, plan.piece_first)
+        for counter in (noise_counter(active[first], start, scratch),)
+    ]  # fmt: skip
+    pack, view = _PER_STEP.pack_into, plan.view
+    for offset, n, b, piece, record in plan.rows:
+        noise_m, noise_v = windows[piece]
+        pack(
+            view,
+            offset,
+            noise_m + 2 * b if sr_m else 0,
+            noise_v + 2 * b if sr_v else 0,
+            n,
+            _vec_width,
+            *scalars[steps[record]],
+        )
     _run(plan.batch, torch.get_num_threads())
 
 
