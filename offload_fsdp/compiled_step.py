@@ -370,6 +370,8 @@ class _Plan:
         self.rows = rows
         """per item: (byte offset of its per-step fields, length, bucket offset, piece index, record index)"""
         self.piece_starts, self.piece_first = piece_starts, piece_first
+        self.noise_base = 0
+        """address of the scratch's uint16 noise table, set at the first step with stochastic rounding"""
 
 
 _plans: weakref.WeakKeyDictionary[FusedScratch, dict[int, _Plan]] = weakref.WeakKeyDictionary()
@@ -417,15 +419,18 @@ def compiled_adam_bucket_step(
     assert master is not None and grads is not None, "a host bucket has its master and grad staging"
     m_mode, v_mode = _moment_mode(m_flat, hyper.beta1), _moment_mode(v_flat, hyper.beta2)
     sr_m, sr_v = m_mode == _MOMENT_BF16_SR, v_mode == _MOMENT_BF16_SR
-    # the table's start (counter 0's window starts there; an empty window's data_ptr() would be 0)
-    noise_base = scratch.noise(1, 0, torch.uint16).data_ptr() if sr_m or sr_v else 0
     # Everything the items' fixed fields depend on; the records are held by the plan, so their ids stay theirs.
-    key = (tuple(map(id, active)), scratch.numel, noise_base,
+    key = (tuple(map(id, active)), scratch.numel,
            *((t.data_ptr(), t.dtype) for t in (master, grads, m_flat, v_flat)), stage.data_ptr() if stage is not None else 0)  # fmt: skip
     plans = _plans.setdefault(scratch, {})
     plan = plans.get(bucket.index)
     if plan is None or plan.key != key:
         plan = plans[bucket.index] = _build_plan(key, bucket, active, scratch)
+    if (sr_m or sr_v) and not plan.noise_base:
+        # the noise table's start (counter 0's window starts there; an empty window's data_ptr() would be 0);
+        # the scratch allocates it once and never replaces it
+        plan.noise_base = scratch.noise(1, 0, torch.uint16).data_ptr()
+    noise_base = plan.noise_base
     flags = {"grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
              "has_stage": int(stage is not None)}  # fmt: skip
     steps = [float(r.created_state["step"]) for r in active]
@@ -438,7 +443,7 @@ def compiled_adam_bucket_step(
         (noise_base + 2 * (noise_offset(counter) - start) if sr_m else 0,
          noise_base + 2 * (noise_offset(counter + 1) - start) if sr_v else 0)
         for start, first in zip(plan.piece_starts, plan.piece_first)
-        for counter in (noise_counter(active[first], start, scratch),)
+        for counter in (noise_counter(int(steps[first]), start, scratch),)
     ]  # fmt: skip
     pack, view = _PER_STEP.pack_into, plan.view
     for offset, n, b, piece, record in plan.rows:
