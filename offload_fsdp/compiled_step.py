@@ -345,7 +345,7 @@ _PER_STEP = struct.Struct("<QQqq9f6i")
 """An item's fields from ``noise_m`` to ``lerp_small`` (contiguous in :class:`_AdamArgs`): the noise
 pointers, length and width (written with them), and the scalars and flags, in declaration order."""
 _PER_STEP_OFFSET = _AdamArgs.noise_m.offset
-_SCALAR_FIELDS = [name for name, _ in _AdamArgs._fields_[9:]]  # gsign .. lerp_small
+_SCALAR_FIELDS = [field[0] for field in _AdamArgs._fields_[9:]]  # gsign .. lerp_small
 assert _PER_STEP_OFFSET + _PER_STEP.size == _AdamArgs.lerp_small.offset + 4, "_PER_STEP must match _AdamArgs"
 
 
@@ -366,7 +366,7 @@ class _Plan:
         self.records = records
         """the active records the key names by id, held so that no other object can take their ids"""
         self.batch = batch
-        self.view = memoryview(batch).cast("B")  # type: ignore[arg-type]  # raw bytes, for struct.pack_into
+        self.view = memoryview(batch).cast("B")  # raw bytes, for struct.pack_into
         self.rows = rows
         """per item: (byte offset of its per-step fields, length, bucket offset, piece index, record index)"""
         self.piece_starts, self.piece_first = piece_starts, piece_first
