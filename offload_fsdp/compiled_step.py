@@ -51,10 +51,12 @@ import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -73,6 +75,7 @@ from offload_fsdp.fused_step import (
     adam_bucket_step,
     fused_adam,
     noise_counter,
+    noise_offset,
     pieces,
 )
 from offload_fsdp.records import ParamShard
@@ -316,14 +319,14 @@ def _scalars(hyper: AdamHyper, step: float) -> dict[str, float | int]:
         "gsign": -1.0 if hyper.maximize else 1.0,
         "decay": 1.0 - hyper.lr * hyper.weight_decay if hyper.decoupled else 1.0,
         "wd": hyper.weight_decay, "l2": int(l2),
-        "lerp_w": lerp_w, "lerp_small": int(abs(float(torch.tensor(lerp_w, dtype=torch.float32))) < 0.5),
+        "lerp_w": lerp_w, "lerp_small": int(abs(ctypes.c_float(lerp_w).value) < 0.5),
         "beta2": hyper.beta2, "c2": 1.0 - hyper.beta2,
         "bc2_sqrt": math.sqrt(1.0 - hyper.beta2**step), "eps": hyper.eps,
         "step_size": hyper.lr / (1.0 - hyper.beta1**step),
     }  # fmt: skip
 
 
-def _run(items: list[_AdamArgs], threads: int = 1) -> None:
+def _run(items: list[_AdamArgs] | ctypes.Array[_AdamArgs], threads: int = 1) -> None:
     """Step ``items`` in one C call, spread over ``threads`` threads; ctypes drops the GIL for the whole call.
 
     Built with OpenMP (``_OPENMP_FLAGS``), the call runs on torch's own OpenMP pool (the
@@ -332,10 +335,67 @@ def _run(items: list[_AdamArgs], threads: int = 1) -> None:
     """
     if not items:
         return
-    batch = (_AdamArgs * len(items))(*items)
+    batch = items if isinstance(items, ctypes.Array) else (_AdamArgs * len(items))(*items)
     assert _library is not None, "compiled_step_available() loads the library before any step"
     if _library.offload_fsdp_adam_batch(batch, len(items), threads) != 0:
         raise AssertionError("compiled host step: unknown dtype combination")  # _covered() admits none
+
+
+_PER_STEP = struct.Struct("<QQqq9f6i")
+"""An item's fields from ``noise_m`` to ``lerp_small`` (contiguous in :class:`_AdamArgs`): the noise
+pointers, length and width (written with them), and the scalars and flags, in declaration order."""
+_PER_STEP_OFFSET = _AdamArgs.noise_m.offset
+_SCALAR_FIELDS = [field[0] for field in _AdamArgs._fields_[9:]]  # gsign .. lerp_small
+assert _PER_STEP_OFFSET + _PER_STEP.size == _AdamArgs.lerp_small.offset + 4, "_PER_STEP must match _AdamArgs"
+
+
+class _Plan:
+    """A bucket's C-call items, built once and reused while its active records and buffers are unchanged.
+
+    The pointers into the bucket's buffers are fixed by the layout; per step only the
+    scalars (step count, lr, ...) and the noise windows (tied to the step count)
+    change. They are packed into the item array by one ``struct`` call per item: a
+    step runs this right after the previous bucket's C loop streamed hundreds of MB
+    through the caches, so what counts is how little code and data it touches (each
+    torch op there costs tens of microseconds cold).
+    """
+
+    def __init__(self, key: tuple, records: list[ParamShard], batch: ctypes.Array[_AdamArgs],
+                 rows: list[tuple[int, int, int, int, int]], piece_starts: list[int], piece_first: list[int]) -> None:  # fmt: skip
+        self.key = key
+        self.records = records
+        """the active records the key names by id, held so that no other object can take their ids"""
+        self.batch = batch
+        self.view = memoryview(batch).cast("B")  # raw bytes, for struct.pack_into
+        self.rows = rows
+        """per item: (byte offset of its per-step fields, length, bucket offset, piece index, record index)"""
+        self.piece_starts, self.piece_first = piece_starts, piece_first
+        self.noise_base = 0
+        """address of the scratch's uint16 noise table, set at the first step with stochastic rounding"""
+
+
+_plans: weakref.WeakKeyDictionary[FusedScratch, dict[int, _Plan]] = weakref.WeakKeyDictionary()
+"""Per optimizer (its scratch), bucket index -> plan; a plan whose key no longer matches is rebuilt."""
+
+
+def _build_plan(key: tuple, bucket: HostBucket, active: list[ParamShard], scratch: FusedScratch) -> _Plan:
+    m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
+    master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
+    assert master is not None and grads is not None, "a host bucket has its master and grad staging"
+    sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
+    bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
+    index = {id(r): i for i, r in enumerate(active)}
+    items, rows, piece_starts, piece_first = [], [], [], []
+    for start, _stop, segs in pieces(active, scratch.numel):
+        piece_starts.append(start)
+        piece_first.append(index[id(segs[0][2])])
+        for b, e, record in segs:
+            items.append(_AdamArgs(param=bases["p"] + b * sizes["p"], grad=bases["g"] + b * sizes["g"],
+                                   exp_avg=bases["m"] + b * sizes["m"], exp_avg_sq=bases["v"] + b * sizes["v"],
+                                   stage=stage.data_ptr() + b * 2 if stage is not None else 0))  # fmt: skip
+            offset = (len(items) - 1) * ctypes.sizeof(_AdamArgs) + _PER_STEP_OFFSET
+            rows.append((offset, e - b, b, len(piece_starts) - 1, index[id(record)]))
+    return _Plan(key, active, (_AdamArgs * len(items))(*items), rows, piece_starts, piece_first)
 
 
 @torch.no_grad()
@@ -347,7 +407,8 @@ def compiled_adam_bucket_step(
     Walks the same piece grid as the fused path (pieces of ``scratch.numel`` from the
     first active record) so the stochastic-rounding noise windows are the same, and
     calls the C loop once per (piece, active record) overlap: each call covers one
-    record, so one step count and one set of bias corrections.
+    record, so one step count and one set of bias corrections. The items are built
+    once per layout (:class:`_Plan`); each step rewrites only their scalars and noise pointers.
     """
     if not _covered(bucket) or not compiled_step_available(warn=False):  # `compiled` already warned at construction
         adam_bucket_step(bucket, active, hyper, scratch)
@@ -357,42 +418,46 @@ def compiled_adam_bucket_step(
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
     assert master is not None and grads is not None, "a host bucket has its master and grad staging"
     m_mode, v_mode = _moment_mode(m_flat, hyper.beta1), _moment_mode(v_flat, hyper.beta2)
-    sizes = {name: t.element_size() for name, t in (("p", master), ("g", grads), ("m", m_flat), ("v", v_flat))}
-    bases = {"p": master.data_ptr(), "g": grads.data_ptr(), "m": m_flat.data_ptr(), "v": v_flat.data_ptr()}
-    stage_base = stage.data_ptr() if stage is not None else None
     sr_m, sr_v = m_mode == _MOMENT_BF16_SR, v_mode == _MOMENT_BF16_SR
-    # Per step count, a struct with every field but the per-call pointers and length:
-    # copying its bytes and setting those few fields is several times cheaper than
-    # building an item from keywords, and there are hundreds of items per bucket.
-    templates: dict[float, bytes] = {}
-    common = {
-        "grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
-        "has_stage": int(stage is not None), "vec_width": _vec_width,
-    }  # fmt: skip
-    steps = {id(r): float(r.created_state["step"]) for r in active}
-    items = []
-    for start, stop, segs in pieces(active, scratch.numel):
-        if sr_m or sr_v:
-            counter = noise_counter(segs[0][2], start, scratch)
-            # the fused path's noise values as uint16 (2 B/element read instead of 4)
-            noise_m = scratch.noise(stop - start, counter, torch.uint16).data_ptr() - start * 2 if sr_m else 0
-            noise_v = scratch.noise(stop - start, counter + 1, torch.uint16).data_ptr() - start * 2 if sr_v else 0
-        for b, e, record in segs:
-            step = steps[id(record)]
-            if step not in templates:
-                templates[step] = bytes(_AdamArgs(**_scalars(hyper, step), **common))
-            item = _AdamArgs.from_buffer_copy(templates[step])
-            item.param, item.grad = bases["p"] + b * sizes["p"], bases["g"] + b * sizes["g"]
-            item.exp_avg, item.exp_avg_sq = bases["m"] + b * sizes["m"], bases["v"] + b * sizes["v"]
-            item.n = e - b
-            if stage_base is not None:
-                item.stage = stage_base + b * 2
-            if sr_m:
-                item.noise_m = noise_m + b * 2
-            if sr_v:
-                item.noise_v = noise_v + b * 2
-            items.append(item)
-    _run(items, torch.get_num_threads())
+    # Everything the items' fixed fields depend on; the records are held by the plan, so their ids stay theirs.
+    key = (tuple(map(id, active)), scratch.numel,
+           *((t.data_ptr(), t.dtype) for t in (master, grads, m_flat, v_flat)), stage.data_ptr() if stage is not None else 0)  # fmt: skip
+    plans = _plans.setdefault(scratch, {})
+    plan = plans.get(bucket.index)
+    if plan is None or plan.key != key:
+        plan = plans[bucket.index] = _build_plan(key, bucket, active, scratch)
+    if (sr_m or sr_v) and not plan.noise_base:
+        # the noise table's start (counter 0's window starts there; an empty window's data_ptr() would be 0);
+        # the scratch allocates it once and never replaces it
+        plan.noise_base = scratch.noise(1, 0, torch.uint16).data_ptr()
+    noise_base = plan.noise_base
+    flags = {"grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
+             "has_stage": int(stage is not None)}  # fmt: skip
+    steps = [float(r.created_state["step"]) for r in active]
+    scalars = {}
+    for step in set(steps):
+        fields = {**_scalars(hyper, step), **flags}
+        scalars[step] = [fields[name] for name in _SCALAR_FIELDS]
+    # noise_counter's windows (as uint16: 2 B/element), shifted so that element b of the bucket reads [b - start]
+    windows = [
+        (noise_base + 2 * (noise_offset(counter) - start) if sr_m else 0,
+         noise_base + 2 * (noise_offset(counter + 1) - start) if sr_v else 0)
+        for start, first in zip(plan.piece_starts, plan.piece_first)
+        for counter in (noise_counter(int(steps[first]), start, scratch),)
+    ]  # fmt: skip
+    pack, view = _PER_STEP.pack_into, plan.view
+    for offset, n, b, piece, record in plan.rows:
+        noise_m, noise_v = windows[piece]
+        pack(
+            view,
+            offset,
+            noise_m + 2 * b if sr_m else 0,
+            noise_v + 2 * b if sr_v else 0,
+            n,
+            _vec_width,
+            *scalars[steps[record]],
+        )
+    _run(plan.batch, torch.get_num_threads())
 
 
 def select_host_step() -> HostStep:

@@ -107,8 +107,13 @@ class FusedScratch:
             )
         if dtype == torch.uint16 and "table16" not in self._buffers:
             self._buffers["table16"] = self._buffers["table"].to(torch.uint16)  # exact: every value is below 2**16
-        offset = (counter * _GOLDEN) % _NOISE_SPAN
+        offset = noise_offset(counter)
         return self._buffers["table16" if dtype == torch.uint16 else "table"][offset : offset + n]
+
+
+def noise_offset(counter: int) -> int:
+    """Where the noise window of ``counter`` starts in the table (:meth:`FusedScratch.noise`)."""
+    return (counter * _GOLDEN) % _NOISE_SPAN
 
 
 def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:
@@ -129,14 +134,14 @@ def _stochastic_round_into(dst: torch.Tensor, src: torch.Tensor, noise: torch.Te
     dst.copy_(src)  # exact: the low 16 bits are zero now
 
 
-def noise_counter(first: ParamShard, start: int, scratch: FusedScratch) -> int:
-    """Rounding-noise counter of the piece at ``start`` whose first active record is ``first``.
+def noise_counter(step: int, start: int, scratch: FusedScratch) -> int:
+    """Rounding-noise counter of the piece at ``start`` whose first active record is at step ``step``.
 
     (step, piece position in the bucket) -> distinct, reproducible noise; the two
     moments add a salt of 0 and 1. Shared with :mod:`offload_fsdp.compiled_step`,
     which must pick the same windows to stay bit-identical.
     """
-    return int(first.created_state["step"]) * 7919 + start // scratch.numel * 104729
+    return step * 7919 + start // scratch.numel * 104729
 
 
 def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, list[tuple[int, int, ParamShard]]]]:
@@ -215,7 +220,7 @@ def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHy
         if master.dtype != torch.float32:
             master[start:stop].copy_(p)
         if m_flat.dtype != torch.float32 or v_flat.dtype != torch.float32:
-            counter = noise_counter(segs[0][2], start, scratch)
+            counter = noise_counter(int(segs[0][2].created_state["step"]), start, scratch)
             for flat, fp32, beta, salt in ((m_flat, m, hyper.beta1, 0), (v_flat, v, hyper.beta2, 1)):
                 if flat.dtype == torch.float32:
                     continue
