@@ -1,0 +1,69 @@
+"""kill -9 at deterministic points of a save over an existing checkpoint: the path loads whole, the next save works."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The child saves ``new`` over the checkpoint at argv[1] and SIGKILLs itself at the argv[2]-th file or directory
+# removal made after the new checkpoint was renamed into place (the tail of the swap: the old copy's removal).
+_KILL_IN_CLEANUP = r"""
+import os, signal, sys, torch, checkpoint
+from checkpoint import storage_backend
+path, kill_at = sys.argv[1], int(sys.argv[2])
+state = {"swapped": False, "removals": 0}
+rename = storage_backend.LocalStorage.rename
+def tracking_rename(self, src, dst):
+    rename(self, src, dst)
+    state["swapped"] = state["swapped"] or os.path.abspath(dst) == os.path.abspath(path)
+storage_backend.LocalStorage.rename = tracking_rename
+for name in ("unlink", "rmdir"):
+    def removal(*args, _original=getattr(os, name), **kwargs):
+        if state["swapped"]:
+            state["removals"] += 1
+            if state["removals"] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return _original(*args, **kwargs)
+    setattr(os, name, removal)
+checkpoint.save_state_dict({"w": torch.full((8, 4), 2.0), "b": torch.arange(5.0) * 2}, path)
+print("finished", state["removals"], flush=True)
+"""
+
+
+def _save_killed_in_cleanup(path: Path, kill_at: int) -> bool:
+    """Whether the child finished (``kill_at`` beyond the removals of the save); else it was killed there."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_IN_CLEANUP, str(path), str(kill_at)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode in (0, -9), proc.stderr[-2000:]
+    return proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_kill_while_the_replaced_checkpoint_is_removed_leaves_the_new_one_and_the_next_save_works(tmp_path):
+    old = {"w": torch.full((8, 4), 1.0), "b": torch.arange(5.0)}
+    new = {"w": torch.full((8, 4), 2.0), "b": torch.arange(5.0) * 2}
+    after = {"w": torch.full((8, 4), 3.0), "b": torch.arange(5.0) * 3}
+    kill_at, finished = 1, False
+    while not finished:
+        path = tmp_path / f"k{kill_at}" / "ck"
+        checkpoint.save_state_dict(old, path)
+        finished = _save_killed_in_cleanup(path, kill_at)
+        got = {"w": torch.zeros(8, 4), "b": torch.zeros(5)}
+        checkpoint.load_state_dict(got, path, no_dist=True)
+        assert torch.equal(got["w"], new["w"]) and torch.equal(got["b"], new["b"]), kill_at
+        # The leftover of the killed removal must not block the next save (it is ours, and removed by it).
+        checkpoint.save_state_dict(after, path)
+        checkpoint.load_state_dict(got, path, no_dist=True)
+        assert torch.equal(got["w"], after["w"]) and torch.equal(got["b"], after["b"]), kill_at
+        assert sorted(os.listdir(path.parent)) == ["ck"], kill_at
+        kill_at += 1
+    assert kill_at > 4  # the marker's removal from the new checkpoint, then each file of the old one and its dir
