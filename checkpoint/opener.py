@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from checkpoint.atomic import check_committed, is_committed, resolve_for_load
+from checkpoint.atomic import resolve_for_load
 from checkpoint.content_check import ContentCheck
 from checkpoint.manifest import (
     MANIFEST_NAME,
@@ -114,8 +114,10 @@ def open_checkpoint(
     stamp = _stamp(src)  # before the manifest is read: a save swapping in meanwhile shows as a change
     try:
         manifest = None
-        if require_manifest or storage_for(src).stat(src / METADATA_NAME) is None or is_committed(src):
-            check_committed(src)
+        store = storage_for(src)
+        # Anything at manifest.json (a FIFO, a directory, a dangling link too) is read as one, and refused
+        # naming what it is: the checkpoint is not quietly taken for a plain DCP directory without file checks.
+        if require_manifest or store.stat(src / METADATA_NAME) is None or store.stat(src / MANIFEST_NAME) is not None:
             manifest = read_manifest(src)
         elif not quiet:
             logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)

@@ -8,6 +8,7 @@ partly or from the wrong bytes.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import checkpoint
 from checkpoint.dcp_metadata import write_metadata
 from checkpoint.manifest import METADATA_NAME, read_manifest, write_manifest
 from checkpoint.safe_unpickle import load_metadata
+from checkpoint.tool.cli import main as cli_main
 
 _SAVED = {"w": torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8), "b": torch.arange(10.0), "n": 7}
 
@@ -97,3 +99,24 @@ def test_the_unedited_checkpoint_loads_exactly(good):
     target = {"w": torch.full((64, 8), -1.0), "b": torch.zeros(10), "n": None}
     checkpoint.load_state_dict(target, good, no_dist=True)
     assert torch.equal(target["w"], _SAVED["w"]) and torch.equal(target["b"], _SAVED["b"]) and target["n"] == 7
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dangling link"])
+def test_a_manifest_that_is_not_a_regular_file_fails_verify_and_load_naming_it(good, tmp_path, capsys, kind):
+    ck = tmp_path / "ck"
+    shutil.copytree(good, ck)
+    manifest = ck / "manifest.json"
+    manifest.unlink()
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    elif kind == "directory":
+        manifest.mkdir()
+    else:
+        manifest.symlink_to(tmp_path / "nowhere")
+    # Not a plain DCP directory to be verified without file checks: what sits at manifest.json is named.
+    assert cli_main(["verify", str(ck)]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json" in err and "OK" not in err, err
+    target = {"w": torch.zeros(64, 8), "b": torch.zeros(10), "n": None}
+    with pytest.raises((checkpoint.CheckpointCorruptError, checkpoint.NotACheckpointError), match="manifest.json"):
+        checkpoint.load_state_dict(target, ck, require_manifest=False, no_dist=True)
