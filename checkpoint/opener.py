@@ -157,6 +157,7 @@ def _inconsistencies(metadata: Metadata, manifest: Manifest | None) -> list[str]
     if manifest is not None:
         for key, item in metadata.state_dict_metadata.items():
             record = manifest.keys.get(key)
+            saved: tuple[str, str | None, tuple[int, ...] | None]
             if isinstance(item, TensorStorageMetadata):
                 saved = ("tensor", dtype_name(item.properties.dtype), tuple(item.size))
             else:

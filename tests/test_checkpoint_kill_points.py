@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import checkpoint
+from checkpoint import storage as storage_module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,3 +68,30 @@ def test_a_kill_while_the_replaced_checkpoint_is_removed_leaves_the_new_one_and_
         assert sorted(os.listdir(path.parent)) == ["ck"], kill_at
         kill_at += 1
     assert kill_at > 4  # the marker's removal from the new checkpoint, then each file of the old one and its dir
+
+
+def test_a_rank_whose_rewrite_failed_is_not_committed_from_its_record_of_an_earlier_uncommitted_save(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "ck"
+    checkpoint.save_state_dict({"w": torch.full((8, 3), 9.0)}, path)  # the committed checkpoint to keep
+
+    def part(rank: int, value: float) -> dict:
+        return {"w": checkpoint.shard(torch.full((4, 3), value), (8, 3), offsets=(4 * rank, 0))}
+
+    checkpoint.write_rank(path, 0, 2, part(0, 1.0))
+    checkpoint.write_rank(path, 1, 2, part(1, 1.0))  # a save written whole but never committed
+    checkpoint.write_rank(path, 0, 2, part(0, 2.0))  # the next one: rank 1's rewrite fails
+
+    def failing_write(*args, **kwargs):
+        raise OSError("rank 1's write failed")
+
+    monkeypatch.setattr(storage_module, "write_tensor", failing_write)
+    with pytest.raises(OSError, match="rank 1's write failed"):
+        checkpoint.write_rank(path, 1, 2, part(1, 2.0))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="rank 1 did not finish writing"):
+        checkpoint.commit(path, 2)
+    got = {"w": torch.zeros(8, 3)}
+    checkpoint.load_state_dict(got, path, no_dist=True)
+    assert torch.equal(got["w"], torch.full((8, 3), 9.0))  # the committed checkpoint is untouched
