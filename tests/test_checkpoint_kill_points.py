@@ -1,5 +1,6 @@
 """kill -9 at deterministic points of a save over an existing checkpoint: the path loads whole, the next save works."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 import checkpoint
 from checkpoint import storage as storage_module
+from checkpoint.atomic import staging_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,3 +97,22 @@ def test_a_rank_whose_rewrite_failed_is_not_committed_from_its_record_of_an_earl
     got = {"w": torch.zeros(8, 3)}
     checkpoint.load_state_dict(got, path, no_dist=True)
     assert torch.equal(got["w"], torch.full((8, 3), 9.0))  # the committed checkpoint is untouched
+
+
+def test_commit_refuses_a_rank_record_naming_a_file_outside_the_checkpoint_and_keeps_the_previous_one(tmp_path):
+    path = tmp_path / "ck"
+    checkpoint.save_state_dict({"w": torch.full((8, 3), 9.0)}, path)
+    for rank in range(2):
+        local = torch.full((4, 3), 1.0)
+        checkpoint.write_rank(path, rank, 2, {"w": checkpoint.shard(local, (8, 3), offsets=(4 * rank, 0))})
+    record_path = staging_path(path) / "__1.rank.json"
+    record = json.loads(record_path.read_text())
+    for chunk in record["tensors"]["w"]["chunks"]:
+        chunk[2] = "../elsewhere"  # a tampered record: its manifest would be refused by every reader
+    record["files"] = {"../elsewhere": [10, 0]}
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"refusing to commit .*manifest\.json.*'\.\./elsewhere'"):
+        checkpoint.commit(path, 2)
+    got = {"w": torch.zeros(8, 3)}
+    checkpoint.load_state_dict(got, path, no_dist=True)
+    assert torch.equal(got["w"], torch.full((8, 3), 9.0))
