@@ -116,3 +116,12 @@ def test_commit_refuses_a_rank_record_naming_a_file_outside_the_checkpoint_and_k
     got = {"w": torch.zeros(8, 3)}
     checkpoint.load_state_dict(got, path, no_dist=True)
     assert torch.equal(got["w"], torch.full((8, 3), 9.0))
+
+
+def test_a_link_at_the_lock_name_is_refused_and_nothing_is_created_where_it_points(tmp_path):
+    (tmp_path / "user").mkdir()
+    (tmp_path / ".ck.fsdp-ckpt-lock").symlink_to(tmp_path / "user" / "would_be_created")
+    with pytest.raises(FileExistsError, match=r"\.ck\.fsdp-ckpt-lock.*symbolic link"):
+        checkpoint.save_state_dict({"w": torch.ones(3)}, tmp_path / "ck")
+    assert os.listdir(tmp_path / "user") == [] and not (tmp_path / "ck").exists()
+    assert (tmp_path / ".ck.fsdp-ckpt-lock").is_symlink()
