@@ -101,8 +101,9 @@ def open_checkpoint(
     ``"full"`` checks every file's CRC-32 here, before anything is read (one
     extra pass); ``"sizes"`` only sizes and ``.metadata``'s CRC-32 (the
     opt-out: damaged data bytes then load silently); ``"none"`` checks no
-    file. ``.metadata`` is always read with a restricted unpickler: nothing
-    in a checkpoint runs code. ``require_manifest=False`` also opens a plain
+    file, nor the consistency of ``.metadata`` (chunk cover, byte ranges, the
+    manifest's keys) that every other mode checks. ``.metadata`` is always
+    read with a restricted unpickler: nothing in a checkpoint runs code. ``require_manifest=False`` also opens a plain
     DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
     without file checks (logged unless ``quiet``). Raises ``FileNotFoundError``,
     :class:`~checkpoint.manifest.NotACheckpointError` or
@@ -133,7 +134,8 @@ def open_checkpoint(
                     f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
                     "restore the checkpoint from a copy or re-save it"
                 )
-        problems = _inconsistencies(metadata, manifest)
+        # verify="none" skips these too: `fsdp-ckpt verify` opens so and lists every problem itself
+        problems = _inconsistencies(metadata, manifest) if verify != "none" else []
         if problems:
             raise CheckpointCorruptError(
                 f"{src / METADATA_NAME}: does not describe a whole checkpoint ({'; '.join(problems[:3])}); "
