@@ -137,6 +137,25 @@ def _in_the_way(path: Path, role: str, target: Path) -> FileExistsError:
     )
 
 
+def _remove_marked(directory: Path) -> None:
+    """Remove the marked ``directory``, its marker last.
+
+    A kill midway then leaves it still marked (or empty), which the next save
+    recognises as its own and removes; a whole-tree removal could take the
+    marker first and leave files that block every later save.
+    """
+    store = storage_for(directory)
+    for name in store.list(directory):
+        if name != MARKER_NAME:
+            found = store.stat(directory / name)
+            if found is not None and found.kind == "directory":
+                store.remove_tree(directory / name)
+            else:
+                store.delete(directory / name, missing_ok=True)
+    store.delete(directory / MARKER_NAME, missing_ok=True)
+    store.remove_dir(directory)
+
+
 def _remove_ours(directory: Path, role: str, target: Path) -> None:
     """Remove ``directory`` if it is ours (marked, or an empty dir left by a kill before the marker)."""
     found = storage_for(directory).stat(directory)
@@ -144,7 +163,7 @@ def _remove_ours(directory: Path, role: str, target: Path) -> None:
         return
     if found.kind == "directory":
         if is_ours(directory):
-            storage_for(directory).remove_tree(directory)
+            _remove_marked(directory)
             return
         if not storage_for(directory).list(directory):
             storage_for(directory).remove_dir(directory)
@@ -180,7 +199,8 @@ def remove_staging(path: str | os.PathLike) -> None:
     """Remove the staging directory of a failed save to ``path``, if it is ours. Never raises."""
     staged = staging_path(path)
     if is_ours(staged):
-        storage_for(staged).remove_tree(staged, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _remove_marked(staged)
 
 
 def check_target(path: str | os.PathLike) -> None:
@@ -284,8 +304,9 @@ def swap_into_place(
     store.sync_dir(path.parent)
     # The output holds only its own files; the marker comes back if a later save moves it aside.
     store.delete(path / MARKER_NAME, missing_ok=True)
-    if _exists(old):
-        store.remove_tree(old, ignore_errors=True)  # moved there by this very call
+    if is_ours(old):  # moved there (and marked) by this very call
+        with contextlib.suppress(OSError):
+            _remove_marked(old)
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:

@@ -227,9 +227,15 @@ def checksum_file(path: str | os.PathLike) -> FileRecord:
 def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
     """Write ``manifest.json`` durably: temp file, fsync, rename, fsync the directory.
 
-    This is the commit point of a save: call it after every other file is on disk.
+    This is the commit point of a save: call it after every other file is on disk. Raises ``ValueError``
+    (nothing written) for a manifest :func:`read_manifest` would refuse, e.g. a file name with a path in it
+    from a tampered rank record: a commit must not replace a checkpoint by one that cannot be loaded.
     """
-    storage_for(directory).write_file(Path(directory) / MANIFEST_NAME, manifest.to_json(), sync_dir=True)
+    text = manifest.to_json()
+    problem = _schema_problem(json.loads(text))
+    if problem is not None:
+        raise ValueError(f"refusing to commit {Path(directory) / MANIFEST_NAME}: {problem}; nothing was committed")
+    storage_for(directory).write_file(Path(directory) / MANIFEST_NAME, text, sync_dir=True)
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:

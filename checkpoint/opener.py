@@ -21,18 +21,20 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from checkpoint.atomic import check_committed, is_committed, resolve_for_load
+from checkpoint.atomic import resolve_for_load
 from checkpoint.content_check import ContentCheck
 from checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
     CheckpointCorruptError,
     Manifest,
+    dtype_name,
     read_manifest,
     verify_files,
 )
+from checkpoint.planner import metadata_problems
 from checkpoint.safe_unpickle import load_metadata
 from checkpoint.save_errors import first_failure
 from checkpoint.storage_backend import storage_for
@@ -99,8 +101,9 @@ def open_checkpoint(
     ``"full"`` checks every file's CRC-32 here, before anything is read (one
     extra pass); ``"sizes"`` only sizes and ``.metadata``'s CRC-32 (the
     opt-out: damaged data bytes then load silently); ``"none"`` checks no
-    file. ``.metadata`` is always read with a restricted unpickler: nothing
-    in a checkpoint runs code. ``require_manifest=False`` also opens a plain
+    file, nor the consistency of ``.metadata`` (chunk cover, byte ranges, the
+    manifest's keys) that every other mode checks. ``.metadata`` is always
+    read with a restricted unpickler: nothing in a checkpoint runs code. ``require_manifest=False`` also opens a plain
     DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
     without file checks (logged unless ``quiet``). Raises ``FileNotFoundError``,
     :class:`~checkpoint.manifest.NotACheckpointError` or
@@ -112,8 +115,10 @@ def open_checkpoint(
     stamp = _stamp(src)  # before the manifest is read: a save swapping in meanwhile shows as a change
     try:
         manifest = None
-        if require_manifest or storage_for(src).stat(src / METADATA_NAME) is None or is_committed(src):
-            check_committed(src)
+        store = storage_for(src)
+        # Anything at manifest.json (a FIFO, a directory, a dangling link too) is read as one, and refused
+        # naming what it is: the checkpoint is not quietly taken for a plain DCP directory without file checks.
+        if require_manifest or store.stat(src / METADATA_NAME) is None or store.stat(src / MANIFEST_NAME) is not None:
             manifest = read_manifest(src)
         elif not quiet:
             logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
@@ -129,11 +134,56 @@ def open_checkpoint(
                     f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
                     "restore the checkpoint from a copy or re-save it"
                 )
+        # verify="none" skips these too: `fsdp-ckpt verify` opens so and lists every problem itself
+        problems = _inconsistencies(metadata, manifest) if verify != "none" else []
+        if problems:
+            raise CheckpointCorruptError(
+                f"{src / METADATA_NAME}: does not describe a whole checkpoint ({'; '.join(problems[:3])}); "
+                "restore the checkpoint from a copy or re-save it"
+            )
     except (ValueError, OSError) as exc:
         if stamp is not None and _stamp(src) != stamp:
             raise _replaced_error(src) from exc  # a save swapped a new checkpoint in while this one was opened
         raise
     return OpenCheckpoint(src, manifest, metadata, verify, stamp if manifest is not None else None)
+
+
+def _inconsistencies(metadata: Metadata, manifest: Manifest | None) -> list[str]:
+    """What in a (CRC-valid) ``.metadata`` would make a load quietly wrong rather than fail.
+
+    A chunk missing or out of bounds would leave part of the destination as it
+    was; a byte range shared by two entries or past its file's recorded end, or
+    a key whose dtype / shape differs from the manifest's, would read other bytes.
+    """
+    problems = metadata_problems(metadata)
+    if manifest is not None:
+        for key, item in metadata.state_dict_metadata.items():
+            record = manifest.keys.get(key)
+            saved: tuple[str, str | None, tuple[int, ...] | None]
+            if isinstance(item, TensorStorageMetadata):
+                saved = ("tensor", dtype_name(item.properties.dtype), tuple(item.size))
+            else:
+                saved = ("bytes", None, None)
+            if record is None or (record.kind, record.dtype, record.shape) != saved:
+                problems.append(f"{key!r} is {saved} here but {record} in {MANIFEST_NAME}")
+        extra = sorted(set(manifest.keys) - set(metadata.state_dict_metadata))
+        if extra:
+            problems.append(f"{MANIFEST_NAME} lists keys {extra[:5]} it does not hold")
+        ranges = sorted(
+            (info.relative_path, info.offset, info.offset + info.length, _entry(index))
+            for index, info in (metadata.storage_data or {}).items()
+        )
+        for (name, _, end, key), (next_name, next_start, _, next_key) in zip(ranges, ranges[1:]):
+            if name == next_name and next_start < end:
+                problems.append(f"{key} and {next_key} share bytes of {name}")
+        for name, _, end, key in ranges:
+            if name in manifest.files and end > manifest.files[name].size:
+                problems.append(f"{key} is stored past the end of {name} (byte {end})")
+    return problems
+
+
+def _entry(index: MetadataIndex) -> str:
+    return repr(index.fqn) if index.offset is None else f"{index.fqn!r} chunk {list(index.offset)}"
 
 
 def _replaced_error(path: Path) -> CheckpointCorruptError:

@@ -118,6 +118,10 @@ class FsdpWriter(FileSystemWriter):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
             storage_for(self.path).delete(Path(self.path) / MANIFEST_NAME, missing_ok=True)
         if not self.use_collectives:
+            # This rank's record from an earlier, uncommitted save must not vouch for the file rewritten now:
+            # if this write fails or is killed, commit finds no record and names the rank.
+            assert self.rank is not None  # set up by DCP (or force_rank) before any plan
+            storage_for(self.path).delete(Path(self.path) / rank_record_name(self.rank), missing_ok=True)
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 

@@ -387,7 +387,16 @@ class LocalStorage:
 def _flock(lock: Path) -> int:
     """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed)."""
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # O_NOFOLLOW: a link at the lock name would make the save create or lock a file wherever it points
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise FileExistsError(
+                f"{str(lock)!r} is a symbolic link, in the way of this save's lock file (not made by a save, "
+                "left alone); move it away"
+            ) from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
