@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,19 @@ class PrecisionPolicy:
     exp_avg_sq_dtype: torch.dtype = torch.float32
     """dtype of Adam's second moment (fp32, or bf16)."""
 
+    grad_comm_dtype: torch.dtype | None = None
+    """Deprecated, read by nothing: kept so the documented constructor keeps working. Gradients travel
+    over collectives in FSDP2's ``MixedPrecisionPolicy.reduce_dtype``; setting this warns."""
+
     def __post_init__(self) -> None:
+        if self.grad_comm_dtype is not None:
+            warnings.warn(
+                f"PrecisionPolicy.grad_comm_dtype={self.grad_comm_dtype} has no effect (nothing in offload-fsdp "
+                "reads it) and is deprecated; set the reduce dtype on FSDP2 instead: "
+                "fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=...))",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         for name in ("main_params_dtype", "main_grads_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:

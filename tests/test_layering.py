@@ -50,9 +50,13 @@ def test_the_checkpoint_library_never_imports_its_fsdp_ckpt_tool():
     # builds on it, never the other way round, so the library stays usable without the tool's modules.
     # Indented (function-level) imports count too: the pattern allows leading whitespace.
     pattern = re.compile(r"^\s*(from|import) checkpoint\.tool\b|^\s*from checkpoint import tool\b", re.MULTILINE)
-    library = sorted((REPO / "checkpoint").glob("*.py"))
+    # checkpoint/cli.py is the documented `python -m checkpoint.cli` entry point: it forwards to the tool,
+    # and no library module may import it (checked below with the library's own imports).
+    library = sorted(p for p in (REPO / "checkpoint").glob("*.py") if p.name != "cli.py")
     assert len(library) > 10, "found no library modules: did checkpoint/ move?"
+    entry = re.compile(r"^\s*(from|import) checkpoint\.cli\b|^\s*from checkpoint import cli\b", re.MULTILINE)
     for path in library:
+        assert not entry.search(path.read_text()), f"{path.relative_to(REPO)} imports the checkpoint.cli entry point"
         assert not pattern.search(path.read_text()), (
             f"{path.relative_to(REPO)} imports checkpoint.tool: move the piece it needs into the library"
         )
@@ -63,3 +67,11 @@ def test_importing_checkpoint_loads_only_the_base_leaf_modules_not_the_optimizer
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "import checkpoint loaded HybridDeviceOptimizer's module"
+
+
+def test_the_documented_module_entry_point_python_m_checkpoint_cli_runs_the_tool():
+    out = subprocess.run(
+        [sys.executable, "-m", "checkpoint.cli", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage: fsdp-ckpt" in out.stdout

@@ -41,10 +41,11 @@ def test_precision_policy_rejects_bad_combinations_naming_the_field(kwargs, matc
         PrecisionPolicy(**kwargs)
 
 
-def test_precision_policy_refuses_grad_comm_dtype_which_nothing_read():
-    # It was accepted and ignored; FSDP2's MixedPrecisionPolicy(reduce_dtype=...) is the real setting.
-    with pytest.raises(TypeError, match="grad_comm_dtype"):
-        PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+def test_precision_policy_grad_comm_dtype_still_constructs_but_warns_that_nothing_reads_it():
+    # The documented constructor keeps working (DESIGN.md's contract); the field has no effect.
+    with pytest.warns(DeprecationWarning, match="grad_comm_dtype.*no effect.*reduce_dtype"):
+        policy = PrecisionPolicy(grad_comm_dtype=torch.bfloat16)
+    assert policy.grad_comm_dtype == torch.bfloat16 and policy.main_params_dtype == torch.float32
 
 
 def test_precision_policy_is_frozen():
