@@ -780,11 +780,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             with _profiled("HybridDeviceOptimizer.d2h"):
                 for r, g in active:
                     if r.offloaded:
-                        if r.is_dtensor and id(r) not in done:
-                            # A DTensor runs in-place ops on its local shard below autograd: no version
-                            # counter moves for torch's clip_grad_norm_ (_foreach_mul_), so a copy from
-                            # the backward hooks cannot be trusted; copy the grad as it is now.
-                            r.staged_grad_key = None
+                        if not r.grad_edits_move_key and id(r) not in done:
+                            r.staged_grad_key = None  # the hooks' copy may predate an unseen edit: copy again
                         self._stage_grad(r, g)
             self._step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in self._buckets:
@@ -842,10 +839,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return True
         if grad_scale is not None:
             inv_scale = grad_scale.double().reciprocal().float().item()  # GradScaler's own reciprocal
-            with torch.no_grad():
-                for r in self._records:
-                    if r.param.grad is not None:  # GradScaler unscales .grad only
-                        r.param.grad.mul_(inv_scale)
+            for r in self._records:  # under step()'s no_grad
+                if r.param.grad is not None:  # GradScaler unscales .grad only
+                    r.param.grad.mul_(inv_scale)
         return False
 
     @staticmethod

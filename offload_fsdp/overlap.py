@@ -168,11 +168,10 @@ def _staged_is_current(r: ParamShard) -> bool:
 
 
 def _staged_equals_grad(r: ParamShard) -> bool:
-    """True when ``r``'s host grad staging holds, bit for bit, its DTensor grad as it is now.
+    """True when ``r``'s host grad staging holds, bit for bit, its grad as it is now.
 
-    A DTensor runs in-place ops on its local shard below autograd, and ``_foreach_*``
-    ops (torch's ``clip_grad_norm_``) move neither its nor the shard's version counter:
-    the key check cannot see them, so the grad is read back once (one D2H) and compared.
+    For a grad whose edits the key check cannot see (``ParamShard.grad_edits_move_key``):
+    the grad is read back once (one D2H) and compared.
     """
     grad = get_grad(r.param)
     assert grad is not None and r.host_grad_stage is not None  # a started record with a current key
@@ -299,7 +298,7 @@ class OverlappedStep:
 
     @staticmethod
     def _check_grad_unchanged(r: ParamShard) -> None:
-        if not _staged_is_current(r) or (r.is_dtensor and not _staged_equals_grad(r)):
+        if not _staged_is_current(r) or (not r.grad_edits_move_key and not _staged_equals_grad(r)):
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
                 "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "

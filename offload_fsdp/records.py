@@ -149,6 +149,17 @@ class ParamShard:
         return isinstance(self.param, DTensor)
 
     @property
+    def grad_edits_move_key(self) -> bool:
+        """Whether every in-place edit of this param's grad changes its :func:`grad_key`.
+
+        Not for a DTensor: it runs in-place ops on its local shard below autograd, so
+        ``grad.mul_`` moves only the DTensor's version counter and ``_foreach_*`` ops
+        (torch's ``clip_grad_norm_``) move neither; a host copy keyed by ``grad_key``
+        cannot show that such a grad is still current.
+        """
+        return not self.is_dtensor
+
+    @property
     def push_source(self) -> torch.Tensor:
         """The host tensor holding the updated param in its own dtype (what H2D copies)."""
         return self.param_stage if self.param_stage is not None else self.host_master
