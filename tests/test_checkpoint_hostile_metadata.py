@@ -120,3 +120,93 @@ def test_a_manifest_that_is_not_a_regular_file_fails_verify_and_load_naming_it(g
     target = {"w": torch.zeros(64, 8), "b": torch.zeros(10), "n": None}
     with pytest.raises((checkpoint.CheckpointCorruptError, checkpoint.NotACheckpointError), match="manifest.json"):
         checkpoint.load_state_dict(target, ck, require_manifest=False, no_dist=True)
+
+
+# --------------------------------------------------------------------------- a .metadata that would change the loader
+# Each poison is a few pickle opcodes run before DCP's own (then popped): plain pickle.loads of the file
+# applies it and returns the usual Metadata, so the checkpoint would load normally with the process changed.
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
+
+
+def _str(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+_FROZENSET = _global("builtins", "frozenset")
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+class _Probe:
+    """One global a poison would change: ``unchanged()`` checks it, ``restore()`` undoes a poison that got through."""
+
+    def __init__(self, poison: bytes, target, name: str) -> None:
+        self.poison, self.target, self.name = poison, target, name
+        self.before = vars(target).get(name, _Probe)
+
+    def unchanged(self) -> bool:
+        return vars(self.target).get(self.name, _Probe) is self.before
+
+    def restore(self) -> None:
+        if self.before is _Probe:
+            if self.name in vars(self.target):
+                delattr(self.target, self.name)
+        elif not self.unchanged():
+            setattr(self.target, self.name, self.before)
+
+
+def _path_exists() -> _Probe:
+    """BUILD with slot state on a class: setattr(PosixPath, "exists", frozenset)."""
+    import pathlib
+
+    return _Probe(
+        _global("pathlib", "PosixPath") + b"N}" + _str("exists") + _FROZENSET + b"s\x86b0", pathlib.PosixPath, "exists"
+    )
+
+
+def _layout_cache() -> _Probe:
+    """BUILD with dict state on a function: _get_layout.cache = {"torch.strided": torch.sparse_coo}."""
+    poison = _global("torch.serialization", "_get_layout") + b"}" + _str("cache") + b"}" + _str("torch.strided")
+    poison += _global("torch", "sparse_coo") + b"ssb0"
+    return _Probe(poison, torch.serialization._get_layout, "cache")
+
+
+def _metadata_class_method() -> _Probe:
+    """BUILD with slot state on one of DCP's own metadata classes: MetadataIndex.__eq__ = frozenset."""
+    poison = _global(_DCP, "MetadataIndex") + b"N}" + _str("__eq__") + _FROZENSET + b"s\x86b0"
+    return _Probe(poison, MetadataIndex, "__eq__")
+
+
+def _enum_member_value() -> _Probe:
+    """BUILD on the shared enum member a call returns: _MEM_FORMAT_ENCODING(0)._value_ = 7 (every later save)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    poison = _global(_DCP, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}" + _str("_value_") + b"K\x07sb0"
+    return _Probe(poison, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, "_value_")
+
+
+@pytest.mark.parametrize("probe", [_path_exists, _layout_cache, _metadata_class_method, _enum_member_value])
+def test_a_metadata_that_would_change_the_loading_program_is_refused_and_changes_nothing(good, tmp_path, probe):
+    import pathlib
+
+    probe = probe()
+    ck = tmp_path / "ck"
+    shutil.copytree(good, ck)
+    original = (ck / METADATA_NAME).read_bytes()
+    (ck / METADATA_NAME).write_bytes(original[:2] + probe.poison + original[2:])  # after PROTO: the poison, popped
+    manifest = read_manifest(ck)
+    from checkpoint.manifest import checksum_file
+
+    manifest.files[METADATA_NAME] = checksum_file(ck / METADATA_NAME)  # the manifest vouches for the poisoned bytes
+    write_manifest(ck, manifest)
+    target = {"w": torch.zeros(64, 8), "b": torch.zeros(10), "n": None}
+    try:
+        with pytest.raises(checkpoint.CheckpointCorruptError, match=r"\.metadata: cannot be read.*refused"):
+            checkpoint.load_state_dict(target, ck, no_dist=True)
+        assert probe.unchanged(), f"loading changed {probe.target!r}.{probe.name}"
+        assert pathlib.Path("/").exists() is True
+        assert torch.serialization._get_layout("torch.strided") is torch.strided
+    finally:
+        probe.restore()  # a regression must fail this test, not every later one
