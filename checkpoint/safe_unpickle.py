@@ -108,7 +108,7 @@ def _stand_in(name: str, make: Any) -> type:
 
 def _new_instance(cls: type) -> Any:
     """How the unpickler makes a DCP data class: a bare instance (NEWOBJ, then BUILD fills it), or a constructor call."""
-    return lambda *args: cls(*args) if args else cls.__new__(cls)
+    return lambda *args: cls(*args) if args else object.__new__(cls)
 
 
 class _MemoryFormatCode:
@@ -120,6 +120,7 @@ class _MemoryFormatCode:
     """
 
     __slots__ = ("member",)
+    member: _MEM_FORMAT_ENCODING
 
     def __init__(self, member: _MEM_FORMAT_ENCODING) -> None:
         object.__setattr__(self, "member", member)
