@@ -5,11 +5,13 @@
 of tensors, DTensors, flat-shard tensors (with a ``fsdp_shard_spec``),
 :func:`checkpoint.shard` objects and picklable values.
 
-Communication: a save in the default ``mode="collective"`` costs DCP's fixed
+Communication: every save starts with one small gather agreeing that every
+rank's values can be saved (weights-only loadable, Stateful ``state_dict()``
+calls that returned). Then a save in the default ``mode="collective"`` costs DCP's fixed
 plan exchange (a gather and a scatter) and its final gather + broadcast,
 whatever the number of tensors (errors of any rank, the conversion of the
 state dict included, are gathered there and raised on every rank);
-``mode="scale"`` costs three small gathers, each agreeing on whether a step
+``mode="scale"`` costs three more small gathers, each agreeing on whether a step
 failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
 the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
 reads no more than each rank's own chunks and the merged ``.metadata``; under
@@ -25,7 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,8 @@ from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
 from checkpoint.save_errors import (
     CheckpointLoadError,
-    agree_on_failure,
+    CheckpointSaveError,
+    on_every_rank,
     raise_on_every_rank,
     raise_unwrapped,
     unwrap_dcp_error,
@@ -126,15 +129,7 @@ def load_on_every_rank(
     :class:`~checkpoint.save_errors.CheckpointLoadError`, so no rank goes on to train alone and wait forever.
     """
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
-    result = error = None
-    try:
-        result = load()
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
-        error = exc
-    failures = agree_on_failure(error, group=process_group, distributed=distributed)
-    if failures:
-        raise CheckpointLoadError(path, failures)
-    return cast(T, result)  # no rank failed: load() returned
+    return on_every_rank(load, partial(CheckpointLoadError, path), group=process_group, distributed=distributed)
 
 
 def save_state_dict(
@@ -158,7 +153,14 @@ def save_state_dict(
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
     wait_for_async_save()
-    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
+    # Before anything is written, what we save must load weights-only. Agreed on before DCP's first collective:
+    # a value refused (or a Stateful's state_dict() raising) on one rank must not leave the others waiting there.
+    on_every_rank(
+        partial(check_saved_values, state_dict),
+        partial(CheckpointSaveError, path),
+        group=process_group,
+        distributed=_dist_info(process_group)[2],
+    )
     write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
 
 
