@@ -210,3 +210,83 @@ def test_a_metadata_that_would_change_the_loading_program_is_refused_and_changes
         assert torch.serialization._get_layout("torch.strided") is torch.strided
     finally:
         probe.restore()  # a regression must fail this test, not every later one
+
+
+# --------------------------------------------------------------------------- bounded cost of a load: counted, not timed
+# A load of a small checkpoint runs about 10-20k Python lines and allocates well under 1 MiB (the destination
+# tensors aside); the check that chunks cover their tensor used to cost 2**ndim per chunk (a 22-dim tensor:
+# 8M corners, 58 s; 30 dims: out of memory).
+_LINES = 300_000
+_BYTES = 64 << 20
+
+
+def _counted(fn, max_lines: int = _LINES):
+    from tests.bounded import WorkBudgetExceeded, run_counted
+
+    returned, raised, lines, peak = run_counted(fn, max_lines=max_lines, max_bytes=_BYTES)
+    assert not isinstance(raised, WorkBudgetExceeded), f"{raised} ({lines} lines, {peak} bytes at peak)"
+    print(f"{lines} Python lines, {peak} bytes at peak")
+    return returned, raised
+
+
+def test_a_saved_22_dim_tensor_loads_exactly_within_a_counted_budget(tmp_path):
+    saved = torch.randint(0, 255, (2,) * 22, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    checkpoint.save_state_dict({"t": saved}, tmp_path / "ck")
+    back = {"t": torch.zeros_like(saved)}
+    _, raised = _counted(lambda: checkpoint.load_state_dict(back, tmp_path / "ck", no_dist=True))
+    assert raised is None and torch.equal(back["t"], saved)
+
+
+def _reshape_in_metadata(ck: Path, key: str, shape: tuple[int, ...], boxes: list[tuple[tuple, tuple]]) -> None:
+    """Give ``key`` another shape and chunks in ``.metadata`` and the manifest, every chunk on the bytes of the first."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = load_metadata(ck / METADATA_NAME, (ck / METADATA_NAME).read_bytes())
+    item = metadata.state_dict_metadata[key]
+    (index,) = [i for i in metadata.storage_data if i.fqn == key]
+    info = metadata.storage_data.pop(index)
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+    metadata.state_dict_metadata[key] = TensorStorageMetadata(item.properties, torch.Size(shape), chunks)
+    for chunk in chunks:
+        metadata.storage_data[MetadataIndex(key, chunk.offsets)] = info
+    manifest = read_manifest(ck)
+    manifest.files[METADATA_NAME] = write_metadata(ck, metadata)
+    manifest.keys[key] = dataclasses.replace(manifest.keys[key], shape=tuple(shape))
+    write_manifest(ck, manifest)
+
+
+def test_a_tampered_24_dim_tensor_loads_exactly_within_a_counted_budget(tmp_path):
+    ck = tmp_path / "ck"
+    checkpoint.save_state_dict({"t": torch.tensor([5.0])}, ck)
+    _reshape_in_metadata(ck, "t", (1,) * 24, [((0,) * 24, (1,) * 24)])  # the same one element, 24 dims deep
+    back = {"t": torch.zeros((1,) * 24)}
+    _, raised = _counted(lambda: checkpoint.load_state_dict(back, ck, no_dist=True))
+    assert raised is None and back["t"].item() == 5.0
+
+
+@pytest.mark.parametrize(
+    "boxes",
+    [
+        [((0,) * 30, (2,) * 29 + (1,)), ((0,) * 29 + (1,), (2,) * 29 + (1,))],  # halves of the last dim
+        [((0,) * 30, (2,) * 29 + (1,)), ((0,) * 30, (2,) * 29 + (1,))],  # one half twice, the other in none
+    ],
+    ids=["exact cover", "overlap and hole"],
+)
+def test_a_tampered_30_dim_tensor_is_refused_clearly_within_a_counted_budget(tmp_path, boxes, capsys):
+    ck = tmp_path / "ck"
+    checkpoint.save_state_dict({"t": torch.tensor([5.0])}, ck)
+    _reshape_in_metadata(ck, "t", (2,) * 30, boxes)  # 2**30 elements claimed, 1 stored
+    _, raised = _counted(lambda: checkpoint.open_checkpoint(ck))
+    assert isinstance(raised, checkpoint.CheckpointCorruptError) and ".metadata" in str(raised), raised
+    code, raised = _counted(lambda: cli_main(["verify", str(ck)]))
+    assert raised is None and code != 0, capsys.readouterr()
+
+
+def test_chunks_too_fragmented_to_check_are_a_clear_error_not_an_unbounded_cost():
+    """An exact cover no writer produces: k column boxes beside k row boxes cut dim 0 into k slabs of k + 1."""
+    from checkpoint.planner import chunk_problem
+
+    k = 1500  # checked slab by slab: over 4M box visits; the budget (linear in chunks): about 0.25M
+    boxes = [((0, j), (k, 1)) for j in range(k)] + [((i, k), (1, k)) for i in range(k)]
+    problem, raised = _counted(lambda: chunk_problem("w", (k, 2 * k), boxes), max_lines=3_000_000)
+    assert raised is None and problem is not None and "w: " in problem and "too fragmented" in problem, problem
