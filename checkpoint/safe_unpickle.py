@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint.convert import resolve_stateful
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
+from checkpoint.pickle_budget import value_problem
 
 __all__ = [
     "MetadataUnpickler",
@@ -282,6 +283,12 @@ def _storage_problem(info: Any) -> str | None:
 def load_value(data: io.BytesIO | bytes, *, where: str) -> Any:
     """A non-tensor value stored by DCP (a ``torch.save`` archive), read weights-only."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    problem = value_problem(stream.getvalue())
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"{where}: refused to load: {problem}; nothing was built from it; a value checkpoint.save wrote never "
+            "does this: restore the file from a copy or re-save the checkpoint"
+        )
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a refused global or a damaged archive: one clear error
@@ -326,21 +333,29 @@ def _weights_only_reason(exc: BaseException) -> str:
 
 
 def check_weights_only(key: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``key`` when ``value`` would not load back with ``torch.load(weights_only=True)``.
+    """Raise ``ValueError`` naming ``key`` when ``value`` would not load back with ``torch.load(weights_only=True)``,
+    or a load would refuse it as too costly to read (:func:`~checkpoint.pickle_budget.value_problem`).
 
     Called by ``save`` for every non-tensor value, so a checkpoint it writes always loads safely.
     """
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=True)
+        problem = value_problem(buffer.getvalue())  # first: the round trip below would pay that cost
+        if problem is None:
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever torch.save / weights-only loading refuses
         raise ValueError(
             f"{key!r} holds a {type(value).__name__}, which torch.load(weights_only=True) cannot read back "
             f"({_weights_only_reason(exc)}); save plain values (numbers, strings, lists, dicts, tensors) instead, "
             "e.g. an object's state_dict()"
         ) from None
+    if problem is not None:
+        raise ValueError(
+            f"{key!r} holds a {type(value).__name__} that a load would refuse to read back ({problem}); "
+            "save a flatter value (e.g. an object's state_dict())"
+        )
 
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
