@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
-from checkpoint.convert import convert_tree
+from checkpoint.convert import convert_tree, resolve_stateful
 from checkpoint.safe_unpickle import check_saved_values
 from checkpoint.save_errors import raise_on_every_rank
 from checkpoint.save_queue import AsyncSaveError, lock, submit, wait_for_async_save
@@ -130,6 +130,7 @@ def async_save_state_dict(
     """
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
+    state_dict, _ = resolve_stateful(state_dict)  # Stateful values' state_dict() once, in sorted key order
     check_saved_values(state_dict)  # refused here, in the caller, not later in the background
     with lock:
         # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
