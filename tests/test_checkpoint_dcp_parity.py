@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 import checkpoint
-from checkpoint.errors import CheckpointCorruptError, LoadTargetError
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -132,7 +131,7 @@ def test_a_model_on_the_meta_device_is_refused_by_load_naming_the_parameter_and_
         model = torch.nn.Linear(3, 2)
     with pytest.raises(TypeError, match=r"model\.weight.*meta device.*to_empty") as raised:
         checkpoint.load(tmp_path / "c", model=model)
-    assert not isinstance(raised.value, CheckpointCorruptError)  # the files are intact
+    assert not isinstance(raised.value, checkpoint.CheckpointCorruptError)  # the files are intact
 
 
 class _NoViews(torch.Tensor):
@@ -148,9 +147,11 @@ class _NoViews(torch.Tensor):
 def test_a_load_target_that_cannot_take_the_data_is_named_and_the_files_are_not_blamed(tmp_path):
     checkpoint.save_state_dict({"w": torch.arange(4.0)}, tmp_path / "c")
     target = torch.zeros(4).as_subclass(_NoViews)
-    with pytest.raises(LoadTargetError, match=r"'w': .*narrow is not supported.*files are not at fault") as raised:
+    with pytest.raises(
+        checkpoint.LoadTargetError, match=r"'w': .*narrow is not supported.*files are not at fault"
+    ) as raised:
         checkpoint.load_state_dict({"w": target}, tmp_path / "c")
-    assert not isinstance(raised.value, CheckpointCorruptError) and "verify" not in str(raised.value)
+    assert not isinstance(raised.value, checkpoint.CheckpointCorruptError) and "verify" not in str(raised.value)
     back = {"w": torch.zeros(4)}
     checkpoint.load_state_dict(back, tmp_path / "c", verify="full")  # the same files load into a plain tensor
     assert torch.equal(back["w"], torch.arange(4.0))
