@@ -89,7 +89,7 @@ def _failure(error: BaseException) -> str:
     if dist.is_available() and not dist.is_initialized():
         text += (
             " (the process group was destroyed while the save was in flight: call checkpoint.wait_for_async_save() "
-            "before dist.destroy_process_group() where it is imported before checkpoint)"
+            "before dist.destroy_process_group())"
         )
     return text
 
