@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from checkpoint.atomic import resolve_for_load
 from checkpoint.content_check import ContentCheck
+from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -226,10 +227,13 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
 
 def read_failure(exc: BaseException, where: Path) -> Exception:
     """What to raise for a failed read of checkpoint ``where``: our own errors as they are, anything else as
-    :class:`CheckpointCorruptError` (an ``Exception``, never DCP's ``BaseException``)."""
+    :class:`CheckpointCorruptError` (an ``Exception``, never DCP's ``BaseException``).
+
+    A :class:`~checkpoint.errors.LoadTargetError` (the values being loaded into are at fault, raised by the
+    load planner) is never reported as damaged files."""
     cause = first_failure(exc)
-    if isinstance(cause, (ValueError, OSError)):
-        return cause  # raised by our reader / opener: they name the file and the fix
+    if isinstance(cause, (ValueError, OSError, LoadTargetError)):
+        return cause  # raised by our reader / opener / planner: they name the file or key and the fix
     text = " ".join(str(cause).split())[:200]
     return CheckpointCorruptError(
         f"reading {str(where)!r} failed ({type(cause).__name__}: {text}); run `fsdp-ckpt verify {where}`, "

@@ -47,8 +47,10 @@ from checkpoint.atomic import (
 )
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
 from checkpoint.convert import (
+    assign_back,
     convert_tree,
     load_stateful,
+    materialize_meta,
     resolve_stateful,
     to_checkpointable,
 )
@@ -158,6 +160,9 @@ def save_state_dict(
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
     wait_for_async_save()
+    # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
+    # dcp.save would call them in each rank's dict order)
+    state_dict, _ = resolve_stateful(state_dict)
     check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
 
@@ -278,6 +283,7 @@ def load_flat(
     problem before reading anything.
     """
     saved = opened.metadata.state_dict_metadata
+    _refuse_meta_targets(targets)
     report = LoadReport()
     loadable: dict[str, Any] = {}
     for key, value in targets.items():
@@ -300,6 +306,18 @@ def load_flat(
             _read_flat(opened, loadable, check)
     values = {k: v for k, v in loadable.items() if not isinstance(v, torch.Tensor)}
     return report, values
+
+
+def _refuse_meta_targets(targets: dict[str, Any]) -> None:
+    """A meta-device tensor has no storage to fill in place: say so before reading (never a read failure)."""
+    meta = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if meta:
+        shown = ", ".join(meta[:5]) + (f", ... ({len(meta)} in all)" if len(meta) > 5 else "")
+        raise TypeError(
+            f"{shown}: on the meta device, with no storage to load into; materialise the module first "
+            "(module.to_empty(device=...)), or load with checkpoint.load_state_dict, which replaces meta-device "
+            "values in the state dict with loaded tensors as dcp.load does"
+        )
 
 
 def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check) -> None:
@@ -357,23 +375,62 @@ def load_state_dict(
     ``strict`` raises ``ValueError`` naming missing / unexpected (within the
     top-level sections given) / mis-shaped keys; otherwise they are skipped and
     returned in the :class:`LoadReport`. ``verify`` / ``require_manifest``: see :func:`open_checkpoint`.
-    A Stateful value (``state_dict()`` / ``load_state_dict()``: a module, a
-    dataloader), as ``dcp.load`` accepts, is filled through its ``state_dict()``
-    and then given it by ``load_state_dict()``.
+
+    As ``dcp.load`` does:
+
+    * a Stateful value (``state_dict()`` / ``load_state_dict()``: a module, a
+      dataloader) is filled through its ``state_dict()`` and then given it by
+      ``load_state_dict()``; these calls run in sorted key order on every rank,
+      whatever order each rank's dict was built in (they may run collectives);
+    * a meta-device tensor (a model built on ``meta``) is replaced by a loaded
+      tensor of the same kind (``DTensor`` placements kept) on the process
+      group's device (:func:`meta_device_target`);
+    * every other top-level entry is assigned back (``state_dict[key] = value``),
+      nested dicts filled in place.
     """
-    load = partial(_load_state_dict, state_dict, path, strict=strict, verify=verify, require_manifest=require_manifest)
+    device = meta_device_target(process_group)
+    load = partial(
+        _load_state_dict,
+        state_dict,
+        path,
+        strict=strict,
+        verify=verify,
+        require_manifest=require_manifest,
+        device=device,
+    )
     return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
 
 
-def _load_state_dict(state_dict, path, *, strict: bool, verify: str, require_manifest: bool) -> LoadReport:
+def meta_device_target(process_group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a load materialises a meta-device value: where ``dcp.load`` does.
+
+    The current accelerator when the process group has a backend for it
+    (``nccl`` for CUDA: the group's default device), else the host (gloo, or no group).
+    """
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = dist.Backend.default_device_backend_map.get(accelerator.type)
+    if backend is None or backend not in str(dist.get_backend(process_group)):
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _load_state_dict(
+    state_dict, path, *, strict: bool, verify: str, require_manifest: bool, device: torch.device
+) -> LoadReport:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     resolved, stateful = resolve_stateful(state_dict)  # Stateful values load through their state dicts
     flat, mappings = flatten_state_dict(resolved)
+    materialized = {k: m for k, v in flat.items() if (m := materialize_meta(v, name=k, device=device)) is not v}
+    flat.update(materialized)
     scope = tuple(f"{k}." for k in state_dict)
     report, values = load_flat(opened, flat, strict=strict, scope=scope)
-    for key, value in values.items():
-        set_element(resolved, mappings[key], value)
-        if not any(mappings[key][: len(p)] == p for p, _ in stateful):
-            set_element(state_dict, mappings[key], value)
+    for key, value in {**materialized, **values}.items():
+        where = mappings[key]
+        set_element(resolved, where, value)
+        if len(where) > 1 and not any(where[: len(p)] == p for p, _ in stateful):
+            set_element(state_dict, where, value)  # nested containers are the caller's own, filled in place
     load_stateful(resolved, stateful)
+    assign_back(state_dict, resolved, stateful)
     return report
