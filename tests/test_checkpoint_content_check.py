@@ -12,6 +12,7 @@ import torch
 import checkpoint
 from checkpoint.content_check import ContentCheck
 from checkpoint.manifest import FileRecord
+from checkpoint.storage_backend import LOCAL
 from checkpoint.tool.cli import main as cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -96,7 +97,7 @@ def test_pieces_read_in_any_order_with_gaps_and_overlaps_add_up_to_the_file_crc(
     (tmp_path / "f").write_bytes(raw)
     record = FileRecord(size=len(raw), crc32=zlib.crc32(raw))
     for _trial in range(20):
-        check = ContentCheck(tmp_path, {"f": record})
+        check = ContentCheck(tmp_path, {"f": record}, LOCAL)
         cuts = sorted(rng.sample(range(1, len(raw)), 12))
         pieces = list(zip([0, *cuts], [*cuts, len(raw)]))
         rng.shuffle(pieces)
@@ -105,7 +106,7 @@ def test_pieces_read_in_any_order_with_gaps_and_overlaps_add_up_to_the_file_crc(
         start = rng.randrange(len(raw) - 10)
         check.add("f", start, raw[start : start + 10])  # an overlapping re-read
         check.finish()
-    bad = ContentCheck(tmp_path, {"f": FileRecord(size=len(raw), crc32=record.crc32 ^ 1)})
+    bad = ContentCheck(tmp_path, {"f": FileRecord(size=len(raw), crc32=record.crc32 ^ 1)}, LOCAL)
     bad.add("f", 0, raw[:100])
     with pytest.raises(checkpoint.CheckpointCorruptError, match="CRC-32 does not match"):
         bad.finish()
