@@ -74,7 +74,9 @@ class ReadBudget:
         self._summing: deque[tuple[int, Future]] = deque()
 
     def hold(self, nbytes: int) -> None:
-        while self._summing and self.cap is not None and self.held + nbytes > self.cap:
+        while self._summing and (
+            self._summing[0][1].done() or (self.cap is not None and self.held + nbytes > self.cap)
+        ):
             held, summing = self._summing.popleft()
             wait([summing])
             self.held -= held
