@@ -86,16 +86,19 @@ class ReplicaShare:
         """
         tensors: dict[str, tuple[torch.Tensor, ReplicaDims]] = {}
         values: list[str] = []
+        replicated = False
         for key in sorted(targets):
             value = targets[key]
             along = _replicated_along(value)
             if along is not None:
-                tensors[key] = (local_tensor(value).detach(), along)
+                replicated = True  # decided from placements: the same on every rank, in the mesh or not
+                if along.mesh.get_coordinate() is not None:  # a rank outside the mesh holds nothing of it
+                    tensors[key] = (local_tensor(value).detach(), along)
             elif shared is not None and not isinstance(value, torch.Tensor):
                 values.append(key)
             elif shared is not None and _whole_on_every_rank(value):
                 tensors[key] = (value.detach(), shared)
-        if not tensors and not values:
+        if not (replicated or values or tensors):
             return None
         return cls(tensors, values, shared, bucket_bytes)
 
@@ -145,13 +148,13 @@ def replica_dims(values: Iterable[Any], group: dist.ProcessGroup | None) -> Repl
     world_size = dist.get_world_size(group)
     for value in values:
         along = _replicated_along(value)
-        if along is not None and along.mesh.size() == world_size:
+        if along is not None and along.mesh.size() == world_size and along.mesh.get_coordinate() is not None:
             return along
     return None
 
 
 def _replicated_along(value: Any) -> ReplicaDims | None:
-    if not isinstance(value, DTensor) or value.device_mesh.get_coordinate() is None:
+    if not isinstance(value, DTensor):
         return None
     mesh = value.device_mesh
     dims = tuple(d for d, p in enumerate(value.placements) if isinstance(p, Replicate) and mesh.size(d) > 1)

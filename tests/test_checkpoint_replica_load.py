@@ -19,20 +19,9 @@ import checkpoint
 from checkpoint.storage_backend import mount, unmount
 from tests.distributed import run_ranks
 from tests.read_counting import ReadCountingStorage
+from tests.test_checkpoint_dist import Net  # uneven and empty shards over the 2 shard ranks
 
 pytestmark = pytest.mark.slow
-
-
-class Net(torch.nn.Module):
-    """dim 0 of 5, 3 and 1 rows: uneven shards over the 2 shard ranks, and an empty one (head.weight)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)])
-        self.head = torch.nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.head(self.blocks[1](torch.relu(self.blocks[0](x))))
 
 
 def _hsdp(seed: int):
