@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import checkpoint
 from checkpoint.storage_backend import mount, unmount
@@ -68,7 +68,10 @@ def _replica_body(rank: int, world_size: int, root: str) -> dict:
     shared, shared_opt, shared_bytes = _load_counted(root_path, root_path / "ck", 9)
     plain, plain_opt, plain_bytes = _load_counted(root_path, root_path / "ck", 9, read_once_per_replica=False)
     shared_state, plain_state = _local_state(shared, shared_opt), _local_state(plain, plain_opt)
+    ddp_bytes, ddp_loaded = _ddp_load(root_path, world_size)
     return {
+        "ddp_bytes": ddp_bytes,
+        "ddp_loaded": ddp_loaded,
         "coordinate": init_device_mesh("cpu", (2, 2)).get_coordinate(),
         "shared_bytes": shared_bytes,
         "plain_bytes": plain_bytes,
@@ -77,6 +80,23 @@ def _replica_body(rank: int, world_size: int, root: str) -> dict:
         "differs_from_saved": [k for k in saved if not torch.equal(shared_state[k], saved[k])],
         "differs_from_full": [n for n, p in shared.named_parameters() if not torch.equal(p.full_tensor(), full[n])],
     }
+
+
+def _ddp_load(root: Path, world_size: int) -> tuple[int, bool]:
+    """DDP on a 1-D mesh (every rank a replica), through load_state_dict, with a plain tensor and a value."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = torch.arange(24.0).reshape(6, 4)
+    saved = {"w": distribute_tensor(weight, mesh, [Replicate()]), "step": torch.tensor(7.0), "note": "replicated"}
+    checkpoint.save_state_dict(saved, root / "ddp")
+    target = {"w": distribute_tensor(torch.zeros(6, 4), mesh, [Replicate()]), "step": torch.tensor(0.0), "note": None}
+    storage = ReadCountingStorage()
+    mount(root, storage)
+    try:
+        checkpoint.load_state_dict(target, root / "ddp")
+    finally:
+        unmount(root)
+    loaded = torch.equal(target["w"].to_local(), weight) and target["step"].item() == 7.0
+    return storage.data_bytes(), loaded and target["note"] == "replicated"
 
 
 def test_replicas_read_each_byte_once_and_load_bit_for_bit_what_every_rank_reading_loads(tmp_path):
@@ -91,6 +111,8 @@ def test_replicas_read_each_byte_once_and_load_bit_for_bit_what_every_rank_readi
             assert r["shared_bytes"] == r["plain_bytes"] > 0, (rank, r)
         else:  # the other replica reads no data file at all: it receives
             assert r["shared_bytes"] == 0 < r["plain_bytes"], (rank, r)
+    assert all(r["ddp_loaded"] for r in results)
+    assert results[0]["ddp_bytes"] > 0 and [r["ddp_bytes"] for r in results[1:]] == [0, 0, 0]  # DDP: rank 0 reads
     shared = sum(r["shared_bytes"] for r in results)
     plain = sum(r["plain_bytes"] for r in results)
     assert 2 * shared == plain  # bytes read from storage per rank halve
