@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from checkpoint.content_check import crc32
 from checkpoint.errors import CheckpointCorruptError, NotACheckpointError
 from checkpoint.storage_backend import FileRecord, storage_for
 
@@ -219,7 +219,7 @@ def checksum_file(path: str | os.PathLike) -> FileRecord:
     size = 0
     with storage_for(path).open_read(path) as f:
         while chunk := f.read(_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return FileRecord(size=size, crc32=crc)
 

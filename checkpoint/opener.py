@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import zlib
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from checkpoint.atomic import resolve_for_load
-from checkpoint.content_check import ContentCheck
+from checkpoint.content_check import ContentCheck, crc32
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import (
     MANIFEST_NAME,
@@ -66,7 +65,7 @@ class OpenCheckpoint:
         """A fresh streamed CRC-32 check for the bytes a reader reads, or ``None`` when not asked for / no manifest."""
         if self.manifest is None or self.verify != "crc":
             return None
-        return ContentCheck(self.path, self.manifest.files)
+        return ContentCheck(self.path, self.manifest.files, storage_for(self.path))
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -217,7 +216,7 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
     if len(data) > _MAX_METADATA_BYTES:
         raise CheckpointCorruptError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes, not DCP metadata")
     record = manifest.files.get(METADATA_NAME) if manifest is not None else None
-    if verify != "none" and record is not None and (len(data) != record.size or zlib.crc32(data) != record.crc32):
+    if verify != "none" and record is not None and (len(data) != record.size or crc32(data) != record.crc32):
         raise CheckpointCorruptError(
             f"{path}: CRC-32 does not match the manifest (the file is corrupt); "
             "restore it from a copy or re-save the checkpoint"
