@@ -32,7 +32,7 @@ rank's file prefix in its plan); the storage record ``_StorageInfo`` comes from
   place, :mod:`checkpoint.commit`); in *scale* mode (``use_collectives=False``,
   or :func:`checkpoint.write_rank`) it writes, last, the rank's own record
   ``__<rank>.rank.json`` (its chunks, where they are stored, its files' sizes
-  and CRC-32s): plain integers and strings, much cheaper to read back than
+  and CRC-32s, the save's id): plain integers and strings, much cheaper to read back than
   DCP's pickled per-rank metadata. :func:`checkpoint.commit.commit` merges them.
 """
 
@@ -80,7 +80,7 @@ class FsdpWriter(FileSystemWriter):
     after ``.metadata`` is on disk; ``prepare()`` runs on the coordinator in
     DCP's local-plan step, before any rank writes (its error reaches every
     rank); ``force_rank`` makes a single process write as that rank (scale
-    mode, used by :func:`checkpoint.write_rank`).
+    mode, used by :func:`checkpoint.write_rank`), whose record carries ``save_id``.
     """
 
     def __init__(
@@ -91,6 +91,7 @@ class FsdpWriter(FileSystemWriter):
         prepare=None,
         force_rank: int | None = None,
         world_size: int | None = None,
+        save_id: str | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self._files: dict[str, FileRecord] = {}  # this rank's data files, for the manifest
@@ -98,6 +99,7 @@ class FsdpWriter(FileSystemWriter):
         self.prepare = prepare
         self.force_rank = force_rank
         self.world_size = world_size
+        self._save_id = save_id  # not DCP's own save_id attribute: the caller's, for the rank record
 
     def storage_meta(self):
         return None
@@ -185,6 +187,7 @@ class FsdpWriter(FileSystemWriter):
             # Scale mode: this record, written after the rank's data is durable, is its "done" mark.
             record = rank_record(metadata, clean[0] if clean else [], files)
             record["world_size"] = self.world_size
+            record["save_id"] = self._save_id  # commit merges only the records of one save
             assert self.rank is not None  # set up by DCP (or force_rank) before any write
             where = Path(self.path) / rank_record_name(self.rank)
             storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
