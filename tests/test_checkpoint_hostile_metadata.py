@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -233,3 +234,27 @@ def test_a_manifest_with_one_identity_stripped_is_refused_naming_the_key(good, t
         checkpoint.load_state_dict(_target(), ck, no_dist=True)
     assert cli_main(["verify", str(ck)]) == 1
     assert "'w' has no identity in manifest.json" in capsys.readouterr().out
+
+
+def _random_relabelling(rng: random.Random):
+    """Swap two random entries of one kind: byte ranges of two pieces, or two keys' nested names."""
+
+    def edit(md) -> None:
+        if rng.random() < 0.75:
+            one, other = rng.sample(sorted(md.storage_data, key=repr), 2)
+            _swap_storage(md, one, other)
+        else:
+            one, other = rng.sample(sorted(md.planner_data), 2)
+            md.planner_data[one], md.planner_data[other] = md.planner_data[other], md.planner_data[one]
+
+    return edit
+
+
+def test_random_crc_valid_relabellings_fail_load_and_verify_alike(good, tmp_path, capsys):
+    rng = random.Random(20261125)
+    for case in range(12):
+        ck = _tampered(good, tmp_path / f"case{case}", _random_relabelling(rng))
+        with pytest.raises(checkpoint.CheckpointCorruptError, match="not stored as manifest.json recorded it"):
+            checkpoint.load_state_dict(_target(), ck, no_dist=True)
+        assert cli_main(["verify", str(ck), "-q"]) == 1, case
+        assert "not stored as manifest.json recorded it" in capsys.readouterr().out
