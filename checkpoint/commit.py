@@ -38,7 +38,6 @@ from checkpoint.manifest import (
     FileRecord,
     KeyRecord,
     Manifest,
-    check_relative_name,
     dtype_name,
     verify_files,
     write_manifest,
@@ -46,7 +45,7 @@ from checkpoint.manifest import (
 from checkpoint.opener import storage_problems
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
-from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
+from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name, rank_record_problem
 from checkpoint.storage_backend import storage_for
 
 __all__ = [
@@ -166,9 +165,11 @@ def _read_rank_record(path: str | os.PathLike, staged: Path, rank: int, world_si
         raw = f.read(_MAX_RECORD_BYTES + 1)
     record: Any = None
     try:
-        record = json.loads(raw) if len(raw) <= _MAX_RECORD_BYTES else None
-        problem = _record_problem(record)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, deep nesting
+        if len(raw) > _MAX_RECORD_BYTES:
+            raise ValueError(f"larger than {_MAX_RECORD_BYTES} bytes")
+        record = json.loads(raw)
+        problem = rank_record_problem(record)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, deep nesting, too large
         problem = f"not valid JSON ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
     if problem is not None or not isinstance(record, dict):
         raise ValueError(
@@ -183,61 +184,6 @@ def _read_rank_record(path: str | os.PathLike, staged: Path, rank: int, world_si
 
 
 _MAX_RECORD_BYTES = 1 << 30
-
-
-def _record_problem(record: Any) -> str | None:
-    """What is wrong with a parsed rank record (see :func:`checkpoint.storage.rank_record`), one phrase, or None."""
-    if not isinstance(record, dict):
-        return "larger than 1 GiB" if record is None else f"a JSON {type(record).__name__}, not an object"
-    fields = {"tensors": dict, "bytes": dict, "planner_data": dict, "files": dict, "world_size": int}
-    for name, kind in fields.items():
-        if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool):
-            return f"{name} is missing or not a JSON {kind.__name__}"
-    if not isinstance(record.get("save_id"), (str, type(None))):
-        return "save_id is not a string"
-    for key, item in record["tensors"].items():
-        if not (
-            isinstance(item, dict)
-            and isinstance(getattr(torch, str(item.get("dtype")), None), torch.dtype)
-            and _ints(item.get("size"))
-            and isinstance(item.get("chunks"), list)
-            and all(_stored_chunk(c) for c in item["chunks"])
-        ):
-            return f"tensor {key[:200]!r} is not a dtype, a shape and chunks of [offsets, sizes, file, offset, length]"
-    for key, where in record["bytes"].items():
-        if not _stored_range(where):
-            return f"value {key[:200]!r} is not stored as [file, offset, length]"
-    for key, nested in record["planner_data"].items():
-        if not (isinstance(nested, list) and all(isinstance(p, (str, int)) for p in nested)):
-            return f"the path of {key[:200]!r} is not a list of names"
-    for name, size_crc in record["files"].items():
-        problem = check_relative_name(name)
-        if problem is not None or not (_ints(size_crc) and len(size_crc) == 2 and size_crc[1] <= 0xFFFFFFFF):
-            return f"file {name[:200]!r}: {problem or 'not [size, crc32]'}"
-    return None
-
-
-def _ints(values: Any) -> bool:
-    return (
-        isinstance(values, list)
-        and len(values) <= 64
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in values)
-    )
-
-
-def _stored_range(where: Any) -> bool:
-    return isinstance(where, list) and len(where) == 3 and isinstance(where[0], str) and _ints(where[1:])
-
-
-def _stored_chunk(chunk: Any) -> bool:
-    return (
-        isinstance(chunk, list)
-        and len(chunk) == 5
-        and _ints(chunk[0])
-        and _ints(chunk[1])
-        and len(chunk[0]) == len(chunk[1])
-        and _stored_range(chunk[2:])
-    )
 
 
 def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]]:

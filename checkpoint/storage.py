@@ -59,11 +59,18 @@ from torch.futures import Future
 
 from checkpoint.data_file import DataFile, data_file_name, write_tensor
 from checkpoint.dcp_metadata import with_storage, write_metadata
-from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, dtype_name
+from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, check_relative_name, dtype_name
 from checkpoint.staging import StagedShard
 from checkpoint.storage_backend import storage_for
 
-__all__ = ["RANK_RECORD_SUFFIX", "FsdpWriter", "quiet_single_process", "rank_record", "rank_record_name"]
+__all__ = [
+    "RANK_RECORD_SUFFIX",
+    "FsdpWriter",
+    "quiet_single_process",
+    "rank_record",
+    "rank_record_name",
+    "rank_record_problem",
+]
 
 RANK_RECORD_SUFFIX = ".rank.json"
 _FILE_RECORD_FQN = "__fsdp_dtensor_file_record__"
@@ -236,3 +243,59 @@ def rank_record(metadata: Metadata, results: list[WriteResult], files: dict[str,
         "planner_data": {k: list(v) for k, v in (metadata.planner_data or {}).items()},
         "files": {k: [v.size, v.crc32] for k, v in sorted(files.items())},
     }
+
+
+def rank_record_problem(record: Any) -> str | None:
+    """What is wrong with a parsed rank record (what :func:`rank_record` writes, plus ``world_size`` and
+    ``save_id``), one phrase, or ``None``: :func:`checkpoint.commit.commit` merges only records that pass."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    fields = {"tensors": dict, "bytes": dict, "planner_data": dict, "files": dict, "world_size": int}
+    for name, kind in fields.items():
+        if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool):
+            return f"{name} is missing or not a JSON {kind.__name__}"
+    if not isinstance(record.get("save_id"), (str, type(None))):
+        return "save_id is not a string"
+    for key, item in record["tensors"].items():
+        if not (
+            isinstance(item, dict)
+            and isinstance(getattr(torch, str(item.get("dtype")), None), torch.dtype)
+            and _ints(item.get("size"))
+            and isinstance(item.get("chunks"), list)
+            and all(_stored_chunk(c) for c in item["chunks"])
+        ):
+            return f"tensor {key[:200]!r} is not a dtype, a shape and chunks of [offsets, sizes, file, offset, length]"
+    for key, where in record["bytes"].items():
+        if not _stored_range(where):
+            return f"value {key[:200]!r} is not stored as [file, offset, length]"
+    for key, nested in record["planner_data"].items():
+        if not (isinstance(nested, list) and all(isinstance(p, (str, int)) for p in nested)):
+            return f"the path of {key[:200]!r} is not a list of names"
+    for name, size_crc in record["files"].items():
+        problem = check_relative_name(name)
+        if problem is not None or not (_ints(size_crc) and len(size_crc) == 2 and size_crc[1] <= 0xFFFFFFFF):
+            return f"file {name[:200]!r}: {problem or 'not [size, crc32]'}"
+    return None
+
+
+def _ints(values: Any) -> bool:
+    return (
+        isinstance(values, list)
+        and len(values) <= 64
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in values)
+    )
+
+
+def _stored_range(where: Any) -> bool:
+    return isinstance(where, list) and len(where) == 3 and isinstance(where[0], str) and _ints(where[1:])
+
+
+def _stored_chunk(chunk: Any) -> bool:
+    return (
+        isinstance(chunk, list)
+        and len(chunk) == 5
+        and _ints(chunk[0])
+        and _ints(chunk[1])
+        and len(chunk[0]) == len(chunk[1])
+        and _stored_range(chunk[2:])
+    )
