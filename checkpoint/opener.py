@@ -46,6 +46,7 @@ __all__ = [
     "CheckpointCorruptError",
     "OpenCheckpoint",
     "consistency_problems",
+    "file_problems",
     "open_checkpoint",
     "read_failure",
     "storage_problems",
@@ -241,11 +242,19 @@ def _stamp(src: Path) -> Hashable | None:
 
 
 def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
-    if METADATA_NAME not in manifest.files:
-        raise CheckpointCorruptError(f"{src / 'manifest.json'} does not list {METADATA_NAME}; re-save the checkpoint")
-    problems = verify_files(src, manifest, checksums=checksums)
+    problems = file_problems(src, manifest, checksums=checksums)
     if problems:
         raise CheckpointCorruptError(f"checkpoint {str(src)!r} is damaged: " + "; ".join(problems))
+
+
+def file_problems(src: Path, manifest: Manifest, *, checksums: bool) -> list[str]:
+    """Every problem with the files ``manifest`` lists (sizes, and CRC-32s with ``checksums``), one sentence each.
+
+    The file check behind both a load (:func:`open_checkpoint`) and ``fsdp-ckpt verify``.
+    """
+    if METADATA_NAME not in manifest.files:
+        return [f"{src / MANIFEST_NAME} does not list {METADATA_NAME}; re-save the checkpoint"]
+    return verify_files(src, manifest, checksums=checksums)
 
 
 def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> bytes:

@@ -258,3 +258,15 @@ def test_random_crc_valid_relabellings_fail_load_and_verify_alike(good, tmp_path
             checkpoint.load_state_dict(_target(), ck, no_dist=True)
         assert cli_main(["verify", str(ck), "-q"]) == 1, case
         assert "not stored as manifest.json recorded it" in capsys.readouterr().out
+
+
+def test_a_manifest_that_does_not_list_metadata_fails_verify_as_it_fails_load(good, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(good, ck)
+    manifest = read_manifest(ck)
+    del manifest.files[METADATA_NAME]
+    write_manifest(ck, manifest)
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=r"manifest\.json does not list \.metadata"):
+        checkpoint.load_state_dict(_target(), ck, no_dist=True)
+    assert cli_main(["verify", str(ck), "-q"]) == 1
+    assert "manifest.json does not list .metadata" in capsys.readouterr().out

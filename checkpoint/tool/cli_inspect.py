@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from checkpoint.manifest import dtype_name, verify_files
-from checkpoint.opener import consistency_problems
+from checkpoint.manifest import dtype_name
+from checkpoint.opener import consistency_problems, file_problems
 from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.tool.cli_source import open_source
 from checkpoint.tool.stream import CheckpointReader, Entry
@@ -73,7 +73,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reader = open_source(args.ckpt, warn=False, check_sizes=False)
     problems: list[str] = []
     if reader.manifest is not None:
-        problems += verify_files(reader.path, reader.manifest, checksums=not args.no_checksums)
+        problems += file_problems(reader.path, reader.manifest, checksums=not args.no_checksums)
     else:
         print(f"note: {reader.note}")
     reported = {p.split(":", 1)[0] for p in problems}
