@@ -32,6 +32,7 @@ from checkpoint.manifest import (
     CheckpointCorruptError,
     FileRecord,
     Manifest,
+    checksum_file,
     dtype_name,
     read_manifest,
     verify_files,
@@ -242,19 +243,25 @@ def _stamp(src: Path) -> Hashable | None:
 
 
 def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
-    problems = file_problems(src, manifest, checksums=checksums)
+    problems = file_problems(src, manifest, checksums=checksums, metadata_crc=False)
     if problems:
         raise CheckpointCorruptError(f"checkpoint {str(src)!r} is damaged: " + "; ".join(problems))
 
 
-def file_problems(src: Path, manifest: Manifest, *, checksums: bool) -> list[str]:
-    """Every problem with the files ``manifest`` lists (sizes, and CRC-32s with ``checksums``), one sentence each.
+def file_problems(src: Path, manifest: Manifest, *, checksums: bool, metadata_crc: bool = True) -> list[str]:
+    """Every problem with the files ``manifest`` lists, one sentence each: sizes, CRC-32s with ``checksums``,
+    and ``.metadata``'s CRC-32 in any case unless ``metadata_crc=False`` (a load checks it as it reads it).
 
     The file check behind both a load (:func:`open_checkpoint`) and ``fsdp-ckpt verify``.
     """
-    if METADATA_NAME not in manifest.files:
+    record = manifest.files.get(METADATA_NAME)
+    if record is None:
         return [f"{src / MANIFEST_NAME} does not list {METADATA_NAME}; re-save the checkpoint"]
-    return verify_files(src, manifest, checksums=checksums)
+    problems = verify_files(src, manifest, checksums=checksums)
+    metadata_reported = any(p.startswith(f"{src / METADATA_NAME}:") for p in problems)
+    if metadata_crc and not checksums and not metadata_reported and checksum_file(src / METADATA_NAME) != record:
+        problems.append(f"{src / METADATA_NAME}: CRC-32 does not match the manifest (the file is corrupt)")
+    return problems
 
 
 def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> bytes:

@@ -270,3 +270,15 @@ def test_a_manifest_that_does_not_list_metadata_fails_verify_as_it_fails_load(go
         checkpoint.load_state_dict(_target(), ck, no_dist=True)
     assert cli_main(["verify", str(ck), "-q"]) == 1
     assert "manifest.json does not list .metadata" in capsys.readouterr().out
+
+
+def test_verify_without_checksums_still_checks_metadata_as_a_load_without_them_does(good, tmp_path, capsys):
+    ck = tmp_path / "ck"
+    shutil.copytree(good, ck)
+    raw = (ck / METADATA_NAME).read_bytes()
+    assert raw.count(b"1.0.0") == 1  # DCP's format version: a change of it alone misleads no check but the CRC-32
+    (ck / METADATA_NAME).write_bytes(raw.replace(b"1.0.0", b"1.0.1"))
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=r"\.metadata: CRC-32 does not match"):
+        checkpoint.load_state_dict(_target(), ck, verify="sizes", no_dist=True)
+    assert cli_main(["verify", str(ck), "-q", "--no-checksums"]) == 1
+    assert ".metadata: CRC-32 does not match the manifest" in capsys.readouterr().out
