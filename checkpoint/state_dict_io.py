@@ -49,7 +49,7 @@ from checkpoint.atomic import (
     staging_path,
     write_lock,
 )
-from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
+from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged, new_save_id, staged_save_id
 from checkpoint.convert import (
     assign_back,
     convert_tree,
@@ -308,11 +308,14 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
         converted = convert(state_dict)
         if rank == 0:
             prepare()
+            new_save_id(path)  # in the records of this save only: commit refuses a straggler of another
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     agree(error)
+    save_id = None
     try:
-        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
+        save_id = staged_save_id(path)
+        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size, save_id=save_id)
         with quiet_single_process():
             # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
             dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
@@ -324,7 +327,7 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
     error = None
     if rank == 0:
         try:
-            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes})
+            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes}, save_id=save_id)
         except Exception as exc:  # noqa: BLE001
             error = exc
     agree(error)
