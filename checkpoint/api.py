@@ -194,6 +194,9 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> Lo
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
     try:
+        stateless = opt_plan.stateless_error(path) if opt_plan is not None and strict else None
+        if stateless is not None:
+            raise stateless
         report, values = load_flat(
             opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored
         )
@@ -319,13 +322,22 @@ class _OptimizerLoad:
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
         numbers = _saved_group_numbers(opened)  # torch's unflattened layout: fqn -> its saved group's number
-        known = _params_known_to_saved_optimizer(saved, numbers, fqns)
+        known = _params_known_to_saved_optimizer(saved, numbers, fqns) if saved_fqns else set()
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        # Trained params whose state is asked for below but not saved at all (see stateless_error).
+        self.stateless = [
+            fqn
+            for fqn, entry in self.entries.state.items()
+            if fqn in trainable and fqn not in saved_fqns and set(entry) - {MASTER_PARAM}
+            if fqn not in self.unsaved or fqn not in known
+        ]
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
                 if fqn not in known and fqn in trainable:
-                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint): resuming
-                    # would restart its moments from zero. Asked for, so strict load names it as missing.
+                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint), or no
+                    # optimizer state saved at all (lazy state is no explanation then: some param had
+                    # a gradient): resuming would restart its moments from zero. Asked for, so a
+                    # load names it as missing.
                     self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
@@ -357,6 +369,20 @@ class _OptimizerLoad:
                         self.optional.add(key)
                         self.group_keys.append((g_index, hyper, key))
                         break
+
+    def stateless_error(self, path: str | os.PathLike) -> ValueError | None:
+        """The strict load's error when the checkpoint holds no state for params this optimizer trains."""
+        if not self.stateless:
+            return None
+        names = ", ".join(self.stateless[:5]) + (
+            f", ... ({len(self.stateless)} in all)" if len(self.stateless) > 5 else ""
+        )
+        return ValueError(
+            f"checkpoint {str(path)!r} holds no optimizer state for parameters this {type(self.optimizer).__name__} "
+            f"trains ({names}): it was saved without optimizer=, with the optimizer a HybridDeviceOptimizer wraps "
+            "instead of the wrapper, or before the first step; loading it would restart their state from zero. "
+            "Pass strict=False to load it anyway (the state starts fresh; the keys are in missing_keys)"
+        )
 
     def abort(self) -> None:
         """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""
