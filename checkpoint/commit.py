@@ -27,7 +27,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint.atomic import MARKER_NAME, check_target, make_staging, staging_path, swap_into_place, write_lock
+from checkpoint.atomic import (
+    MARKER_NAME,
+    check_target,
+    make_staging,
+    output_path,
+    staging_path,
+    swap_into_place,
+    write_lock,
+)
 from checkpoint.convert import convert_tree
 from checkpoint.data_file import StorageInfo
 from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
@@ -68,6 +76,7 @@ def write_rank(
     taken as replicas and written by rank 0 only. Nothing is visible at
     ``path`` until :func:`commit`.
     """
+    path = output_path(path)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
@@ -88,6 +97,7 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
     chunks are inconsistent, ``FileExistsError`` when ``path`` holds something
     other than a checkpoint; nothing at ``path`` changes then.
     """
+    path = output_path(path)
     with write_lock(path):
         check_target(path)
         commit_ranks(path, world_size, extra_info=extra_info)

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint.atomic import (
     check_target,
     make_staging,
+    output_path,
     remove_staging,
     staging_path,
     write_lock,
@@ -157,6 +158,7 @@ def save_state_dict(
     trades DCP's plan exchange for three small gathers; in it, plain tensors are
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
+    path = output_path(path)
     wait_for_async_save()
     check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
