@@ -100,6 +100,18 @@ class LoadReport:
     def __bool__(self) -> bool:
         return bool(self.missing_keys or self.unexpected_keys or self.mismatched_keys)
 
+    def fix(self) -> str:
+        """What a strict load's error tells the user to do about these keys."""
+        fix = "pass strict=False to load the rest (the skipped keys are listed on the result)"
+        if self.mismatched_keys:
+            return (
+                f"{fix}, or rewrite the checkpoint to this model's shapes with `fsdp-ckpt reshard SRC DST` and "
+                "--reshape / --split / --merge / --stack (docs/cli.md)"
+            )
+        if self.missing_keys and self.unexpected_keys:
+            return f"{fix}, or rename the checkpoint's keys with `fsdp-ckpt reshard SRC DST --rename REGEX REPLACEMENT`"
+        return fix
+
     def describe(self) -> str:
         parts = []
         for label, keys in (
@@ -295,7 +307,9 @@ def load_flat(
             loadable[key] = value
     report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
-        raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
+        raise ValueError(
+            f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}; {report.fix()}"
+        )
     if loadable:
         check = opened.content_check()
         with opened.reading():
