@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
+from checkpoint.errors import some_of
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import (
     LoadReport,
@@ -374,12 +375,9 @@ class _OptimizerLoad:
         """The strict load's error when the checkpoint holds no state for params this optimizer trains."""
         if not self.stateless:
             return None
-        names = ", ".join(self.stateless[:5]) + (
-            f", ... ({len(self.stateless)} in all)" if len(self.stateless) > 5 else ""
-        )
         return ValueError(
             f"checkpoint {str(path)!r} holds no optimizer state for parameters this {type(self.optimizer).__name__} "
-            f"trains ({names}): it was saved without optimizer=, with the optimizer a HybridDeviceOptimizer wraps "
+            f"trains ({some_of(self.stateless)}): it was saved without optimizer=, with the optimizer a HybridDeviceOptimizer wraps "
             "instead of the wrapper, or before the first step; loading it would restart their state from zero. "
             "Pass strict=False to load it anyway (the state starts fresh; the keys are in missing_keys)"
         )

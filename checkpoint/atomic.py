@@ -47,6 +47,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from checkpoint.errors import some_of
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointError, read_manifest
 from checkpoint.storage_backend import storage_for
 
@@ -274,9 +275,8 @@ def _refuse_foreign_files(path: Path) -> None:
         if name not in (MANIFEST_NAME, MARKER_NAME) and not (name in own if own is not None else _written_name(name))
     )
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 5 else "")
         raise FileExistsError(
-            f"cannot save to {str(path)!r}: it holds files that are not part of the checkpoint ({shown}), which "
+            f"cannot save to {str(path)!r}: it holds files that are not part of the checkpoint ({some_of(foreign)}), which "
             "the save would delete (it replaces the whole directory); move them out, or save to another path"
         )
 

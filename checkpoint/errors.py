@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptError", "NotACheckpointError"]
+__all__ = ["CheckpointCorruptError", "NotACheckpointError", "some_of"]
 
 
 class NotACheckpointError(ValueError):
@@ -11,3 +11,8 @@ class NotACheckpointError(ValueError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint whose files do not match its manifest or cannot be read (truncated, corrupt, crafted)."""
+
+
+def some_of(names: list[str], limit: int = 5) -> str:
+    """``names`` for an error message: the first ``limit``, then how many there are in all."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")

@@ -53,6 +53,7 @@ from checkpoint.convert import (
     resolve_stateful,
     to_checkpointable,
 )
+from checkpoint.errors import some_of
 from checkpoint.opener import (
     CheckpointCorruptError,
     OpenCheckpoint,
@@ -120,8 +121,7 @@ class LoadReport:
             ("mis-shaped", self.mismatched_keys),
         ):
             if keys:
-                shown = ", ".join(keys[:10]) + (f", ... ({len(keys)} in all)" if len(keys) > 10 else "")
-                parts.append(f"{label}: {shown}")
+                parts.append(f"{label}: {some_of(keys, 10)}")
         return "; ".join(parts)
 
 
