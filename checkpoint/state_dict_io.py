@@ -163,8 +163,9 @@ def save_state_dict(
     Atomic: nothing at ``path`` changes until the new checkpoint is complete
     (see :mod:`checkpoint.atomic`); a save to a path another save is writing
     waits for it. An async save still in flight is finished first, and raises
-    here if it failed. ``path`` must be absent, empty or a committed
-    checkpoint (checked before anything is written). An error on any rank
+    here if it failed. ``path`` (normalised: ``sub/..`` is the directory it names; the
+    current directory is refused) must be absent, empty or a committed checkpoint
+    holding only its own files (checked before anything is written). An error on any rank
     raises on every rank (:class:`~checkpoint.save_errors.CheckpointSaveError`
     on the others); a failed save leaves no staging behind. ``mode="scale"``
     trades DCP's plan exchange for three small gathers; in it, plain tensors are
