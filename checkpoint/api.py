@@ -325,12 +325,12 @@ class _OptimizerLoad:
         numbers = _saved_group_numbers(opened)  # torch's unflattened layout: fqn -> its saved group's number
         known = _params_known_to_saved_optimizer(saved, numbers, fqns) if saved_fqns else set()
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        # Trained params whose state is asked for below but not saved at all (see stateless_error).
+        # No optimizer state saved at all for the params this one trains (see stateless_error);
+        # state missing for some params only is named key by key, as any missing key.
         self.stateless = [
             fqn
             for fqn, entry in self.entries.state.items()
-            if fqn in trainable and fqn not in saved_fqns and set(entry) - {MASTER_PARAM}
-            if fqn not in self.unsaved or fqn not in known
+            if not saved_fqns and fqn in trainable and set(entry) - {MASTER_PARAM}
         ]
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
