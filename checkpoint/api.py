@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
-from checkpoint.errors import some_of
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import (
     LoadReport,
@@ -195,9 +194,6 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> Lo
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
     try:
-        stateless = opt_plan.stateless_error(path) if opt_plan is not None and strict else None
-        if stateless is not None:
-            raise stateless
         report, values = load_flat(
             opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored
         )
@@ -323,22 +319,13 @@ class _OptimizerLoad:
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
         numbers = _saved_group_numbers(opened)  # torch's unflattened layout: fqn -> its saved group's number
-        known = _params_known_to_saved_optimizer(saved, numbers, fqns) if saved_fqns else set()
+        known = _params_known_to_saved_optimizer(saved, numbers, fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        # No optimizer state saved at all for the params this one trains (see stateless_error);
-        # state missing for some params only is named key by key, as any missing key.
-        self.stateless = [
-            fqn
-            for fqn, entry in self.entries.state.items()
-            if not saved_fqns and fqn in trainable and set(entry) - {MASTER_PARAM}
-        ]
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
                 if fqn not in known and fqn in trainable:
-                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint), or no
-                    # optimizer state saved at all (lazy state is no explanation then: some param had
-                    # a gradient): resuming would restart its moments from zero. Asked for, so a
-                    # load names it as missing.
+                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint): resuming
+                    # would restart its moments from zero. Asked for, so strict load names it as missing.
                     self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
@@ -370,17 +357,6 @@ class _OptimizerLoad:
                         self.optional.add(key)
                         self.group_keys.append((g_index, hyper, key))
                         break
-
-    def stateless_error(self, path: str | os.PathLike) -> ValueError | None:
-        """The strict load's error when the checkpoint holds no state for params this optimizer trains."""
-        if not self.stateless:
-            return None
-        return ValueError(
-            f"checkpoint {str(path)!r} holds no optimizer state for parameters this {type(self.optimizer).__name__} "
-            f"trains ({some_of(self.stateless)}): it was saved without optimizer=, with the optimizer a HybridDeviceOptimizer wraps "
-            "instead of the wrapper, or before the first step; loading it would restart their state from zero. "
-            "Pass strict=False to load it anyway (the state starts fresh; the keys are in missing_keys)"
-        )
 
     def abort(self) -> None:
         """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""

@@ -87,9 +87,9 @@ def output_path(path: str | os.PathLike) -> Path:
     given = path
     path = Path(path)  # drops "." components and a trailing "/"
     if path.name in ("", ".."):
-        path = Path(os.path.realpath(path))
+        path = Path(os.path.abspath(path))  # as the shell reads it (a link named at the target is refused later)
     cwd = Path.cwd()
-    if Path(os.path.realpath(path)) in (cwd, *cwd.parents):
+    if Path(os.path.abspath(path)) in (cwd, *cwd.parents):
         raise ValueError(
             f"cannot write to {os.fspath(given)!r} ({path}): it is the current directory or holds it, and a save "
             "or export replaces its target by renaming it; name a directory of its own, e.g. "

@@ -76,7 +76,7 @@ def test_strict_load_of_a_model_only_checkpoint_into_an_optimizer_names_the_firs
     checkpoint.save(tmp_path / "c", model=model)
     model2 = _model(1)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
-    with pytest.raises(ValueError, match=r"holds no optimizer state for parameters this AdamW trains \(0\.weight"):
+    with pytest.raises(ValueError, match=r"missing: optimizer\.state\.0\.weight\."):
         checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2)
     result = checkpoint.load(tmp_path / "c", model=model2, optimizer=opt2, strict=False)
     assert "optimizer.state.0.weight.exp_avg" in result.missing_keys

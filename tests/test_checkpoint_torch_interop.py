@@ -77,8 +77,6 @@ def test_our_load_reads_a_plain_get_state_dict_dcp_save(tmp_path, flatten):
 def test_saved_group_options_grow_linearly_with_named_parameters(tmp_path):
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(8)])
     opt = torch.optim.AdamW(model.named_parameters())
-    model(torch.randn(3, 2)).sum().backward()
-    opt.step()  # a strict load refuses an optimizer section without any state (saved before the first step)
     checkpoint.save(tmp_path / "c", model=model, optimizer=opt)
     keys = checkpoint.open_checkpoint(tmp_path / "c").metadata.state_dict_metadata
     assert [k for k in keys if k.endswith(".param_names")] == ["optimizer.param_groups.0.param_names"]
