@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptError", "NotACheckpointError", "some_of"]
+__all__ = ["CheckpointCorruptError", "LoadTargetError", "NotACheckpointError", "some_of"]
 
 
 class NotACheckpointError(ValueError):
@@ -11,6 +11,10 @@ class NotACheckpointError(ValueError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint whose files do not match its manifest or cannot be read (truncated, corrupt, crafted)."""
+
+
+class LoadTargetError(TypeError):
+    """A value being loaded into cannot take the stored data (the caller's state dict is at fault, not the files)."""
 
 
 def some_of(names: list[str], limit: int = 5) -> str:
