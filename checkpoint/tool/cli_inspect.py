@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
-from checkpoint.manifest import dtype_name, verify_files
-from checkpoint.planner import metadata_problems
+from checkpoint.manifest import dtype_name
+from checkpoint.opener import consistency_problems, file_problems
 from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.tool.cli_source import open_source
 from checkpoint.tool.stream import CheckpointReader, Entry
@@ -44,15 +45,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"format      {info['format']}{version}")
     print(f"committed   {'yes (manifest.json)' if reader.committed else 'no: ' + (reader.note or '')}")
     print(f"world size  {info['world_size']}   data files {info['data_files']}")
-    width = max([len(r["key"]) for r in rows] + [3])
+    shown, summarised = _summarise_group_options(rows)
+    width = max([len(r["key"]) for r in shown] + [3])
     print(f"\n{'key':<{width}}  {'dtype':<9} {'shape':<20} {'chunks':>6} {'bytes':>12}")
-    for r in rows:
+    for r in shown:
         shape = "x".join(map(str, r["shape"])) if r["kind"] == "tensor" else "(object)"
         print(f"{r['key']:<{width}}  {r['dtype'] or '-':<9} {shape or '()':<20} {r['chunks']:>6} {r['bytes']:>12}")
+    if summarised:
+        print(f"({summarised} per-parameter optimizer options shown once per option; --json lists every key)")
     print()
     for group, t in sorted(totals.items()):
         print(f"{group:<10} {t['keys']:>6} keys {t['tensors']:>6} tensors {human_bytes(t['bytes']):>12}")
     return 0
+
+
+_GROUP_OPTION = re.compile(r"optimizer\.param_groups\.(?P<fqn>.+)\.(?P<option>[^.]+)")
+
+
+def _summarise_group_options(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``rows`` with the per-parameter optimizer options (``optimizer.param_groups.<fqn>.<option>``,
+    the same few options repeated for every parameter) folded into one row per option; and how many were folded.
+
+    Torch's numbered groups (``optimizer.param_groups.0.lr``) stay as they are.
+    """
+    shown: list[dict[str, Any]] = []
+    folded: dict[str, dict[str, Any]] = {}
+    count = 0
+    for row in rows:
+        m = _GROUP_OPTION.fullmatch(row["key"])
+        if row["kind"] != "object" or m is None or m["fqn"].isdigit():
+            shown.append(row)
+            continue
+        count += 1
+        option = folded.get(m["option"])
+        if option is None:
+            option = folded[m["option"]] = {**row, "params": 0}
+            shown.append(option)
+        option["params"] += 1
+        option["key"] = f"optimizer.param_groups.<{option['params']} params>.{m['option']}"
+    return shown, count
 
 
 def _inspect_row(e: Entry) -> dict[str, Any]:
@@ -73,14 +104,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reader = open_source(args.ckpt, warn=False, check_sizes=False)
     problems: list[str] = []
     if reader.manifest is not None:
-        problems += verify_files(reader.path, reader.manifest, checksums=not args.no_checksums)
-        problems += _manifest_key_problems(reader)
+        problems += file_problems(reader.path, reader.manifest, checksums=not args.no_checksums)
     else:
         print(f"note: {reader.note}")
     reported = {p.split(":", 1)[0] for p in problems}
     # .metadata's own view of the data files: catches a file the manifest does not list
     problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
-    problems += metadata_problems(reader.metadata)  # every element in exactly one chunk
+    # what a load checks when it opens the checkpoint, the same function: verify refuses all a load refuses
+    problems += consistency_problems(reader.metadata, reader.manifest)
     broken_files = {p.split(":", 1)[0] for p in problems}
     problems += _readability_problems(reader, skip_files=broken_files, progress=not args.quiet)
     if problems:
@@ -96,27 +127,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"{human_bytes(nbytes)} of tensors, every element covered once and readable"
     )
     return 0
-
-
-def _manifest_key_problems(reader: CheckpointReader) -> list[str]:
-    assert reader.manifest is not None
-    problems = []
-    keys = reader.manifest.keys
-    for key in sorted(set(keys) - set(reader.entries)):
-        problems.append(f"{key}: listed in manifest.json but absent from .metadata")
-    for key in sorted(set(reader.entries) - set(keys)):
-        problems.append(f"{key}: in .metadata but not in manifest.json")
-    for key in sorted(set(keys) & set(reader.entries)):
-        rec, entry = keys[key], reader.entries[key]
-        if rec.kind == "tensor" and entry.kind == "tensor":
-            if rec.dtype != dtype_name(entry.tensor_dtype) or tuple(rec.shape or ()) != entry.shape:
-                problems.append(
-                    f"{key}: manifest says {rec.dtype} {list(rec.shape or ())}, "
-                    f".metadata says {dtype_name(entry.tensor_dtype)} {list(entry.shape)}"
-                )
-        elif rec.kind == "tensor" or entry.kind == "tensor":
-            problems.append(f"{key}: manifest kind {rec.kind!r} but .metadata kind {entry.kind!r}")
-    return problems
 
 
 def _data_file_problems(reader: CheckpointReader) -> list[str]:
