@@ -363,3 +363,17 @@ def test_a_link_at_a_name_a_save_removes_is_refused_naming_it_and_its_target_is_
         assert _which_state(tmp_path / "ck") == 1
     else:
         assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "symbolic link"])
+def test_something_at_the_lock_name_is_refused_naming_it_and_left_alone(tmp_path, kind):
+    lock = tmp_path / ".ck.fsdp-ckpt-lock"
+    if kind == "directory":
+        lock.mkdir()
+        (lock / "notes.txt").write_text("mine")
+    else:
+        lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError, match=f"is a {kind}, in the way of this save's lock file") as raised:
+        checkpoint.save_state_dict(_state(1), tmp_path / "ck")
+    assert str(lock) in str(raised.value)
+    assert not (tmp_path / "ck").exists() and (lock.is_dir() if kind == "directory" else lock.is_symlink())
