@@ -54,6 +54,7 @@ from offload_fsdp.per_element import check_per_element, check_steps_without_clos
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, grad_key, param_name, partition
 from offload_fsdp.state_io import (
+    check_groups_fit_class,
     check_groups_match,
     check_record_state,
     load_record_state,
@@ -468,15 +469,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Fill host masters / param staging from the params; attach fallback delegates."""
         for bucket in buckets:
             for r in bucket.records:
-                bucket.engine.fetch(r.push_source, r.local)
-                if r.param_stage is not None:
-                    r.host_master.copy_(r.param_stage)
+                self._copy_master_from_param(r)
                 r.working = r.master
-                r.mark_synced(master_is_upcast=True)
             if bucket.kernel is None:
                 bucket.delegate = DelegatedOptimizer(
                     self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
                 )
+
+    @staticmethod
+    def _copy_master_from_param(r: ParamShard) -> None:
+        """The host master (and param staging) of offloaded ``r`` becomes exactly its param widened."""
+        r.host_bucket.engine.fetch(r.push_source, r.local)
+        if r.param_stage is not None:
+            r.host_master.copy_(r.param_stage)
+        r.mark_synced(master_is_upcast=True)
 
     @torch.no_grad()
     def _join_device_delegate(self, records: list[ParamShard]) -> None:
@@ -734,6 +740,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _finish_overlapped_backward(self, closure: Any) -> set[int]:
         """Refusals, then wait for the updates started during backward; ids of the records they updated."""
         assert self._overlapped is not None
+        self._overlapped.check_backward_finished("step()")  # nothing to abandon: refused until a load
         try:
             self._refuse_in_overlapped_step(closure)
             return self._overlapped.finish_backward()  # raises a worker's error, naming the bucket
@@ -753,6 +760,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for engine in self._overlapped.begun_engines.values():
             engine.end_step()  # the next forward waits for those H2D
         self._overlapped.end_step()
+
+    @torch.no_grad()
+    def _discard_overlapped_step(self) -> None:
+        """End a step whose backward raised after updates started, writing no param; the masters those updates
+        changed that were exact upcasts (a checkpoint does not hold them) are copied from the params again."""
+        assert self._overlapped is not None
+        for bucket in self._overlapped.discard():
+            for r in bucket.records:
+                if r.master_is_upcast:
+                    self._copy_master_from_param(r)
 
     def _step_records(self, done: set[int]) -> None:
         """The step of every record with a grad, except ``done`` (updated during backward)."""
@@ -1166,7 +1183,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         loaded after this call, as ``set_state_dict`` does, are seen). Hyper-parameters
         come from the saved groups.
         """
-        if self._overlapped is not None:
+        if self._overlapped is not None and self._overlapped.backward_raised:
+            self._discard_overlapped_step()  # the load replaces what those updates changed
+        elif self._overlapped is not None:
             self._overlapped.check_idle("load_state_dict()")  # the worker may still be updating this state
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -1174,6 +1193,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 state_dict = result
         saved_groups = state_dict["param_groups"]
         check_groups_match(self.param_groups, saved_groups)
+        check_groups_fit_class(self.cpu_optimizer_cls, self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
         pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []

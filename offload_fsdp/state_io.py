@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from offload_fsdp.defaults import class_defaults
 from offload_fsdp.grad import local_tensor
 from offload_fsdp.master import MASTER_KEY
 from offload_fsdp.records import ParamShard
 
-__all__ = ["check_groups_match", "check_record_state", "load_record_state"]
+__all__ = ["check_groups_fit_class", "check_groups_match", "check_record_state", "load_record_state"]
 
 
 def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
@@ -32,6 +33,30 @@ def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) 
             raise ValueError(
                 f"parameter group {i} has {len(a['params'])} params but the loaded group has "
                 f"{len(b['params'])}; build the optimizer with the same groups as the one saved"
+            )
+
+
+def check_groups_fit_class(
+    cls: type[torch.optim.Optimizer], ours: list[dict[str, Any]], saved: list[dict[str, Any]]
+) -> None:
+    """Raise ``ValueError`` when a saved group lacks a hyper-parameter ``cls`` reads (saved by another class).
+
+    torch's ``load_state_dict`` takes such a group and its next step raises ``KeyError``
+    (AdamW given SGD's groups: ``'betas'``). Keys the class's ``__setstate__`` fills in
+    (those older torch versions did not save, e.g. ``decoupled_weight_decay``) are not missing.
+    """
+    hyper = set(class_defaults(cls))
+    for index, (group, theirs) in enumerate(zip(ours, saved)):
+        probe = cls.__new__(cls)
+        # The class's own unpickling: what torch's load_state_dict runs to complete an older group.
+        probe.__setstate__({"defaults": {}, "state": {}, "param_groups": [{**theirs, "params": []}]})
+        missing = sorted((hyper & set(group)) - set(probe.param_groups[0]))
+        if missing:
+            extra = sorted(set(theirs) - set(group) - {"params", "param_names"})
+            raise ValueError(
+                f"loaded param group {index} has no {missing}, which {cls.__name__} reads at every step"
+                + (f" (and has {extra}, which it does not)" if extra else "")
+                + f"; was the state dict saved by another optimizer class? Load one saved by {cls.__name__}"
             )
 
 
