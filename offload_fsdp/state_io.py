@@ -68,7 +68,7 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
     assert r.working is not None  # materialised before any load
     expected = set(r.state or ()) - {MASTER_KEY}  # None: the class keeps no state with these options
     got = set(saved) - {MASTER_KEY}
-    if expected != got:
+    if got and expected != got:  # none at all (a master only): never updated, as state_dict() leaves it
         raise ValueError(
             f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
             f"({class_name}); was it saved with another optimizer class or options (e.g. amsgrad)?"
@@ -102,7 +102,8 @@ def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> 
     the master's cast (one blocking host-to-device copy); the master is then no upcast of the param.
     """
     check_record_state(r, saved, class_name)
-    r.placeholder_state = False  # loaded: the state is real from here on
+    if set(saved) - {MASTER_KEY}:
+        r.placeholder_state = False  # loaded: the state is real from here on
     for key, value in saved.items():
         if key != MASTER_KEY:
             _load_value(r, key, value)
