@@ -61,17 +61,49 @@ def _batch(step: int, micro: int, width: int, dtype: torch.dtype) -> torch.Tenso
     return torch.randn(4, width, generator=torch.Generator().manual_seed(100 * step + micro)).to(dtype)
 
 
+_WORKER = "offload_fsdp-host-step"
+_KERNEL_THREADS: list[str] = []
+"""the thread each host kernel call of the current step ran on (recorded through register_host_kernel)"""
+
+
+def _recording(factory):
+    def make():
+        kernel = factory()
+        step_bucket = kernel.step_bucket
+
+        def recorded(*args):
+            _KERNEL_THREADS.append(threading.current_thread().name)
+            step_bucket(*args)
+
+        kernel.step_bucket = recorded
+        return kernel
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _record_kernel_threads():
+    """AdamW's and SGD's host kernels, each call recorded with its thread (the public extension point)."""
+    originals = {cls: PER_ELEMENT_OPTIMIZERS[qualified_name(cls)] for cls in (torch.optim.AdamW, torch.optim.SGD)}
+    for cls, factory in originals.items():
+        register_host_kernel(cls, _recording(factory))
+    yield
+    for cls, factory in originals.items():
+        PER_ELEMENT_OPTIMIZERS[qualified_name(cls)] = factory
+
+
 def _train(model, opt, steps, *, micro_batches=1, sched=None, dtype=torch.float32, width=WIDTH, seen=None):
-    """Train; ``seen`` collects, per step, whether a host update was queued before backward finished."""
+    """Train; ``seen`` collects, per step, whether a host update ran on the worker (queued during backward)."""
     for step in range(steps):
+        _KERNEL_THREADS.clear()
         for micro in range(micro_batches):
             final = micro == micro_batches - 1
             ctx = opt.defer_grad_copies() if not final else _nullcontext()
             with ctx:
                 model(_batch(step, micro, width, dtype), step).float().square().mean().backward()
-        if seen is not None and opt._overlapped is not None:
-            seen.append(opt._overlapped.in_progress)
         opt.step()
+        if seen is not None:
+            seen.append(_WORKER in _KERNEL_THREADS)
         if sched is not None:
             sched.step()
         opt.zero_grad()
