@@ -82,13 +82,27 @@ def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) 
             first[id(p)] = position
 
 
+def _wrapped_use(optimizer: torch.optim.Optimizer, call: str) -> ValueError:
+    return ValueError(
+        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
+        f"updates its params; call {call} on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
+        "wrapped optimizer, to your trainer and to checkpoint.save / checkpoint.load)"
+    )
+
+
 def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step pre-hook on a wrapped optimizer: ``ValueError`` instead of a second, divergent update."""
-    raise ValueError(
-        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
-        "updates its params; call step() on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
-        "wrapped optimizer, to your trainer)"
-    )
+    raise _wrapped_use(optimizer, "step()")
+
+
+def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    """State-dict pre-hook on a wrapped optimizer: its own state is empty or stale, so saving it loses Adam's."""
+    raise _wrapped_use(optimizer, "state_dict()")
+
+
+def _refuse_wrapped_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load pre-hook on a wrapped optimizer: state loaded into it would never reach the wrapper's updates."""
+    raise _wrapped_use(optimizer, "load_state_dict()")
 
 
 def _check_optimizer_cls(cls: Any, arg: str) -> None:
@@ -304,6 +318,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._refresh_masters_before_step = True
         if wrapped is not None and wrapped.state:
             self.load_state_dict(wrapped.state_dict())
+        if wrapped is not None:  # after its state was taken over: from now on the wrapper holds it
+            wrapped.register_state_dict_pre_hook(_refuse_wrapped_state_dict)
+            wrapped.register_load_state_dict_pre_hook(_refuse_wrapped_load)
 
     # ------------------------------------------------------------------ construction
 
@@ -320,6 +337,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         if isinstance(params_or_optimizer, HybridDeviceOptimizer):
             raise TypeError("cannot wrap a HybridDeviceOptimizer in another; wrap the underlying optimizer")
+        if isinstance(params_or_optimizer, torch.nn.Module):
+            name = type(params_or_optimizer).__name__
+            raise TypeError(
+                f"HybridDeviceOptimizer got a module ({name}); pass its parameters, "
+                "HybridDeviceOptimizer(model.parameters(), ...), or an optimizer to wrap, "
+                "HybridDeviceOptimizer(torch.optim.AdamW(model.parameters()), ...)"
+            )
         if isinstance(params_or_optimizer, torch.optim.Optimizer):
             wrapped = params_or_optimizer
             if defaults:
