@@ -28,6 +28,7 @@ from checkpoint.state_dict_io import (
     open_checkpoint,
     save_state_dict,
 )
+from checkpoint.storage_backend import locate
 from checkpoint.training_state import (
     LEGACY_MASTER_KEYS,
     MASTER_PARAM,
@@ -97,7 +98,8 @@ def save(
     """Save ``model``, ``optimizer`` and ``extra`` (step, RNG states, scheduler state...) at ``path``.
 
     Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
-    ``max_chunk_bytes``, ``process_group`` (see :func:`checkpoint.save_state_dict`).
+    ``max_chunk_bytes``, ``process_group``, ``storage_options`` (``path`` may be a URL such as
+    ``s3://bucket/prefix``), ``keep_last`` (retention) (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
     :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
     staging copies (see :mod:`checkpoint.async_save` for the trade-off), and
@@ -140,6 +142,7 @@ def load(
     extra: dict[str, Any] | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     no_dist: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
@@ -164,7 +167,9 @@ def load(
     ``extra``: objects saved as ``extra`` values that load in place, as
     ``dcp.load`` does: each Stateful one (``load_state_dict()``: a dataloader,
     a module) is given its saved state; the returned dict holds the object.
+    ``path`` may be a URL (``s3://bucket/prefix``, any fsspec URL; ``storage_options`` go to its file system).
     """
+    path = locate(path, storage_options)
     load = partial(_load, path, model, optimizer, strict, verify, require_manifest, extra)
     return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
 

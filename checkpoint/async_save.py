@@ -60,6 +60,7 @@ from checkpoint.shard import CheckpointShard
 from checkpoint.staging import StagingGate, copy_to_staging, gate_state_dict, replace_shards
 from checkpoint.staging_pool import StagingPool
 from checkpoint.state_dict_io import write_state_dict
+from checkpoint.storage_backend import locate
 
 __all__ = ["AsyncSaveError", "async_save_state_dict", "release_staging_buffers", "stage", "wait_for_async_save"]
 
@@ -117,6 +118,8 @@ def async_save_state_dict(
     process_group: dist.ProcessGroup | None = None,
     max_staging_bytes: int | None = None,
     reuse_staging_buffers: bool = True,
+    storage_options: dict | None = None,
+    keep_last: int | None = None,
 ) -> Future:
     """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
 
@@ -128,6 +131,7 @@ def async_save_state_dict(
     async save unless ``reuse_staging_buffers=False`` (see
     :func:`release_staging_buffers`).
     """
+    path = locate(path, storage_options)  # here: an unsupported URL is the caller's error, not the writer's
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     check_saved_values(state_dict)  # refused here, in the caller, not later in the background
@@ -146,7 +150,14 @@ def async_save_state_dict(
         # The writer threads meet in collectives: a rank whose state cannot be staged must not send the others there.
         raise_on_every_rank(error, path, group=group, distributed=distributed)
         future = submit(
-            path, write_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
+            path,
+            write_state_dict,
+            staged,
+            path,
+            mode=mode,
+            max_chunk_bytes=max_chunk_bytes,
+            process_group=group,
+            keep_last=keep_last,
         )
         if gate is not None:
             gate.wait_staged(future)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from checkpoint.manifest import MANIFEST_NAME, NotACheckpointError
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = [
     "MARKER_NAME",
@@ -68,7 +68,7 @@ MARKER_NAME = ".fsdp-ckpt-owned"
 
 
 def _sibling(path: str | os.PathLike, suffix: str) -> Path:
-    path = Path(path)
+    path = locate(path)
     return path.with_name(f".{path.name}{suffix}")
 
 
@@ -107,17 +107,17 @@ def _is_empty_dir(path: Path) -> bool:
 
 
 def is_committed(path: str | os.PathLike) -> bool:
-    return _is(Path(path) / MANIFEST_NAME, "file")
+    return _is(locate(path) / MANIFEST_NAME, "file")
 
 
 def is_ours(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` carries this library's marker (see the module docstring)."""
-    return _is(Path(directory) / MARKER_NAME, "file")
+    return _is(locate(directory) / MARKER_NAME, "file")
 
 
 def mark(directory: str | os.PathLike) -> None:
     """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
-    marker = Path(directory) / MARKER_NAME
+    marker = locate(directory) / MARKER_NAME
     if not _is(marker, "file"):
         store = storage_for(marker)
         stream = store.create(marker)
@@ -179,7 +179,7 @@ def make_staging(path: str | os.PathLike, *, fresh: bool = True) -> Path:
     Raises ``FileExistsError`` when something not made by a save sits at the staging name, or ``path``
     is a symbolic link (a save replaces what sits at ``path``: the link, not its target).
     """
-    path = Path(path)
+    path = locate(path)
     found = storage_for(path).stat(path)
     if found is not None and found.kind == "symlink":
         # The swap renames whatever sits at ``path``: it would move the link aside, not replace what it points to.
@@ -209,7 +209,7 @@ def check_target(path: str | os.PathLike) -> None:
     ``path`` may be absent, an empty directory or a committed checkpoint.
     Raises ``FileExistsError`` naming it otherwise (user data is never replaced).
     """
-    path = Path(path)
+    path = locate(path)
     if _absent(path):
         return
     if _is(path, "directory") and (is_committed(path) or _is_empty_dir(path)):
@@ -233,7 +233,7 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
     ``fcntl.flock``; on file systems where ``flock`` is not shared between
     hosts, only processes of one host are ordered).
     """
-    path = Path(path)
+    path = locate(path)
     key = os.path.abspath(path)
     with _registry_lock:
         entry = _thread_locks.setdefault(key, [threading.Lock(), 0])
@@ -265,7 +265,7 @@ def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Pat
 
     ``complete`` tells a finished output (default: a committed checkpoint), as in :func:`swap_into_place`.
     """
-    path, old = Path(path), old_path(path)
+    path, old = locate(path), old_path(path)
     if not _exists(path) and is_ours(old) and complete(old):
         logger.warning("recovering %s from %s left by an interrupted save", path, old)
         storage_for(path).rename(old, path)
@@ -284,7 +284,7 @@ def swap_into_place(
     when ``path`` exists but is not complete (and not empty), or an unmarked
     directory sits at the swap name: user data this function will not delete.
     """
-    staged, path, old = Path(staged), Path(path), old_path(path)
+    staged, path, old = locate(staged), locate(path), old_path(path)
     assert complete(staged) and is_ours(staged), f"{staged} must be committed and marked before it is swapped in"
     recover_interrupted_swap(path, complete=complete)
     store = storage_for(path)
@@ -318,7 +318,7 @@ def resolve_for_load(path: str | os.PathLike) -> Path:
     without a manifest raises :class:`~checkpoint.manifest.NotACheckpointError`
     later, from ``read_manifest``.
     """
-    path = Path(path)
+    path = locate(path)
     if _exists(path):
         return path
     old = old_path(path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from checkpoint.convert import convert_tree
 from checkpoint.data_file import StorageInfo
 from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
 from checkpoint.manifest import METADATA_NAME, FileRecord, KeyRecord, Manifest, dtype_name, write_manifest
+from checkpoint.object_commit import SaveProtocol
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
@@ -70,6 +72,7 @@ def write_rank(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    _renames_only(path, "write_rank")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
     # Ranks may be written by separate processes at once: the staging dir is shared, not made afresh.
     writer = FsdpWriter(make_staging(path, fresh=False), force_rank=rank, world_size=world_size)
@@ -88,14 +91,32 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
     chunks are inconsistent, ``FileExistsError`` when ``path`` holds something
     other than a checkpoint; nothing at ``path`` changes then.
     """
+    _renames_only(path, "commit")
     with write_lock(path):
         check_target(path)
         commit_ranks(path, world_size, extra_info=extra_info)
 
 
-def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
-    """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0)."""
-    staged = staging_path(path)
+def _renames_only(path: str | os.PathLike, what: str) -> None:
+    if not storage_for(path).renames_atomically:
+        raise ValueError(
+            f"checkpoint.{what}({str(path)!r}): ranks written by separate calls commit by renames, which this "
+            "storage (an object store / shared file system) lacks; save with "
+            "checkpoint.save_state_dict(..., mode='scale') from every rank instead"
+        )
+
+
+def commit_ranks(
+    path: str | os.PathLike,
+    world_size: int,
+    *,
+    extra_info: dict | None = None,
+    staged: PurePath | None = None,
+    protocol: SaveProtocol | None = None,
+) -> None:
+    """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0);
+    ``staged`` / ``protocol``: the save's staging directory and commit protocol (default: renames)."""
+    staged = staging_path(path) if staged is None else staged
     store = storage_for(staged)
     records = []
     for rank in range(world_size):
@@ -118,7 +139,7 @@ def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict |
         raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]))
     files[METADATA_NAME] = write_metadata(staged, merged)
     info = {"mode": "scale", **(extra_info or {})}
-    commit_staged(path, merged, files, world_size, extra_info=info)
+    commit_staged(path, merged, files, world_size, extra_info=info, staged=staged, protocol=protocol)
 
 
 def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]]:
@@ -164,13 +185,17 @@ def commit_staged(
     world_size: int,
     *,
     extra_info: dict | None = None,
+    staged: PurePath | None = None,
+    protocol: SaveProtocol | None = None,
 ) -> None:
-    """Prune stray files from the staging dir, write the manifest (the commit point), swap into ``path``.
+    """Prune stray files from the staging dir, write the manifest, publish it at ``path`` (the commit point:
+    the swap by renames, or the head of the object-store protocol).
 
     Precondition: ``.metadata`` (written by :func:`~checkpoint.dcp_metadata.write_metadata`, whose
-    record ``files`` holds) and every file in ``files`` are durable in the staging directory.
+    record ``files`` holds) and every file in ``files`` are durable in the staging directory ``staged``
+    (default: the rename protocol's, :func:`~checkpoint.atomic.staging_path`).
     """
-    staged = staging_path(path)
+    staged = staging_path(path) if staged is None else staged
     referenced = {info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_NAME}
     keep = {name: rec for name, rec in files.items() if name in referenced}
     assert METADATA_NAME in keep, "write_metadata's record must be among the files committed"
@@ -180,5 +205,8 @@ def commit_staged(
             # Leftovers of an earlier, killed save (another world size) or per-rank files now merged.
             store.delete(staged / name)
     write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info))
-    swap_into_place(staged, path)
+    if protocol is None:
+        swap_into_place(staged, path)
+    else:
+        protocol.publish(staged)
     logger.info("committed checkpoint %s (%d files, %d keys)", path, len(keep), len(metadata.state_dict_metadata))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.data_file import StorageInfo
 from checkpoint.manifest import METADATA_NAME
-from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
+from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
 __all__ = ["MetadataBuilder", "with_storage", "write_metadata"]
 
@@ -148,5 +147,5 @@ def write_metadata(directory: str | os.PathLike, metadata: Metadata) -> FileReco
         stream.wait_for_hints()
         record.append(FileRecord(size=stream.size, crc32=stream.crc))
 
-    storage_for(directory).write_file(Path(directory) / METADATA_NAME, dump)
+    storage_for(directory).write_file(locate(directory) / METADATA_NAME, dump)
     return record[0]
