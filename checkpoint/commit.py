@@ -37,7 +37,7 @@ from checkpoint.object_commit import SaveProtocol
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
 from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -72,6 +72,7 @@ def write_rank(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    path = locate(path)
     _renames_only(path, "write_rank")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
     # Ranks may be written by separate processes at once: the staging dir is shared, not made afresh.
@@ -91,6 +92,7 @@ def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None 
     chunks are inconsistent, ``FileExistsError`` when ``path`` holds something
     other than a checkpoint; nothing at ``path`` changes then.
     """
+    path = locate(path)
     _renames_only(path, "commit")
     with write_lock(path):
         check_target(path)

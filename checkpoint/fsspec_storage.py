@@ -183,7 +183,8 @@ class FsspecStorage:
                 with self._errors(path):
                     self.fs.pipe_file(key, data, **condition)
             except OSError as exc:
-                if isinstance(exc, FileExistsError) or "precondition" in str(exc).lower() or "412" in str(exc):
+                # s3fs: FileExistsError for If-None-Match, EINVAL "pre-conditions ... did not hold" for If-Match
+                if isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
                     raise VersionConflict(f"{self.url(path)} was written by another save meanwhile") from None
                 raise
             return

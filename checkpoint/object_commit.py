@@ -27,7 +27,8 @@ of ``P`` whose sequence is at most its own, but for itself. A save still
 writing with such a sequence started before this commit, read the old head,
 and can no longer commit. A killed save leaves only its own save directory,
 which the next committed save (or ``fsdp-ckpt gc``) removes. Nothing else
-under ``P`` is ever touched: only names of the save pattern that carry the marker.
+under ``P`` is ever touched: only names of the save pattern that carry the marker
+(``gc``, run while no save runs, also those of the pattern without one).
 """
 
 from __future__ import annotations
@@ -241,9 +242,11 @@ class ObjectCommit(SaveProtocol):
         remove_replaced(self.path, sequence, keep=staged.name)
 
     def abandon(self, staged: PurePath | None) -> None:
-        if staged is not None and is_ours(staged):
+        # Its own save directory, by its unique name: removed even when a racing save's cleanup already took
+        # the marker (and then objects this save went on writing) from it.
+        if staged is not None and staged.name == self.save:
             with contextlib.suppress(OSError):
-                storage_for(staged).remove_tree(staged)
+                self.store.remove_tree(staged)
 
 
 def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
@@ -274,7 +277,7 @@ def collect_garbage(path: str | os.PathLike) -> list[str]:
     head = read_head(path)
     removed = [name for name in _saves(path) if head is None or name != head.save]
     for name in removed:
-        _remove_save(path / name)
+        _remove_save(path / name, marked_only=False)
     return removed
 
 
@@ -285,11 +288,16 @@ def _saves(path: PurePath) -> list[str]:
     return sorted(name for name in store.list(path) if _SAVE.match(name))
 
 
-def _remove_save(directory: PurePath) -> None:
-    """Remove one save directory: its manifest first (a kill midway leaves it uncommitted, never half-read)."""
+def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:
+    """Remove one save directory: its manifest first (a kill midway leaves it uncommitted, never half-read).
+
+    ``marked_only``: only with the marker (what a save removes by itself); ``fsdp-ckpt gc``, run by the
+    user while no save runs, also removes one of the save name pattern that lost its marker (a save killed
+    after a racing save's cleanup took it).
+    """
     store = storage_for(directory)
-    if not is_ours(directory):
-        return  # not ours after all (no marker): left alone
+    if marked_only and not is_ours(directory):
+        return  # no marker: left alone
     store.delete(directory / MANIFEST_NAME, missing_ok=True)
     for name in store.list(directory):
         if name != MARKER_NAME:

@@ -73,7 +73,7 @@ class DirectReader(FileSystemReader):
             # a FIFO / device / link: a clear error, no hang
             self._store.open_read(locate(self.path) / relative_path).close()
         if not self._direct:
-            if getattr(self.path, "storage", None) is not None:
+            if not isinstance(self.path, Path):  # a URL: DCP's reader would open a local path of that name
                 raise ValueError(
                     f"{self.path}: a plain DCP directory (no manifest.json) is read by DCP's own reader, from "
                     "local paths only; copy it to a local directory, or re-save it with checkpoint.save"

@@ -509,9 +509,10 @@ def unmount(root: str | os.PathLike) -> None:
 
 
 def locate(path: str | os.PathLike, storage_options: dict | None = None) -> Path:
-    """``path`` resolved once, at an entry point: a URL (``s3://bucket/prefix``, any fsspec URL) becomes a path
-    bound to its storage (:mod:`checkpoint.fsspec_storage`), which every helper then reads with
-    :func:`storage_for` without resolving it again; a local path stays a ``Path``.
+    """``path`` resolved once, at an entry point, into a path bound to its storage: a URL (``s3://bucket/prefix``,
+    any fsspec URL) to its :mod:`checkpoint.fsspec_storage` storage, a local path (a ``Path`` still) to the
+    :func:`mount` above it or :data:`LOCAL`. Every helper then reads the storage from the path
+    (:func:`storage_for`) instead of resolving it again; joins, ``parent`` and siblings keep it.
 
     Raises ``ValueError`` for an unsupported URL scheme or a URL mangled by ``pathlib`` (``s3:/bucket``),
     ``ImportError`` naming the extra to install (``pip install offload-fsdp[s3]``) when its package is missing.
@@ -527,7 +528,26 @@ def locate(path: str | os.PathLike, storage_options: dict | None = None) -> Path
         return cast(Path, url_path(text, storage_options))
     if storage_options:
         raise ValueError(f"storage_options apply to URLs (s3://...), not to the local path {text!r}")
-    return Path(path)
+    local = Path(path)
+    return _bound_type(_lookup(local))(local)
+
+
+_bound_types: dict[int, type] = {}  # id(storage) -> its Path subclass (storages live as long as the process)
+
+
+def _bound_type(storage: Storage) -> type[Path]:
+    """A ``Path`` subclass whose instances (and their joins, parents, siblings) carry ``storage``."""
+    cls = _bound_types.get(id(storage))
+    if cls is None:
+        base = type(Path())
+        cls = _bound_types[id(storage)] = type(
+            f"{type(storage).__name__}Path", (base,), {"storage": storage, "__reduce__": _reduce_to_path}
+        )
+    return cls
+
+
+def _reduce_to_path(self: Path) -> tuple:
+    return Path, (str(self),)  # pickled as a plain path: the storage is found again where it is used
 
 
 def _looks_like_mangled_url(text: str) -> bool:
@@ -544,9 +564,13 @@ def storage_for(path: str | os.PathLike) -> Storage:
     :func:`mount` above it, else :data:`LOCAL`."""
     bound = getattr(path, "storage", None)
     if bound is not None:
-        return bound
+        return bound  # resolved once, by locate() at the entry point
     if isinstance(path, str) and "://" in path:
         return storage_for(locate(path))
+    return _lookup(path)
+
+
+def _lookup(path: str | os.PathLike) -> Storage:
     if not _mounts:
         return LOCAL
     path = os.path.abspath(path)

@@ -353,3 +353,18 @@ def test_a_checkpoint_saved_replaced_and_committed_by_rank_through_an_in_memory_
     names = {os.path.relpath(k, root) for k in backend.objects}
     assert {"ck/manifest.json", "ck/.metadata", "ranks/manifest.json"} <= names
     assert not any(".fsdp-ckpt" in name for name in names)  # no staging, swap dir or lock left behind
+
+
+def test_a_save_and_a_load_resolve_the_storage_of_their_path_once(tmp_path, monkeypatch):
+    import checkpoint.storage_backend as backend_module
+
+    # The mount table is consulted by a private function; counting its calls is the only way to see that
+    # helpers receive the resolved storage instead of looking it up again (STYLE.md habit 14).
+    calls = []
+    real = backend_module._lookup
+    monkeypatch.setattr(backend_module, "_lookup", lambda path: calls.append(path) or real(path))
+    checkpoint.save_state_dict({"w": torch.ones(3), "extra": {"step": 1}}, tmp_path / "ck")
+    checkpoint.save_state_dict({"w": torch.ones(3), "extra": {"step": 2}}, tmp_path / "ck")  # the swap too
+    assert len(calls) == 2, calls
+    checkpoint.load_state_dict({"w": torch.zeros(3), "extra": {"step": None}}, tmp_path / "ck")
+    assert len(calls) == 3, calls

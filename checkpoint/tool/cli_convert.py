@@ -31,6 +31,7 @@ from checkpoint.atomic import (
 )
 from checkpoint.durable import durable_replace
 from checkpoint.manifest import open_regular
+from checkpoint.storage_backend import locate
 from checkpoint.tool.cli_report import CliError, Progress, human_bytes
 from checkpoint.tool.cli_source import open_source
 from checkpoint.tool.rewrite import write_checkpoint
@@ -338,7 +339,7 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
         raise CliError(f"--world-size {args.world_size} must be at least 1")
     targets = plan(source.entries, _rules(args))
     logger.info("planned %d keys from %d; writing for %d rank(s)", len(targets), len(source.entries), args.world_size)
-    dst = Path(args.dst)
+    dst = locate(args.dst)  # a local path, or a URL (s3://...)
     total = sum(t.nbytes for t in targets)
     bar = Progress(verb.removesuffix("ed"), total, not args.quiet)
     start = time.perf_counter()

@@ -8,6 +8,7 @@ from typing import Any
 
 from checkpoint.manifest import dtype_name, verify_files
 from checkpoint.planner import metadata_problems
+from checkpoint.storage_backend import storage_for
 from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.tool.cli_source import open_source
 from checkpoint.tool.stream import CheckpointReader, Entry
@@ -77,11 +78,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         problems += _manifest_key_problems(reader)
     else:
         print(f"note: {reader.note}")
-    reported = {p.split(":", 1)[0] for p in problems}
+    reported = {p.split(": ", 1)[0] for p in problems}  # ": ": a URL's "://" is not the end of its name
     # .metadata's own view of the data files: catches a file the manifest does not list
-    problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
+    problems += [p for p in _data_file_problems(reader) if p.split(": ", 1)[0] not in reported]
     problems += metadata_problems(reader.metadata)  # every element in exactly one chunk
-    broken_files = {p.split(":", 1)[0] for p in problems}
+    broken_files = {p.split(": ", 1)[0] for p in problems}
     problems += _readability_problems(reader, skip_files=broken_files, progress=not args.quiet)
     if problems:
         for p in problems:
@@ -128,10 +129,11 @@ def _data_file_problems(reader: CheckpointReader) -> list[str]:
     problems = []
     for name, end in sorted(needed.items()):
         path = reader.path / name
-        if not path.exists():
+        found = storage_for(path).stat(path, follow_symlinks=True)
+        if found is None:
             problems.append(f"{path}: missing (.metadata points into it)")
-        elif path.stat().st_size < end:
-            problems.append(f"{path}: {path.stat().st_size} bytes but .metadata needs {end} (truncated)")
+        elif found.size < end:
+            problems.append(f"{path}: {found.size} bytes but .metadata needs {end} (truncated)")
     return problems
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from checkpoint.atomic import resolve_for_load
 from checkpoint.manifest import CheckpointCorruptError
+from checkpoint.object_commit import resolve_for_load
 from checkpoint.tool.cli_report import PROG, CliError, human_bytes
 from checkpoint.tool.stream import CheckpointReader
 
@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 def open_source(path: str, *, warn: bool = True, check_sizes: bool = True) -> CheckpointReader:
     """Open a checkpoint; by default fail fast when a file's size differs from the manifest (cheap, no read)
     and check each file's CRC-32 as it is read (the command calls ``reader.finish()`` before it commits)."""
-    # the format's own lookup: falls back to the swap directory after a save killed mid-swap,
-    # and names an unfinished save's staging directory when nothing else is there
+    # the format's own lookup: a URL's committed save (its head), the swap directory after a save killed
+    # mid-swap, and names an unfinished save's staging directory when nothing else is there
     resolved = resolve_for_load(path)
     try:
         reader = CheckpointReader(resolved, verify="crc" if check_sizes else "none")
