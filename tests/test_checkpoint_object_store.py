@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
 import checkpoint
 from checkpoint.object_commit import HEAD_NAME
-from tests.distributed import run_ranks
+from tests.distributed import PROCESSES, run_ranks
 from tests.s3_server import apply, environment
 
 pytestmark = [
@@ -91,25 +92,36 @@ def test_two_gloo_ranks_save_to_s3_and_three_load_it_resharded(s3_bucket, s3_ser
     assert torch.equal(target["a"], full["a"]) and torch.equal(target["b"], full["b"])
 
 
-def _model_and_optimizer(seed: int):
+def _model_and_optimizer(seed: int, hybrid: bool):
+    from offload_fsdp import HybridDeviceOptimizer
+
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if hybrid:
+        opt = HybridDeviceOptimizer(opt, offload_fraction=1.0)
     model(torch.randn(4, 6)).sum().backward()
     opt.step()
     return model, opt
 
 
-def test_a_model_and_adamw_saved_async_to_s3_resume_bit_exact(s3_bucket):
-    model, opt = _model_and_optimizer(0)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["AdamW", "HybridDeviceOptimizer"])
+def test_a_model_and_optimizer_saved_async_to_s3_resume_bit_exact(s3_bucket, hybrid):
+    model, opt = _model_and_optimizer(0, hybrid)
     url = f"{s3_bucket}/train/step1"
     checkpoint.async_save(url, model=model, optimizer=opt, extra={"step": 1}).result(timeout=120)
-    model2, opt2 = _model_and_optimizer(1)
+    model2, opt2 = _model_and_optimizer(1, hybrid)
     extra = checkpoint.load(url, model=model2, optimizer=opt2)
     assert extra["step"] == 1
     for p, q in zip(model.parameters(), model2.parameters()):
         assert torch.equal(p, q)
-        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
+    # one more identical step on both: the resumed optimizer state is the saved one, bit for bit
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(torch.ones(4, 6)).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_a_flipped_byte_in_an_object_is_an_error_naming_the_object(s3_bucket):
@@ -172,43 +184,46 @@ def test_a_second_save_committing_first_wins_and_the_other_fails_clearly_without
     assert len([n for n in _objects(url) if n.endswith("manifest.json")]) == 1  # the loser's objects are gone
 
 
-_KILLED_SAVER = """
-import os, sys, time, torch
-import checkpoint, checkpoint.object_commit as oc, checkpoint.storage as st
-point, url = sys.argv[1], sys.argv[2]
-def stop_here():
-    print("ready", flush=True)
-    time.sleep(600)
-if point == "data":
-    real = st.write_tensor
-    def write(stream, tensor):
-        real(stream, tensor); stop_here()
-    st.write_tensor = write
-elif point == "head":
-    real_publish = oc.ObjectCommit.publish
-    oc.ObjectCommit.publish = lambda self, staged: stop_here()
-elif point == "cleanup":
-    oc.remove_replaced = lambda *a, **k: stop_here()
-checkpoint.save_state_dict({"w": torch.full((16,), 2.0)}, url)
-"""
+def _stop_here(ready) -> None:
+    ready.put("ready")
+    time.sleep(600)  # killed here
+
+
+def _killed_saver(point: str, url: str, env: dict, ready) -> None:
+    """Save to ``url``, stopping for good at ``point`` (the test kills this process there)."""
+    import checkpoint.object_commit as object_commit
+    import checkpoint.storage as storage_module
+
+    apply(env)
+    if point == "data":
+        real = storage_module.write_tensor
+
+        def write(stream, tensor):
+            real(stream, tensor)
+            _stop_here(ready)
+
+        storage_module.write_tensor = write
+    elif point == "head":
+        object_commit.ObjectCommit.publish = lambda self, staged: _stop_here(ready)
+    elif point == "cleanup":
+        object_commit.remove_replaced = lambda *args, **kwargs: _stop_here(ready)
+    checkpoint.save_state_dict({"w": torch.full((16,), 2.0)}, url)
 
 
 @pytest.mark.parametrize("point", ["data", "head", "cleanup"])
 def test_a_save_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_whole_and_the_next_save_cleans_up(
     s3_bucket, s3_server, point
 ):
-    import subprocess
-    import sys
-
     url = f"{s3_bucket}/kill/ck"
     checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, url)
-    env = {**os.environ, **environment(s3_server), "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, point, url], stdout=subprocess.PIPE, env=env)
+    ready = PROCESSES.Queue()
+    proc = PROCESSES.Process(target=_killed_saver, args=(point, url, environment(s3_server), ready))
+    proc.start()
     try:
-        assert proc.stdout.readline().strip() == b"ready"
+        assert ready.get(timeout=120) == "ready"
     finally:
-        proc.kill()
-        proc.wait()
+        proc.kill()  # SIGKILL: no cleanup runs in the saver
+        proc.join()
     target = {"w": torch.zeros(16)}
     checkpoint.load_state_dict(target, url)
     assert torch.equal(target["w"], torch.full((16,), 2.0 if point == "cleanup" else 1.0))
@@ -310,3 +325,19 @@ def test_every_cli_command_reads_s3_and_writes_local_and_reshard_writes_s3(s3_bu
     assert "0 unfinished" in cli("gc", url).stdout
     bad = cli("inspect", "nosuch://bucket/ck", check=2)
     assert "unsupported URL scheme" in bad.stderr
+
+
+def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_renames(tmp_path):
+    root = tmp_path / "nfs"
+    checkpoint.mount(root, checkpoint.SharedFileSystemStorage())
+    try:
+        for step in (1, 2):
+            checkpoint.save_state_dict({"w": torch.full((3,), float(step))}, root / "ck")
+        target = {"w": torch.zeros(3)}
+        checkpoint.load_state_dict(target, root / "ck")
+    finally:
+        checkpoint.unmount(root)
+    assert torch.equal(target["w"], torch.full((3,), 2.0))
+    names = sorted(p.name for p in (root / "ck").iterdir())
+    assert names[0] == HEAD_NAME and len(names) == 2 and names[1].startswith("fsdp-save-00000002-")
+    assert sorted(p.name for p in root.iterdir()) == ["ck"]  # no staging, swap or lock names beside it
