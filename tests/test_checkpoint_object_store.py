@@ -68,6 +68,7 @@ def _save_ranks(rank: int, world_size: int, env: dict, url: str) -> None:
     apply(env)
     state, _ = _flat_state(rank, world_size)
     checkpoint.save_state_dict({**state, "extra": {"step": 7}}, url)
+    checkpoint.save_state_dict({**state, "extra": {"step": 7}}, f"{url}-scale", mode="scale")
 
 
 def _load_ranks(rank: int, world_size: int, env: dict, url: str) -> bool:
@@ -86,6 +87,7 @@ def test_two_gloo_ranks_save_to_s3_and_three_load_it_resharded(s3_bucket, s3_ser
     env = environment(s3_server)
     run_ranks(_save_ranks, world_size=2, args=(env, url))
     assert all(run_ranks(_load_ranks, world_size=3, args=(env, url)))
+    assert all(run_ranks(_load_ranks, world_size=1, args=(env, f"{url}-scale")))
     target = {"a": torch.zeros(23), "b": torch.zeros(3, 5), "extra": {"step": None}}
     checkpoint.load_state_dict(target, url)  # one process, the whole tensors
     _, full = _flat_state(0, 1)
@@ -124,7 +126,7 @@ def test_a_model_and_optimizer_saved_async_to_s3_resume_bit_exact(s3_bucket, hyb
         assert torch.equal(p, q)
 
 
-def test_a_flipped_byte_in_an_object_is_an_error_naming_the_object(s3_bucket):
+def test_a_flipped_byte_or_a_truncated_object_is_an_error_naming_the_object(s3_bucket):
     import fsspec
 
     url = f"{s3_bucket}/flip/ck"
@@ -135,6 +137,9 @@ def test_a_flipped_byte_in_an_object_is_an_error_naming_the_object(s3_bucket):
     raw[-100] ^= 0xFF  # inside the tensor's bytes
     fs.pipe_file(data_file, bytes(raw))
     with pytest.raises(checkpoint.CheckpointCorruptError, match=f"s3://{data_file}.*CRC-32"):
+        checkpoint.load_state_dict({"w": torch.zeros(64)}, url)
+    fs.pipe_file(data_file, bytes(raw[:-10]))  # truncated
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=f"s3://{data_file}.*truncated"):
         checkpoint.load_state_dict({"w": torch.zeros(64)}, url)
 
 
