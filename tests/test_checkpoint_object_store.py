@@ -143,19 +143,37 @@ def test_a_flipped_byte_or_a_truncated_object_is_an_error_naming_the_object(s3_b
         checkpoint.load_state_dict({"w": torch.zeros(64)}, url)
 
 
-def test_a_missing_bucket_and_wrong_credentials_are_clear_errors(s3_bucket, monkeypatch):
+def test_a_missing_bucket_is_a_clear_error_and_storage_options_win_over_the_variables(
+    s3_bucket, s3_server, monkeypatch
+):
     with pytest.raises(FileNotFoundError, match="bucket 'no-such-bucket-x' .* does not exist"):
         checkpoint.save_state_dict({"w": torch.ones(2)}, "s3://no-such-bucket-x/ck")
     url = f"{s3_bucket}/creds/ck"
     checkpoint.save_state_dict({"w": torch.ones(2)}, url)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         checkpoint.load_state_dict({"w": torch.ones(2)}, f"{s3_bucket}/creds/absent")
-    # moto accepts any key unless told otherwise: a wrong one must still be refused where the server says so
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     target = {"w": torch.zeros(2)}
-    checkpoint.load_state_dict(target, url, storage_options={"key": "testing", "secret": "testing"})
-    assert torch.equal(target["w"], torch.ones(2))  # storage_options win over the variables
+    checkpoint.load_state_dict(target, url, storage_options={"endpoint_url": s3_server})
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_wrong_credentials_are_a_clear_permission_error(monkeypatch):
+    from tests.s3_server import authenticating_server, make_bucket
+
+    server, env = authenticating_server()
+    try:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        url = f"s3://{make_bucket(server.endpoint, env)}/ck"
+        checkpoint.save_state_dict({"w": torch.ones(2)}, url)  # the right keys work
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(PermissionError, match=f"{url}.*AWS_SECRET_ACCESS_KEY"):
+            checkpoint.load_state_dict({"w": torch.zeros(2)}, url)
+        with pytest.raises(PermissionError, match="AWS_ACCESS_KEY_ID"):
+            checkpoint.save_state_dict({"w": torch.ones(2)}, url)
+    finally:
+        server.stop()
 
 
 def test_a_second_save_committing_first_wins_and_the_other_fails_clearly_without_mixing(s3_bucket, monkeypatch):
