@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +42,6 @@ def test_a_state_dict_saved_to_s3_loads_back_bit_exact_and_nothing_is_written_lo
 
 
 def test_an_unsupported_scheme_and_a_mangled_url_are_clear_errors_and_write_nothing(tmp_path, monkeypatch):
-    from pathlib import Path
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="unsupported URL scheme 'nosuch://'"):
@@ -348,6 +348,9 @@ def test_every_cli_command_reads_s3_and_writes_local_and_reshard_writes_s3(s3_bu
     assert "0 unfinished" in cli("gc", url).stdout
     bad = cli("inspect", "nosuch://bucket/ck", check=2)
     assert "unsupported URL scheme" in bad.stderr
+    # export writes local files only: a URL output is refused, not written to a directory named "s3:"
+    assert "is a local path" in cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", check=2).stderr
+    assert not (Path.cwd() / "s3:").exists()
 
 
 def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_renames(tmp_path):

@@ -33,7 +33,7 @@ from checkpoint.durable import durable_replace
 from checkpoint.manifest import open_regular
 from checkpoint.storage_backend import locate
 from checkpoint.tool.cli_report import CliError, Progress, human_bytes
-from checkpoint.tool.cli_source import open_source
+from checkpoint.tool.cli_source import local_path, open_source
 from checkpoint.tool.rewrite import write_checkpoint
 from checkpoint.tool.safetensors_io import (
     SafetensorsSource,
@@ -144,7 +144,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         reader.finish()  # their bytes' CRC-32, before they reach the output
     specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
-    dst = Path(args.dst)
+    dst = local_path(args.dst, "an export's output (safetensors / torch files)")
     start = time.perf_counter()
     with contextlib.ExitStack() as held:
         # one writer per output path, held by process 0 until the output is committed
@@ -318,7 +318,7 @@ def _json_objects(objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    src = Path(args.src)
+    src = local_path(args.src, "an import source (a Hugging Face directory or file)")
     if not src.exists():
         raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
     if not src.is_dir():
