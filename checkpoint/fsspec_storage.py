@@ -200,9 +200,10 @@ class FsspecStorage:
             raise FileNotFoundError(f"{self.url(path)} does not exist")
         if found.kind != "file":
             raise CheckpointCorruptError(f"{self.url(path)}: {found.description}, not an object; nothing was read")
+        known = {"size": found.size} if self._s3 else {}  # s3fs would ask the server for it again
         with self._errors(path):
             # no read-ahead cache: every read is one ranged GET of exactly what the reader asked for
-            return self.fs.open(self.key(path), "rb", cache_type="none")
+            return self.fs.open(self.key(path), "rb", cache_type="none", **known)
 
     def read_into(self, f: BinaryIO, buffers: list, offset: int) -> int:
         views = [memoryview(b).cast("B") for b in buffers]

@@ -505,13 +505,31 @@ def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
 
 
 _RSS_CHILD = """
-import resource, sys, torch, checkpoint
+import sys, threading, time, torch, checkpoint
 sys.path.insert(0, sys.argv[3])
 from scripts.bench_checkpoint import _state
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
 state = _state(int(sys.argv[2]) << 20)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-checkpoint.save_state_dict({"model": state}, sys.argv[1])
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+before, peak, done = rss(), [0], threading.Event()
+def sample():  # the resident set while the save runs, every 2 ms
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample)
+sampler.start()
+if sys.argv[4] == "ours":
+    checkpoint.save_state_dict({"model": state}, sys.argv[1])
+else:  # s3fs writing the same bytes as one object, in parts of the same size
+    import fsspec
+    from checkpoint.fsspec_storage import PART_BYTES
+    with fsspec.open(sys.argv[1] + ".raw", "wb", block_size=PART_BYTES) as f:
+        for t in state.values():
+            f.write(memoryview(t.numpy()).cast("B"))
+done.set()
+sampler.join()
+print(before, peak[0])
 """
 
 
@@ -570,18 +588,19 @@ def bench_remote(mib: int) -> None:
             f"load {best['s3fs get'][0] / best['ours load'][0]:.2f}x"
         )
         repo = str(Path(__file__).resolve().parents[1])
-        out = subprocess.run(
-            [sys.executable, "-c", _RSS_CHILD, f"s3://{bucket}/rss", str(mib), repo],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, "PYTHONPATH": repo},
-        ).stdout.split()
-        before, after = int(out[-2]), int(out[-1])
-        print(
-            f"peak RSS of a {nbytes / 2**20:.0f} MiB save: +{(after - before) / 1024:.0f} MiB over the state "
-            f"(upload part {PART_BYTES >> 20} MiB; the state is {nbytes // PART_BYTES} parts)"
-        )
+        for who in ("ours", "s3fs"):
+            out = subprocess.run(
+                [sys.executable, "-c", _RSS_CHILD, f"s3://{bucket}/rss-{who}", str(mib), repo, who],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONPATH": repo},
+            ).stdout.split()
+            before, after = int(out[-2]), int(out[-1])
+            print(
+                f"peak RSS while writing the {nbytes / 2**20:.0f} MiB state ({who}): +{(after - before) / 2**20:.0f} MiB "
+                f"over the process before (upload part {PART_BYTES >> 20} MiB; {nbytes // PART_BYTES} parts)"
+            )
     finally:
         server.stop()
 
