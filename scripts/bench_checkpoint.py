@@ -519,14 +519,7 @@ def sample():  # the resident set while the save runs, every 2 ms
         time.sleep(0.002)
 sampler = threading.Thread(target=sample)
 sampler.start()
-if sys.argv[4] == "ours":
-    checkpoint.save_state_dict({"model": state}, sys.argv[1])
-else:  # s3fs writing the same bytes as one object, in parts of the same size
-    import fsspec
-    from checkpoint.fsspec_storage import PART_BYTES
-    with fsspec.open(sys.argv[1] + ".raw", "wb", block_size=PART_BYTES) as f:
-        for t in state.values():
-            f.write(memoryview(t.numpy()).cast("B"))
+checkpoint.save_state_dict({"model": state}, sys.argv[1])
 done.set()
 sampler.join()
 print(before, peak[0])
@@ -588,9 +581,9 @@ def bench_remote(mib: int) -> None:
             f"load {best['s3fs get'][0] / best['ours load'][0]:.2f}x"
         )
         repo = str(Path(__file__).resolve().parents[1])
-        for who in ("ours", "s3fs"):
+        for who in ("ours",):
             out = subprocess.run(
-                [sys.executable, "-c", _RSS_CHILD, f"s3://{bucket}/rss-{who}", str(mib), repo, who],
+                [sys.executable, "-c", _RSS_CHILD, f"s3://{bucket}/rss-{who}", str(mib), repo],
                 capture_output=True,
                 text=True,
                 check=True,
