@@ -27,6 +27,7 @@ from checkpoint.async_save import AsyncSaveError, release_staging_buffers, wait_
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
 from checkpoint.dcp_storage import FsdpStorageReader, FsdpStorageWriter
 from checkpoint.durable import DiskFullError
+from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
 from checkpoint.object_commit import ConcurrentSaveError, collect_garbage, resolve_for_load
 from checkpoint.retention import committed_checkpoints, latest, retain
@@ -56,6 +57,7 @@ __all__ = [
     "FsdpStorageWriter",
     "LoadReport",
     "LoadResult",
+    "LoadTargetError",
     "Manifest",
     "NotACheckpointError",
     "OpenCheckpoint",

@@ -23,12 +23,11 @@ import contextlib
 import io
 import json
 import os
-import zlib
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import PurePosixPath
 from typing import Any, BinaryIO, ClassVar, NoReturn
 
-from checkpoint.chunk_archive import crc32_combine
+from checkpoint.content_check import crc32, crc32_combine
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.storage_backend import CrcStream, FileRecord, FileStat, VersionConflict
 
@@ -338,7 +337,7 @@ class _UploadStream(CrcStream):
     def write_uncounted(self, b) -> int:
         view = memoryview(b).cast("B")
         self._write_all(view)  # no writeback hint: there is no page cache to start on
-        piece_crc = zlib.crc32(view)
+        piece_crc = crc32(view)
         self.crc = crc32_combine(self.crc, piece_crc, len(view))
         self.size += len(view)
         return piece_crc
