@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpoint.atomic import output_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree, resolve_stateful
 from checkpoint.safe_unpickle import check_saved_values
@@ -60,7 +61,6 @@ from checkpoint.shard import CheckpointShard
 from checkpoint.staging import StagingGate, copy_to_staging, gate_state_dict, replace_shards
 from checkpoint.staging_pool import StagingPool
 from checkpoint.state_dict_io import write_state_dict
-from checkpoint.storage_backend import locate
 
 __all__ = ["AsyncSaveError", "async_save_state_dict", "release_staging_buffers", "stage", "wait_for_async_save"]
 
@@ -131,7 +131,7 @@ def async_save_state_dict(
     async save unless ``reuse_staging_buffers=False`` (see
     :func:`release_staging_buffers`).
     """
-    path = locate(path, storage_options)  # here: an unsupported URL is the caller's error, not the writer's
+    path = output_path(path, storage_options)  # here: a bad path or URL is the caller's error
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     with starting():  # the interpreter does not exit before this save is submitted, whichever thread stages it

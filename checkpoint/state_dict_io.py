@@ -43,6 +43,9 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from checkpoint.atomic import (
+    output_path,
+)
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged, new_save_id, staged_save_id
 from checkpoint.convert import (
     assign_back,
@@ -52,6 +55,7 @@ from checkpoint.convert import (
     resolve_stateful,
     to_checkpointable,
 )
+from checkpoint.errors import some_of
 from checkpoint.object_commit import protocol_for
 from checkpoint.opener import (
     CheckpointCorruptError,
@@ -109,6 +113,18 @@ class LoadReport:
     def __bool__(self) -> bool:
         return bool(self.missing_keys or self.unexpected_keys or self.mismatched_keys)
 
+    def fix(self) -> str:
+        """What a strict load's error tells the user to do about these keys."""
+        fix = "pass strict=False to load the rest (the skipped keys are listed on the result)"
+        if self.mismatched_keys:
+            return (
+                f"{fix}, or rewrite the checkpoint to this model's shapes with `fsdp-ckpt reshard SRC DST` and "
+                "--reshape / --split / --merge / --stack (docs/cli.md)"
+            )
+        if self.missing_keys and self.unexpected_keys:
+            return f"{fix}, or rename the checkpoint's keys with `fsdp-ckpt reshard SRC DST --rename REGEX REPLACEMENT`"
+        return fix
+
     def describe(self) -> str:
         parts = []
         for label, keys in (
@@ -117,8 +133,7 @@ class LoadReport:
             ("mis-shaped", self.mismatched_keys),
         ):
             if keys:
-                shown = ", ".join(keys[:10]) + (f", ... ({len(keys)} in all)" if len(keys) > 10 else "")
-                parts.append(f"{label}: {shown}")
+                parts.append(f"{label}: {some_of(keys, 10)}")
         return "; ".join(parts)
 
 
@@ -219,8 +234,9 @@ def save_state_dict(
     Atomic: nothing at ``path`` changes until the new checkpoint is complete
     (see :mod:`checkpoint.atomic`); a save to a path another save is writing
     waits for it. An async save still in flight is finished first, and raises
-    here if it failed. ``path`` must be absent, empty or a committed
-    checkpoint (checked before anything is written). An error on any rank
+    here if it failed. ``path`` (normalised: ``sub/..`` is the directory it names; the
+    current directory is refused) must be absent, empty or a committed checkpoint
+    holding only its own files (checked before anything is written). An error on any rank
     raises on every rank (:class:`~checkpoint.save_errors.CheckpointSaveError`
     on the others); a failed save leaves no staging behind. ``mode="scale"``
     trades DCP's plan exchange for three small gathers; in it, plain tensors are
@@ -232,6 +248,7 @@ def save_state_dict(
     instead of waiting). ``keep_last=N``: once committed, only the ``N`` newest committed checkpoints
     beside ``path`` are kept (:func:`checkpoint.retention.retain`).
     """
+    path = output_path(path, storage_options)  # resolved once: a local path or a URL, bound to its storage
     wait_for_async_save()
     # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
     # dcp.save would call them in each rank's dict order)
@@ -239,7 +256,7 @@ def save_state_dict(
     check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
     write_state_dict(
         state_dict,
-        locate(path, storage_options),
+        path,
         mode=mode,
         max_chunk_bytes=max_chunk_bytes,
         process_group=process_group,
@@ -429,7 +446,9 @@ def load_flat(
             loadable[key] = value
     report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
-        raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
+        raise ValueError(
+            f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}; {report.fix()}"
+        )
     if loadable:
         replicas = None
         if options.collective and options.read_once_per_replica:
