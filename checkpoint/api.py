@@ -31,6 +31,7 @@ from checkpoint.state_dict_io import (
     read_options,
     save_state_dict,
 )
+from checkpoint.storage_backend import locate
 from checkpoint.training_state import (
     LEGACY_MASTER_KEYS,
     MASTER_PARAM,
@@ -100,7 +101,8 @@ def save(
     """Save ``model``, ``optimizer`` and ``extra`` (step, RNG states, scheduler state...) at ``path``.
 
     Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
-    ``max_chunk_bytes``, ``process_group`` (see :func:`checkpoint.save_state_dict`).
+    ``max_chunk_bytes``, ``process_group``, ``storage_options`` (``path`` may be a URL such as
+    ``s3://bucket/prefix``), ``keep_last`` (retention) (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
     :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
     staging copies (see :mod:`checkpoint.async_save` for the trade-off), and
@@ -143,6 +145,7 @@ def load(
     extra: dict[str, Any] | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     no_dist: bool = False,
+    storage_options: dict[str, Any] | None = None,
     max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
     read_once_per_replica: bool = True,
 ) -> LoadResult:
@@ -171,7 +174,9 @@ def load(
     a module) is given its saved state; the returned dict holds the object.
     ``max_read_bytes`` (host memory cap of the reads) and ``read_once_per_replica`` (HSDP / DDP replicas
     read once, receive the rest): see :func:`checkpoint.load_state_dict`.
+    ``path`` may be a URL (``s3://bucket/prefix``, any fsspec URL; ``storage_options`` go to its file system).
     """
+    path = locate(path, storage_options)
     options = read_options(
         process_group=process_group,
         no_dist=no_dist,

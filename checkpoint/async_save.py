@@ -118,6 +118,8 @@ def async_save_state_dict(
     process_group: dist.ProcessGroup | None = None,
     max_staging_bytes: int | None = None,
     reuse_staging_buffers: bool = True,
+    storage_options: dict | None = None,
+    keep_last: int | None = None,
 ) -> Future:
     """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
 
@@ -129,7 +131,7 @@ def async_save_state_dict(
     async save unless ``reuse_staging_buffers=False`` (see
     :func:`release_staging_buffers`).
     """
-    path = output_path(path)
+    path = output_path(path, storage_options)  # here: a bad path or URL is the caller's error
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     with starting():  # the interpreter does not exit before this save is submitted, whichever thread stages it
@@ -160,6 +162,7 @@ def async_save_state_dict(
                 mode=mode,
                 max_chunk_bytes=max_chunk_bytes,
                 process_group=group,
+                keep_last=keep_last,
             )
             if gate is not None:
                 gate.wait_staged(future)

@@ -50,7 +50,7 @@ from pathlib import Path
 
 from checkpoint.errors import some_of
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointError, read_manifest
-from checkpoint.storage_backend import FileStat, storage_for
+from checkpoint.storage_backend import FileStat, locate, storage_for
 
 __all__ = [
     "MARKER_NAME",
@@ -76,7 +76,7 @@ MARKER_NAME = ".fsdp-ckpt-owned"
 """The file inside every directory this library stages or swaps: it may remove such a directory, and no other."""
 
 
-def output_path(path: str | os.PathLike) -> Path:
+def output_path(path: str | os.PathLike, storage_options: dict | None = None) -> Path:
     """``path`` as a save or a tool's output names it, normalised once at the entry point.
 
     A path ending in ``..`` (``sub/..``) becomes the directory it resolves to: the
@@ -86,7 +86,10 @@ def output_path(path: str | os.PathLike) -> Path:
     refused with ``ValueError``: a save replaces its target by renaming it away.
     """
     given = path
-    path = Path(path)  # drops "." components and a trailing "/"
+    located = locate(path, storage_options)
+    if not isinstance(located, Path):
+        return located  # a URL: no current directory to protect, no ".." to resolve
+    path = Path(located)  # drops "." components and a trailing "/"
     if path.name in ("", ".."):
         path = Path(os.path.abspath(path))  # as the shell reads it (a link named at the target is refused later)
     cwd = Path.cwd()
@@ -96,11 +99,11 @@ def output_path(path: str | os.PathLike) -> Path:
             "or export replaces its target by renaming it; name a directory of its own, e.g. "
             f"{str(cwd / 'checkpoint')!r}"
         )
-    return path
+    return located if path == located else locate(path)  # bound to its storage, resolved once
 
 
 def _sibling(path: str | os.PathLike, suffix: str) -> Path:
-    path = Path(path)
+    path = locate(path)
     if path.name in ("", ".."):
         # never derived from such a name: it would nest inside the target (see output_path)
         raise ValueError(f"{str(path)!r} is not a path to save to; name the output directory itself")
@@ -142,13 +145,13 @@ def _is_empty_dir(path: Path) -> bool:
 
 
 def is_committed(path: str | os.PathLike) -> bool:
-    return _is(Path(path) / MANIFEST_NAME, "file")
+    return _is(locate(path) / MANIFEST_NAME, "file")
 
 
 def is_ours(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` is a directory (not a link to one) carrying this library's marker (see the module
     docstring): a link at a name the library removes is never followed, so a save cannot empty what it points to."""
-    directory = Path(directory)
+    directory = locate(directory)
     store = storage_for(directory)
     found, marker = store.stat(directory), store.stat(directory / MARKER_NAME)
     return found is not None and found.kind == "directory" and marker is not None and marker.kind == "file"
@@ -156,7 +159,7 @@ def is_ours(directory: str | os.PathLike) -> bool:
 
 def mark(directory: str | os.PathLike) -> None:
     """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
-    marker = Path(directory) / MARKER_NAME
+    marker = locate(directory) / MARKER_NAME
     if not _is(marker, "file"):
         store = storage_for(marker)
         stream = store.create(marker)
@@ -236,7 +239,7 @@ def make_staging(path: str | os.PathLike, *, fresh: bool = True) -> Path:
     Raises ``FileExistsError`` when something not made by a save sits at the staging name, or ``path``
     is a symbolic link (a save replaces what sits at ``path``: the link, not its target).
     """
-    path = Path(path)
+    path = locate(path)
     found = storage_for(path).stat(path)
     if found is not None and found.kind == "symlink":
         # The swap renames whatever sits at ``path``: it would move the link aside, not replace what it points to.
@@ -268,7 +271,7 @@ def check_target(path: str | os.PathLike) -> None:
     put inside it) otherwise: user data is never replaced; or naming a symbolic link at the
     staging or swap name.
     """
-    path = Path(path)
+    path = locate(path)
     _refuse_links(path)
     if _absent(path):
         return
@@ -325,7 +328,7 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
     ``fcntl.flock``; on file systems where ``flock`` is not shared between
     hosts, only processes of one host are ordered).
     """
-    path = Path(path)
+    path = locate(path)
     key = os.path.abspath(path)
     with _registry_lock:
         entry = _thread_locks.setdefault(key, [threading.Lock(), 0])
@@ -357,7 +360,7 @@ def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Pat
 
     ``complete`` tells a finished output (default: a committed checkpoint), as in :func:`swap_into_place`.
     """
-    path, old = Path(path), old_path(path)
+    path, old = locate(path), old_path(path)
     if not _exists(path) and is_ours(old) and complete(old):
         logger.warning("recovering %s from %s left by an interrupted save", path, old)
         storage_for(path).rename(old, path)
@@ -376,7 +379,7 @@ def swap_into_place(
     when ``path`` exists but is not complete (and not empty), or an unmarked
     directory sits at the swap name: user data this function will not delete.
     """
-    staged, path, old = Path(staged), Path(path), old_path(path)
+    staged, path, old = locate(staged), locate(path), old_path(path)
     assert complete(staged) and is_ours(staged), f"{staged} must be committed and marked before it is swapped in"
     recover_interrupted_swap(path, complete=complete)
     store = storage_for(path)
@@ -410,7 +413,7 @@ def resolve_for_load(path: str | os.PathLike) -> Path:
     without a manifest raises :class:`~checkpoint.manifest.NotACheckpointError`
     later, from ``read_manifest``.
     """
-    path = Path(path)
+    path = locate(path)
     if _exists(path):
         return path
     old = old_path(path)

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 
 from checkpoint.chunk_archive import plan_archive
-from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
+from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
 __all__ = ["CrcStream", "DataFile", "StorageInfo", "data_file_name", "tensor_bytes", "write_tensor"]
 
@@ -47,7 +47,7 @@ class DataFile:
 
     def __init__(self, directory: str | os.PathLike, name: str) -> None:
         self.name = name
-        path = os.path.join(directory, name)
+        path = locate(directory) / name
         self.stream = storage_for(path).create(path)
 
     def add_tensor(

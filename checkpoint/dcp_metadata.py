@@ -16,7 +16,6 @@ import os
 import pickle
 import zlib
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.data_file import StorageInfo
 from checkpoint.manifest import METADATA_NAME
-from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
+from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
 __all__ = ["MetadataBuilder", "key_identities", "with_storage", "write_metadata"]
 
@@ -149,7 +148,7 @@ def write_metadata(directory: str | os.PathLike, metadata: Metadata) -> FileReco
         stream.wait_for_hints()
         record.append(FileRecord(size=stream.size, crc32=stream.crc))
 
-    storage_for(directory).write_file(Path(directory) / METADATA_NAME, dump)
+    storage_for(directory).write_file(locate(directory) / METADATA_NAME, dump)
     return record[0]
 
 

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
 from checkpoint.content_check import crc32
 from checkpoint.errors import CheckpointCorruptError, NotACheckpointError
-from checkpoint.storage_backend import FileRecord, storage_for
+from checkpoint.storage_backend import FileRecord, locate, storage_for
 
 __all__ = [
     "FORMAT_NAME",
@@ -242,11 +241,11 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
     text = manifest.to_json()
     problem = _schema_problem(json.loads(text))
     if problem is not None:
-        raise ValueError(f"refusing to commit {Path(directory) / MANIFEST_NAME}: {problem}; nothing was committed")
-    storage_for(directory).write_file(Path(directory) / MANIFEST_NAME, text, sync_dir=True)
+        raise ValueError(f"refusing to commit {locate(directory) / MANIFEST_NAME}: {problem}; nothing was committed")
+    storage_for(directory).write_file(locate(directory) / MANIFEST_NAME, text, sync_dir=True)
 
 
-def read_capped(path: Path, limit: int) -> bytes:
+def read_capped(path: os.PathLike, limit: int) -> bytes:
     """The bytes of the plain file ``path``, or ``limit + 1`` of them when it holds more (the caller refuses it).
 
     Sized by the file itself: a read of ``limit + 1`` bytes would allocate a
@@ -264,7 +263,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     Raises ``FileNotFoundError`` when the path does not exist and
     :class:`NotACheckpointError` when it exists but was never committed.
     """
-    directory = Path(directory)
+    directory = locate(directory)
     store = storage_for(directory)
     found = store.stat(directory, follow_symlinks=True)
     if found is None:
@@ -290,7 +289,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
 def verify_files(directory: str | os.PathLike, manifest: Manifest, *, checksums: bool = True) -> list[str]:
     """Every problem with the files of a checkpoint, one sentence each; empty when all match."""
-    directory = Path(directory)
+    directory = locate(directory)
     store = storage_for(directory)
     problems = []
     for name, record in sorted(manifest.files.items()):

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from checkpoint.atomic import resolve_for_load
 from checkpoint.content_check import ContentCheck, crc32
 from checkpoint.dcp_metadata import key_identities
 from checkpoint.errors import LoadTargetError
@@ -38,10 +37,11 @@ from checkpoint.manifest import (
     read_manifest,
     verify_files,
 )
+from checkpoint.object_commit import resolve_for_load
 from checkpoint.planner import metadata_problems
 from checkpoint.safe_unpickle import load_metadata
 from checkpoint.save_errors import first_failure
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = [
     "VERIFY_MODES",
@@ -105,7 +105,12 @@ class OpenCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike, *, verify: str = "crc", require_manifest: bool = True, quiet: bool = False
+    path: str | os.PathLike,
+    *,
+    verify: str = "crc",
+    require_manifest: bool = True,
+    quiet: bool = False,
+    storage_options: dict | None = None,
 ) -> OpenCheckpoint:
     """Find, validate and read the metadata of the checkpoint at ``path`` (no communication).
 
@@ -119,13 +124,14 @@ def open_checkpoint(
     manifest's keys) that every other mode checks. ``.metadata`` is always
     read with a restricted unpickler: nothing in a checkpoint runs code. ``require_manifest=False`` also opens a plain
     DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
-    without file checks (logged unless ``quiet``). Raises ``FileNotFoundError``,
+    without file checks (logged unless ``quiet``). ``path`` may be a URL (``storage_options`` go to its
+    fsspec file system). Raises ``FileNotFoundError``,
     :class:`~checkpoint.manifest.NotACheckpointError` or
     :class:`CheckpointCorruptError` naming the path / file.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    src = resolve_for_load(path)
+    src = resolve_for_load(locate(path, storage_options))
     stamp = _stamp(src)  # before the manifest is read: a save swapping in meanwhile shows as a change
     try:
         manifest = None

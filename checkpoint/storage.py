@@ -44,7 +44,6 @@ import io
 import json
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +60,7 @@ from checkpoint.data_file import DataFile, data_file_name, write_tensor
 from checkpoint.dcp_metadata import with_storage, write_metadata
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, check_relative_name, dtype_name
 from checkpoint.staging import StagedShard
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = [
     "RANK_RECORD_SUFFIX",
@@ -101,6 +100,7 @@ class FsdpWriter(FileSystemWriter):
         save_id: str | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.path = locate(path)  # DCP's init made a local Path of it; a URL's stays bound to its storage
         self._files: dict[str, FileRecord] = {}  # this rank's data files, for the manifest
         self.on_commit = on_commit
         self.prepare = prepare
@@ -125,12 +125,12 @@ class FsdpWriter(FileSystemWriter):
             self.prepare()  # the coordinator's plan is gathered before any rank writes: it runs first
         if self.rank in (None, 0):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
-            storage_for(self.path).delete(Path(self.path) / MANIFEST_NAME, missing_ok=True)
+            storage_for(self.path).delete(locate(self.path) / MANIFEST_NAME, missing_ok=True)
         if not self.use_collectives:
             # This rank's record from an earlier, uncommitted save must not vouch for the file rewritten now:
             # if this write fails or is killed, commit finds no record and names the rank.
             assert self.rank is not None  # set up by DCP (or force_rank) before any plan
-            storage_for(self.path).delete(Path(self.path) / rank_record_name(self.rank), missing_ok=True)
+            storage_for(self.path).delete(locate(self.path) / rank_record_name(self.rank), missing_ok=True)
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
@@ -196,7 +196,7 @@ class FsdpWriter(FileSystemWriter):
             record["world_size"] = self.world_size
             record["save_id"] = self._save_id  # commit merges only the records of one save
             assert self.rank is not None  # set up by DCP (or force_rank) before any write
-            where = Path(self.path) / rank_record_name(self.rank)
+            where = locate(self.path) / rank_record_name(self.rank)
             storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
             return
         # What FileSystemWriter.finish does, but through the one .metadata writer and the storage

@@ -41,6 +41,12 @@ Parts (``--parts`` picks a subset):
   ``--capped-mib`` MiB fp32 checkpoint into bf16 tensors (every byte goes
   through the reader's buffers), with ``max_read_bytes`` of 64 MiB and with no
   cap, against the bound cap + largest tensor + 256 MiB.
+* ``remote``: save / load of the ``--remote-mib`` state to ``s3://`` on a local
+  S3-compatible server (``moto_server`` on 127.0.0.1, started here; the test
+  extra installs it), vs ``s3fs`` writing / reading the same bytes as one
+  object in the same run (interleaved rounds, wall and process CPU time); and
+  the peak RSS a save adds (a child process) for a state larger than the
+  upload part budget (``checkpoint.fsspec_storage.PART_BYTES``).
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -637,6 +643,100 @@ def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
             )
 
 
+_RSS_CHILD = """
+import sys, threading, time, torch, checkpoint
+sys.path.insert(0, sys.argv[3])
+from scripts.bench_checkpoint import _state
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+state = _state(int(sys.argv[2]) << 20)
+before, peak, done = rss(), [0], threading.Event()
+def sample():  # the resident set while the save runs, every 2 ms
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample)
+sampler.start()
+checkpoint.save_state_dict({"model": state}, sys.argv[1])
+done.set()
+sampler.join()
+print(before, peak[0])
+"""
+
+
+def bench_remote(mib: int) -> None:
+    import subprocess
+    import sys
+
+    import fsspec
+
+    from checkpoint.fsspec_storage import PART_BYTES
+    from tests.s3_server import MotoServer, environment, make_bucket
+
+    server = MotoServer()
+    try:
+        os.environ.update(environment(server.endpoint))
+        bucket = make_bucket(server.endpoint)
+        state = _state(mib << 20)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        fs = fsspec.filesystem("s3", endpoint_url=server.endpoint, use_listings_cache=False, skip_instance_cache=True)
+
+        def s3fs_put(key: str) -> None:
+            with fs.open(f"{bucket}/{key}", "wb", block_size=PART_BYTES) as f:
+                for t in state.values():
+                    f.write(memoryview(t.numpy()).cast("B"))
+
+        def s3fs_get(key: str) -> None:
+            with fs.open(f"{bucket}/{key}", "rb", cache_type="none") as f:
+                for t in state.values():
+                    f.readinto(memoryview(torch.empty_like(t).numpy()).cast("B"))
+
+        def ours_save(key: str) -> None:
+            checkpoint.save_state_dict({"model": state}, f"s3://{bucket}/{key}")
+
+        def ours_load(key: str) -> None:
+            target = {"model": {k: torch.empty_like(v) for k, v in state.items()}}
+            checkpoint.load_state_dict(target, f"s3://{bucket}/{key}")
+
+        times: dict[str, list[tuple[float, float]]] = {}
+        for round_ in range(3):  # interleaved; round 0 is a warm-up
+            for name, fn in (
+                ("s3fs put", s3fs_put),
+                ("ours save", ours_save),
+                ("s3fs get", s3fs_get),
+                ("ours load", ours_load),
+            ):
+                key = f"{name.split()[0]}{round_}"  # a load reads what the save of its round wrote
+                wall, cpu = time.perf_counter(), time.process_time()
+                fn(key)
+                times.setdefault(name, []).append((time.perf_counter() - wall, time.process_time() - cpu))
+        print(f"\n== remote: {nbytes / 2**20:.0f} MiB to s3:// on moto_server (127.0.0.1), best of 2 after a warm-up")
+        best = {name: min(t[1:]) for name, t in times.items()}
+        for name, (wall, cpu) in best.items():
+            print(f"{name:10s} {wall:6.2f} s ({nbytes / wall / 2**20:6.1f} MiB/s), process CPU {cpu:6.2f} s")
+        print(
+            f"ours / s3fs: save {best['s3fs put'][0] / best['ours save'][0]:.2f}x the MB/s, "
+            f"load {best['s3fs get'][0] / best['ours load'][0]:.2f}x"
+        )
+        repo = str(Path(__file__).resolve().parents[1])
+        for who in ("ours",):
+            out = subprocess.run(
+                [sys.executable, "-c", _RSS_CHILD, f"s3://{bucket}/rss-{who}", str(mib), repo],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONPATH": repo},
+            ).stdout.split()
+            before, after = int(out[-2]), int(out[-1])
+            print(
+                f"peak RSS while writing the {nbytes / 2**20:.0f} MiB state ({who}): +{(after - before) / 2**20:.0f} MiB "
+                f"over the process before (upload part {PART_BYTES >> 20} MiB; {nbytes // PART_BYTES} parts)"
+            )
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -653,6 +753,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--saves", type=int, default=5, help="consecutive async saves for the staging part (>= 2)")
     parser.add_argument("--replica-mib", type=int, default=48, help="model + AdamW state for the replicas part (MiB)")
     parser.add_argument("--capped-mib", type=int, default=512, help="checkpoint size for the capped part (MiB)")
+    parser.add_argument("--remote-mib", type=int, default=128, help="state size for the remote (s3://) part (MiB)")
     parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
     parser.add_argument(
         "--scaling-params",
@@ -706,6 +807,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_merge(args.merge_ranks, args.merge_tensors, with_dcp=not args.merge_ours_only)
         if "scaling" in args.parts:
             bench_scaling(root, args.scaling_mib, args.scaling_params)
+        if "remote" in args.parts:
+            bench_remote(args.remote_mib)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
