@@ -170,13 +170,18 @@ def _inconsistencies(metadata: Metadata, manifest: Manifest | None) -> list[str]
         if extra:
             problems.append(f"{MANIFEST_NAME} lists keys {extra[:5]} it does not hold")
         ranges = sorted(
-            (info.relative_path, info.offset, info.offset + info.length, _entry(index))
+            (info.relative_path, info.offset, info.offset + info.length, index.offset is None, _entry(index))
             for index, info in (metadata.storage_data or {}).items()
         )
-        for (name, _, end, key), (next_name, next_start, _, next_key) in zip(ranges, ranges[1:]):
-            if name == next_name and next_start < end:
+        for (name, start, end, value, key), (next_name, next_start, next_end, next_value, next_key) in zip(
+            ranges, ranges[1:]
+        ):
+            # Pickled values may share one exact range: a save stores an equal value once (a param group's
+            # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
+            shared_value = value and next_value and (start, end) == (next_start, next_end)
+            if name == next_name and next_start < end and not shared_value:
                 problems.append(f"{key} and {next_key} share bytes of {name}")
-        for name, _, end, key in ranges:
+        for name, _, end, _, key in ranges:
             if name in manifest.files and end > manifest.files[name].size:
                 problems.append(f"{key} is stored past the end of {name} (byte {end})")
     return problems

@@ -68,6 +68,7 @@ from checkpoint.save_errors import (
     raise_unwrapped,
     unwrap_dcp_error,
 )
+from checkpoint.save_plan import PlannedSave
 from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
@@ -208,19 +209,17 @@ def write_state_dict(
 def _save_collective(
     state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed
 ) -> None:
-    """DCP's collective save; conversion and rank 0's preparation run in its local-plan step, where it gathers errors."""
+    """The collective save (:mod:`checkpoint.save_plan`: DCP's layout, its plan made once per layout)."""
     info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
-    writer = FsdpWriter(
-        staging_path(path), prepare=prepare, on_commit=partial(_commit_collective, path, world_size, info)
-    )
-    with quiet_single_process():
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=FsdpSavePlanner(convert=convert),
-            process_group=process_group,
-            no_dist=not distributed,
-        )
+    PlannedSave(
+        staging_path(path),
+        convert=convert,
+        prepare=prepare,
+        commit=partial(_commit_collective, path, world_size, info),
+        group=process_group,
+        distributed=distributed,
+        path=path,
+    ).run(state_dict)
 
 
 def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group) -> None:
