@@ -148,7 +148,7 @@ class ArchiveLayout:
     """(name, local header offset, size, crc) of the records in ``head``; the data record's crc filled later"""
     _after: list[tuple[str, bytes]]
 
-    @property
+    @functools.cached_property
     def tail_size(self) -> int:
         return len(self.tail(0))  # the CRC changes bytes, never lengths
 

@@ -38,6 +38,8 @@ def to_checkpointable(
     to de-duplicate replicas) only one rank writes each replicated region.
     Loading writes into the local tensor in place.
     """
+    if not isinstance(value, torch.Tensor):  # ShardedTensor and DTensor are tensors too
+        return value
     if isinstance(value, CheckpointShard):
         if value.max_chunk_bytes == max_chunk_bytes:
             return value  # already converted (e.g. staged by an async save, which may be a gated subclass)
@@ -48,8 +50,6 @@ def to_checkpointable(
         return _from_dtensor(
             value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
         )
-    if not isinstance(value, torch.Tensor):
-        return value
     try:
         spec = shard_spec_of(value)
     except (TypeError, ValueError) as exc:

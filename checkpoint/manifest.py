@@ -133,14 +133,16 @@ class Manifest:
 _FIX = "restore manifest.json from a copy or re-save the checkpoint"
 
 
+_LINES_UP_TO = 1000  # a section with more entries is written on one line: the C encoder does it whole
 _COMPACT = json.JSONEncoder(
     sort_keys=True, separators=(", ", ": ")
 )  # made once: json.dumps(**options) makes one a call
 
 
 def _json_lines(value: object, *, depth: int) -> str:
-    """``value`` as JSON with sorted keys: the top two levels of objects one entry a line, deeper ones compact."""
-    if not isinstance(value, dict) or depth >= 2 or not value:
+    """``value`` as JSON with sorted keys: the top level one entry a line, then ``files`` one file a line
+    and everything deeper (``keys``: one line, tens of thousands of entries) compact."""
+    if not isinstance(value, dict) or depth >= 2 or not value or (depth == 1 and len(value) > _LINES_UP_TO):
         return _COMPACT.encode(value)
     pad = " " * (depth + 1)
     lines = ",\n".join(f"{pad}{json.dumps(k)}: {_json_lines(v, depth=depth + 1)}" for k, v in sorted(value.items()))

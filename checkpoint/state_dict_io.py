@@ -52,6 +52,7 @@ from checkpoint.convert import (
     resolve_stateful,
     to_checkpointable,
 )
+from checkpoint.gc_pause import paused_gc
 from checkpoint.opener import (
     CheckpointCorruptError,
     OpenCheckpoint,
@@ -129,7 +130,8 @@ def load_on_every_rank(
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
     result = error = None
     try:
-        result = load()
+        with paused_gc():
+            result = load()
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
         error = exc
     failures = agree_on_failure(error, group=process_group, distributed=distributed)
@@ -159,8 +161,9 @@ def save_state_dict(
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
     wait_for_async_save()
-    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
-    write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
+    with paused_gc():
+        check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
+        write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
 
 
 def write_state_dict(

@@ -199,3 +199,25 @@ def test_group_options_are_stored_once_per_group_and_each_group_keeps_its_own(tm
     set_state_dict(model3, opt3, model_state_dict=msd, optim_state_dict=osd, options=options)
     assert [g["lr"] for g in opt3.param_groups] == [0.1, 0.3]
     assert [g["betas"] for g in opt3.param_groups] == [(0.9, 0.999), (0.8, 0.95)]
+
+
+def test_a_blocking_save_and_load_leave_cyclic_gc_as_they_found_it_even_when_they_fail(tmp_path):
+    import gc
+
+    state = {"a": torch.arange(4.0), "n": 1}
+    assert gc.isenabled()
+    checkpoint.save_state_dict(state, tmp_path / "c")
+    checkpoint.load_state_dict({"a": torch.zeros(4), "n": 0}, tmp_path / "c")
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="weights_only"):
+        checkpoint.save_state_dict({"bad": object()}, tmp_path / "d")
+    with pytest.raises(ValueError, match="missing"):
+        checkpoint.load_state_dict({"b": torch.zeros(4)}, tmp_path / "c")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        checkpoint.save_state_dict(state, tmp_path / "e")
+        checkpoint.load_state_dict({"a": torch.zeros(4), "n": 0}, tmp_path / "e")
+        assert not gc.isenabled()  # the caller's choice is kept
+    finally:
+        gc.enable()
