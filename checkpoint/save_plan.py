@@ -366,21 +366,23 @@ class PlannedSave:
         if not self.distributed:
             return [obj]
         out: list | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        dist.gather_object(obj, out, dst=self._coordinator(), group=self.group)
         return out
 
     def _scatter(self, objs: list):
         if not self.distributed:
             return objs[0]
         out: list = [None]
-        src = dist.get_global_rank(self.group, 0) if self.group else 0
-        dist.scatter_object_list(out, objs if self.rank == 0 else None, src=src, group=self.group)
+        dist.scatter_object_list(out, objs if self.rank == 0 else None, src=self._coordinator(), group=self.group)
         return out[0]
 
     def _broadcast(self, obj):
         if not self.distributed:
             return obj
         box = [obj]
-        src = dist.get_global_rank(self.group, 0) if self.group else 0
-        dist.broadcast_object_list(box, src=src, group=self.group)
+        dist.broadcast_object_list(box, src=self._coordinator(), group=self.group)
         return box[0]
+
+    def _coordinator(self) -> int:
+        """The global rank of the group's rank 0 (torch's object collectives take global ranks)."""
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
