@@ -609,28 +609,11 @@ def _plan_collectives_body(rank: int, world_size: int, root: str, count: int) ->
 
 
 def _count_with_bytes(fn) -> tuple[int, int]:
-    """(calls, pickled bytes sent by this rank) of the object collectives while ``fn`` runs."""
-    calls, sent = Counter(), Counter()
-    names = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object")
-    originals = {n: getattr(dist, n) for n in names}
+    """(calls, pickled bytes sent by this rank) of the collectives while ``fn`` runs."""
+    from tests.distributed import count_collectives
 
-    def counting(name, original):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            payload = args[0] if name in ("gather_object",) else args[1] if name == "all_gather_object" else args[0]
-            sent[name] += len(pickle.dumps(payload))
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for n, orig in originals.items():
-        setattr(dist, n, counting(n, orig))
-    try:
-        fn()
-    finally:
-        for n, orig in originals.items():
-            setattr(dist, n, orig)
-    return sum(calls.values()), sum(sent.values())
+    count = count_collectives(fn)
+    return sum(count.calls.values()), count.sent
 
 
 def bench_plan_collectives(root: Path, counts: list[int]) -> None:

@@ -3,7 +3,6 @@ again and loads exactly; a param group's options are stored once per group, what
 
 from __future__ import annotations
 
-import pickle
 from collections import Counter
 from pathlib import Path
 
@@ -14,45 +13,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import checkpoint
-from tests.distributed import run_ranks
+from tests.distributed import count_collectives, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-_OBJECT_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object")
-_PAYLOAD = {  # where each object collective takes what this rank sends: (position, keyword)
-    "gather_object": (0, "obj"),
-    "scatter_object_list": (1, "scatter_object_input_list"),
-    "broadcast_object_list": (0, "object_list"),
-    "all_gather_object": (1, "obj"),
-}
-_OTHER_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "gather", "scatter", "reduce_scatter")
 
 
 def _sent(fn) -> tuple[Counter, int]:
     """Calls into torch.distributed while ``fn`` runs, and the pickled bytes this rank hands its object collectives."""
-    calls: Counter = Counter()
-    sent = [0]
-    originals = {name: getattr(dist, name) for name in _OBJECT_COLLECTIVES + _OTHER_COLLECTIVES}
-
-    def counting(name, original):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            if name in _OBJECT_COLLECTIVES:
-                position, keyword = _PAYLOAD[name]
-                payload = args[position] if len(args) > position else kwargs.get(keyword)
-                sent[0] += len(pickle.dumps(payload))
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return calls, sent[0]
+    count = count_collectives(fn)
+    return count.calls, count.sent
 
 
 def _state(rank: int, world_size: int, n: int, *, rows: int = 4, dtype=torch.float32, swap: bool = False) -> dict:
