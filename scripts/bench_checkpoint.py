@@ -50,7 +50,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -252,34 +251,10 @@ def bench_staging(root: Path, mib: int, saves: int) -> None:
         )
 
 
-_COUNTED = (
-    "all_gather_object",
-    "gather_object",
-    "broadcast_object_list",
-    "scatter_object_list",
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "barrier",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-)
-
-
 def _count(fn) -> int:
-    counts: Counter = Counter()
-    originals = {n: getattr(dist, n) for n in _COUNTED}
-    for n, orig in originals.items():
-        setattr(dist, n, (lambda n, orig: lambda *a, **k: (counts.update([n]), orig(*a, **k))[1])(n, orig))
-    try:
-        fn()
-    finally:
-        for n, orig in originals.items():
-            setattr(dist, n, orig)
-    return sum(counts.values())
+    from tests.distributed import count_collectives
+
+    return sum(count_collectives(fn).calls.values())
 
 
 def _collectives_body(rank: int, world_size: int, root: str) -> dict:
