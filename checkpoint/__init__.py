@@ -27,6 +27,7 @@ from checkpoint.async_save import AsyncSaveError, release_staging_buffers, wait_
 from checkpoint.atomic import resolve_for_load
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
 from checkpoint.durable import DiskFullError
+from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
 from checkpoint.save_errors import CheckpointLoadError, CheckpointSaveError
 from checkpoint.shard import CheckpointShard, shard
@@ -50,6 +51,7 @@ __all__ = [
     "DiskFullError",
     "LoadReport",
     "LoadResult",
+    "LoadTargetError",
     "Manifest",
     "NotACheckpointError",
     "OpenCheckpoint",

@@ -22,11 +22,14 @@ from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
 from checkpoint.gc_pause import paused_gc
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import (
+    DEFAULT_MAX_READ_BYTES,
     LoadReport,
     OpenCheckpoint,
+    ReadOptions,
     load_flat,
     load_on_every_rank,
     open_checkpoint,
+    read_options,
     save_state_dict,
 )
 from checkpoint.training_state import (
@@ -142,6 +145,8 @@ def load(
     extra: dict[str, Any] | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     no_dist: bool = False,
+    max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
+    read_once_per_replica: bool = True,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
@@ -166,12 +171,20 @@ def load(
     ``extra``: objects saved as ``extra`` values that load in place, as
     ``dcp.load`` does: each Stateful one (``load_state_dict()``: a dataloader,
     a module) is given its saved state; the returned dict holds the object.
+    ``max_read_bytes`` (host memory cap of the reads) and ``read_once_per_replica`` (HSDP / DDP replicas
+    read once, receive the rest): see :func:`checkpoint.load_state_dict`.
     """
-    load = partial(_load, path, model, optimizer, strict, verify, require_manifest, extra)
+    options = read_options(
+        process_group=process_group,
+        no_dist=no_dist,
+        max_read_bytes=max_read_bytes,
+        read_once_per_replica=read_once_per_replica,
+    )
+    load = partial(_load, path, model, optimizer, strict, verify, require_manifest, extra, options)
     return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
 
 
-def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> LoadResult:
+def _load(path, model, optimizer, strict, verify, require_manifest, extra, options: ReadOptions) -> LoadResult:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     saved = opened.metadata.state_dict_metadata
     targets: dict[str, Any] = {}
@@ -186,9 +199,10 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> Lo
         scope.append("model.")
         tied_optional, ties = _tied_targets(tied_aliases(model), targets, saved)
         optional |= tied_optional
+    options = options.sharing_replicas_of(targets.values())  # the model's mesh: what replicas read once along
     opt_plan = None
     if optimizer is not None:
-        opt_plan = _OptimizerLoad(optimizer, model, opened)
+        opt_plan = _OptimizerLoad(optimizer, model, opened, options)
         targets.update(opt_plan.targets)
         optional |= opt_plan.optional
         ignored = set(opt_plan.unheld_masters)
@@ -197,11 +211,11 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra) -> Lo
     targets.update(extra_targets)
     try:
         report, values = load_flat(
-            opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored
+            opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored, options=options
         )
         _check_ties(ties, targets, strict, report)
         if opt_plan is not None:
-            _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report)
+            _masters_into_weights(opened, opt_plan.unheld_masters, targets, strict, report, options)
     except BaseException:
         if opt_plan is not None:
             opt_plan.abort()
@@ -305,7 +319,9 @@ def _element_at(tree: Any, path: StatefulPath) -> Any:
 class _OptimizerLoad:
     """The optimizer's share of a load: targets before reading, ``load_state_dict`` after."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, opened: OpenCheckpoint) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, opened: OpenCheckpoint, options: ReadOptions
+    ) -> None:
         saved = opened.metadata.state_dict_metadata
         self.optimizer = optimizer
         self.saved_keys = set(saved)
@@ -320,7 +336,7 @@ class _OptimizerLoad:
         self.targets: dict[str, Any] = {}
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
-        numbers = _saved_group_numbers(opened)  # torch's unflattened layout: fqn -> its saved group's number
+        numbers = _saved_group_numbers(opened, options)  # torch's unflattened layout: fqn -> its group's number
         known = _params_known_to_saved_optimizer(saved, numbers, fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         for fqn, entry in self.entries.state.items():
@@ -399,7 +415,7 @@ def _stored_key(fqn: str, name: str, saved: dict[str, Any]) -> str:
 
 
 def _masters_into_weights(
-    opened, masters: dict[str, str], targets: dict[str, Any], strict: bool, report: LoadReport
+    opened, masters: dict[str, str], targets: dict[str, Any], strict: bool, report: LoadReport, options: ReadOptions
 ) -> None:
     """Saved fp32 masters for an optimizer that keeps none: the better copy of an fp32 weight.
 
@@ -413,19 +429,19 @@ def _masters_into_weights(
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
             into[key] = weight
     if into:
-        sub_report, _ = load_flat(opened, into, strict=strict, scope=())
+        sub_report, _ = load_flat(opened, into, strict=strict, scope=(), options=options)
         report.mismatched_keys += sub_report.mismatched_keys
 
 
 _GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.([0-9]+)\.params\Z")
 
 
-def _saved_group_numbers(opened: OpenCheckpoint) -> dict[str, str]:
+def _saved_group_numbers(opened: OpenCheckpoint, options: ReadOptions) -> dict[str, str]:
     """fqn -> the number of its saved group, from torch's unflattened layout (``param_groups.<n>.params``)."""
     numbers = {k: m.group(1) for k in opened.metadata.state_dict_metadata if (m := _GROUP_PARAMS.match(k))}
     if not numbers:
         return {}
-    _, values = load_flat(opened, dict.fromkeys(numbers), strict=False, scope=())
+    _, values = load_flat(opened, dict.fromkeys(numbers), strict=False, scope=(), options=options)
     return {fqn: numbers[key] for key, names in values.items() for fqn in names or ()}
 
 

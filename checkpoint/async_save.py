@@ -52,10 +52,10 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
-from checkpoint.convert import convert_tree
+from checkpoint.convert import convert_tree, resolve_stateful
 from checkpoint.safe_unpickle import check_saved_values
 from checkpoint.save_errors import raise_on_every_rank
-from checkpoint.save_queue import AsyncSaveError, lock, submit, wait_for_async_save
+from checkpoint.save_queue import AsyncSaveError, lock, starting, submit, wait_for_async_save
 from checkpoint.shard import CheckpointShard
 from checkpoint.staging import StagingGate, copy_to_staging, gate_state_dict, replace_shards
 from checkpoint.staging_pool import StagingPool
@@ -130,29 +130,48 @@ def async_save_state_dict(
     """
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
-    check_saved_values(state_dict)  # refused here, in the caller, not later in the background
-    with lock:
-        # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
-        # Reusing staging buffers relies on this too: nothing reads the previous save's buffers any more.
-        wait_for_async_save()
-        _pool.begin_save(reuse=reuse_staging_buffers)
-        group = process_group if process_group is not None else _background_group()
-        distributed = dist.is_available() and dist.is_initialized()
-        error: Exception | None = None
-        try:
-            staged, gate = _stage_now(state_dict, mode, max_chunk_bytes, max_staging_bytes)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank
-            error = exc
-        # The writer threads meet in collectives: a rank whose state cannot be staged must not send the others there.
-        raise_on_every_rank(error, path, group=group, distributed=distributed)
-        future = submit(
-            path, write_state_dict, staged, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=group
-        )
-        if gate is not None:
-            gate.wait_staged(future)
-            logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
-        _pool.end_staging()
-        return future
+    with starting():  # the interpreter does not exit before this save is submitted, whichever thread stages it
+        state_dict, _ = resolve_stateful(state_dict)  # Stateful values' state_dict() once, in sorted key order
+        check_saved_values(state_dict)  # refused here, in the caller, not later in the background
+        with lock:
+            # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
+            # Reusing staging buffers relies on this too: nothing reads the previous save's buffers any more.
+            wait_for_async_save()
+            _pool.begin_save(reuse=reuse_staging_buffers)
+            group = process_group if process_group is not None else _background_group()
+            distributed = dist.is_available() and dist.is_initialized()
+            error: Exception | None = None
+            try:
+                staged, gate = _stage_now(state_dict, mode, max_chunk_bytes, max_staging_bytes)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank
+                error = exc
+            # The writer threads meet in collectives: a rank whose state cannot be staged must not send the others there.
+            raise_on_every_rank(error, path, group=group, distributed=distributed)
+            future = submit(
+                path,
+                _write_staged,
+                staged,
+                path,
+                distributed=distributed,
+                mode=mode,
+                max_chunk_bytes=max_chunk_bytes,
+                process_group=group,
+            )
+            if gate is not None:
+                gate.wait_staged(future)
+                logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
+            _pool.end_staging()
+            return future
+
+
+def _write_staged(staged: dict[str, Any], path: str | os.PathLike, *, distributed: bool, **options: Any) -> None:
+    """The writer thread's save; refused if the process group it was staged under is gone by now.
+
+    Without the group, ``write_state_dict`` would take this rank for a single process and commit its shard alone.
+    """
+    if distributed and not dist.is_initialized():
+        raise RuntimeError(f"the process group was destroyed before the async save to {str(path)!r} could start")
+    write_state_dict(staged, path, **options)
 
 
 def _stage_now(

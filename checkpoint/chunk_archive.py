@@ -16,9 +16,6 @@ record aligned to 64 bytes from the archive start, sizes and CRCs in zip data
 descriptors as ``torch.save`` does. ``torch.load(weights_only=True)`` accepts it.
 The serialization id is derived from the data's CRC-32, so equal tensors give
 byte-identical archives.
-
-Also here: :func:`crc32_combine`, so a file's CRC-32 is built from the CRC-32
-of its pieces without a second pass over the data.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ArchiveLayout", "archive_layout", "crc32_combine", "plan_archive"]
+__all__ = ["ArchiveLayout", "archive_layout", "plan_archive"]
 
 _ARCHIVE = "archive"
 _ALIGN = 64
@@ -47,53 +44,6 @@ _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _EOCD = struct.Struct("<IHHHHIIH")
 _MAX_PLAIN_ZIP = 0xFFFFFFFF - (1 << 20)
 """Beyond this (zip64 territory) the writer falls back to ``torch.save``."""
-
-# --- CRC-32 of a concatenation (polynomial arithmetic modulo the CRC-32 polynomial) ---
-
-_POLY = 0xEDB88320  # CRC-32 polynomial, bit-reflected as zlib uses it
-
-
-def _mult_mod_p(a: int, b: int) -> int:
-    """Product of two bit-reflected polynomials modulo the CRC-32 polynomial."""
-    top = 1 << 31
-    product = 0
-    while a:
-        if a & top:
-            product ^= b
-            a ^= top
-        top >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return product
-
-
-def _powers_of_x() -> list[int]:
-    table = [1 << 30]  # x^1
-    for _ in range(1, 64):
-        table.append(_mult_mod_p(table[-1], table[-1]))  # x^(2^k)
-    return table
-
-
-_X_2K = _powers_of_x()
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (what zlib's ``crc32_combine`` does)."""
-    return _mult_mod_p(_shift_by(len2), crc1) ^ crc2
-
-
-@functools.lru_cache(maxsize=1024)
-def _shift_by(len2: int) -> int:
-    """x^(8 * len2) modulo the CRC-32 polynomial: the same few lengths (chunk and archive sizes) recur, so cached."""
-    shift = 1 << 31  # x^0
-    k = 3  # len2 bytes = len2 * 2^3 bits
-    n = len2
-    while n:
-        if n & 1:
-            shift = _mult_mod_p(_X_2K[k & 63], shift)
-        n >>= 1
-        k += 1
-    return shift
-
 
 # --- the archive ---
 

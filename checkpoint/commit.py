@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,11 +32,20 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint.atomic import MARKER_NAME, check_target, make_staging, staging_path, swap_into_place, write_lock
 from checkpoint.convert import convert_tree
 from checkpoint.data_file import StorageInfo
-from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
-from checkpoint.manifest import METADATA_NAME, FileRecord, KeyRecord, Manifest, dtype_name, write_manifest
+from checkpoint.dcp_metadata import MetadataBuilder, key_identities, write_metadata
+from checkpoint.manifest import (
+    METADATA_NAME,
+    FileRecord,
+    KeyRecord,
+    Manifest,
+    dtype_name,
+    verify_files,
+    write_manifest,
+)
+from checkpoint.opener import storage_problems
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
-from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name
+from checkpoint.storage import FsdpWriter, quiet_single_process, rank_record_name, rank_record_problem
 from checkpoint.storage_backend import storage_for
 
 __all__ = [
@@ -43,6 +54,8 @@ __all__ = [
     "commit",
     "commit_staged",
     "merge_metadata",
+    "new_save_id",
+    "staged_save_id",
     "write_metadata",
     "write_rank",
 ]
@@ -51,6 +64,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 """Chunks are cut to at most this many bytes so a reshard reads little beyond what it needs."""
+SAVE_ID_NAME = ".fsdp-ckpt-save-id"
+"""In the staging directory of a scale-mode save: the id every rank puts in its record (not committed)"""
 
 
 def write_rank(
@@ -60,19 +75,22 @@ def write_rank(
     state_dict: dict[str, Any],
     *,
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
+    save_id: str | None = None,
 ) -> None:
     """Write rank ``rank``'s part of a checkpoint for ``world_size`` ranks, without any communication.
 
     ``state_dict`` is nested dicts of tensors, DTensors, ``shard(...)`` objects
     and picklable values, holding what *this* rank owns. Plain tensors are
     taken as replicas and written by rank 0 only. Nothing is visible at
-    ``path`` until :func:`commit`.
+    ``path`` until :func:`commit`. ``save_id`` (any string naming this save, e.g. its step) is kept in the
+    rank's record: give every rank and :func:`commit` the same one, and a record left by an earlier,
+    unfinished save to ``path`` (a rank that was not written again) is refused instead of merged.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
     # Ranks may be written by separate processes at once: the staging dir is shared, not made afresh.
-    writer = FsdpWriter(make_staging(path, fresh=False), force_rank=rank, world_size=world_size)
+    writer = FsdpWriter(make_staging(path, fresh=False), force_rank=rank, world_size=world_size, save_id=save_id)
     try:
         with quiet_single_process():
             dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
@@ -80,45 +98,92 @@ def write_rank(
         raise_unwrapped(exc, path)
 
 
-def commit(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
+def commit(
+    path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None, save_id: str | None = None
+) -> None:
     """Merge the ``world_size`` ranks written by :func:`write_rank` (or a scale-mode save) and commit ``path``.
 
-    One process only; waits while another save writes ``path``. Raises
-    ``ValueError`` naming the rank whose files are missing or the key whose
-    chunks are inconsistent, ``FileExistsError`` when ``path`` holds something
-    other than a checkpoint; nothing at ``path`` changes then.
+    One process only; waits while another save writes ``path``. ``save_id``: the one every
+    :func:`write_rank` of this save was given (a rank record of any other save is refused); without it,
+    every record must carry the same id (or none). Raises ``ValueError`` naming the rank whose files are
+    missing, whose record is not valid or is of another save, or the key whose chunks are inconsistent,
+    ``FileExistsError`` when ``path`` holds something other than a checkpoint; nothing at ``path`` changes then.
     """
     with write_lock(path):
         check_target(path)
-        commit_ranks(path, world_size, extra_info=extra_info)
+        commit_ranks(path, world_size, extra_info=extra_info, save_id=save_id)
 
 
-def commit_ranks(path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None) -> None:
+def commit_ranks(
+    path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None, save_id: str | None = None
+) -> None:
     """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0)."""
     staged = staging_path(path)
-    store = storage_for(staged)
-    records = []
-    for rank in range(world_size):
-        record_path = staged / rank_record_name(rank)
-        if store.stat(record_path, follow_symlinks=True) is None:
-            raise ValueError(
-                f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)"
-            )
-        with store.open_read(record_path) as f:
-            record = json.loads(f.read())
-        if record.get("world_size") != world_size:
-            raise ValueError(
-                f"cannot commit {str(path)!r}: {record_path} was written for world size "
-                f"{record.get('world_size')}, not {world_size} (a leftover of another save); write rank {rank} again"
-            )
-        records.append(record)
+    records = [_read_rank_record(path, staged, rank, world_size) for rank in range(world_size)]
+    ids = {record.get("save_id") for record in records}
+    expected = save_id if save_id is not None else records[0].get("save_id")
+    if ids != {expected}:
+        strays = [rank for rank, record in enumerate(records) if record.get("save_id") != expected]
+        raise ValueError(
+            f"cannot commit {str(path)!r}: the records of ranks {strays[:8]} were written by another save "
+            f"than {expected!r} (a leftover of an earlier, unfinished save); write those ranks again"
+        )
     merged, files = merge_metadata(records)
-    problems = metadata_problems(merged)
+    # Nothing is vouched for that a load would refuse: the chunks' cover, where they are stored, the files' sizes.
+    problems = metadata_problems(merged) + storage_problems(merged, files)
+    problems += verify_files(staged, Manifest(world_size=world_size, keys={}, files=files), checksums=False)
     if problems:
-        raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]))
+        raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]) + "; write those ranks again")
     files[METADATA_NAME] = write_metadata(staged, merged)
     info = {"mode": "scale", **(extra_info or {})}
     commit_staged(path, merged, files, world_size, extra_info=info)
+
+
+def new_save_id(path: str | os.PathLike) -> str:
+    """A fresh id for the save staged for ``path``, kept in its staging directory for the other ranks to read
+    (:func:`staged_save_id`). Rank 0 of a scale-mode save, after it made the staging directory afresh."""
+    save_id = uuid.uuid4().hex
+    where = staging_path(path) / SAVE_ID_NAME
+    storage_for(where).write_file(where, save_id)
+    return save_id
+
+
+def staged_save_id(path: str | os.PathLike) -> str:
+    """The id :func:`new_save_id` gave the save staged for ``path``."""
+    where = staging_path(path) / SAVE_ID_NAME
+    with storage_for(where).open_read(where) as f:
+        return f.read(64).decode("ascii")
+
+
+def _read_rank_record(path: str | os.PathLike, staged: Path, rank: int, world_size: int) -> dict:
+    """Rank ``rank``'s record in ``staged``, parsed and checked; ``ValueError`` naming the file otherwise."""
+    record_path = staged / rank_record_name(rank)
+    store = storage_for(record_path)
+    if store.stat(record_path, follow_symlinks=True) is None:
+        raise ValueError(f"cannot commit {str(path)!r}: rank {rank} did not finish writing ({record_path} is missing)")
+    with store.open_read(record_path) as f:
+        raw = f.read(_MAX_RECORD_BYTES + 1)
+    record: Any = None
+    try:
+        if len(raw) > _MAX_RECORD_BYTES:
+            raise ValueError(f"larger than {_MAX_RECORD_BYTES} bytes")
+        record = json.loads(raw)
+        problem = rank_record_problem(record)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, deep nesting, too large
+        problem = f"not valid JSON ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})"
+    if problem is not None or not isinstance(record, dict):
+        raise ValueError(
+            f"cannot commit {str(path)!r}: {record_path} is not a valid rank record: {problem}; write rank {rank} again"
+        )
+    if record["world_size"] != world_size:
+        raise ValueError(
+            f"cannot commit {str(path)!r}: {record_path} was written for world size "
+            f"{record['world_size']}, not {world_size} (a leftover of another save); write rank {rank} again"
+        )
+    return record
+
+
+_MAX_RECORD_BYTES = 1 << 30
 
 
 def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]]:
@@ -149,11 +214,12 @@ def build_manifest(
     metadata: Metadata, files: dict[str, FileRecord], world_size: int, extra_info: dict | None = None
 ) -> Manifest:
     keys = {}
+    identities = key_identities(metadata)
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
-            keys[key] = KeyRecord("tensor", dtype_name(item.properties.dtype), tuple(item.size))
+            keys[key] = KeyRecord("tensor", dtype_name(item.properties.dtype), tuple(item.size), identities[key])
         else:
-            keys[key] = KeyRecord("bytes")
+            keys[key] = KeyRecord("bytes", identity=identities[key])
     return Manifest(world_size=world_size, keys=keys, files=dict(files), extra_info=dict(extra_info or {}))
 
 

@@ -1,11 +1,16 @@
 """Content verification streamed with the read: each file's CRC-32, from the bytes the reader reads.
 
+The CRC-32 itself is here too, in one place for the whole library: :func:`crc32`
+and :func:`crc32_combine` are ISA-L's (``isal``, a base dependency: ~10x zlib's
+speed with carry-less multiply, and a combine in about a microsecond), so a
+verified load costs little more than an unverified one. Where ``isal`` cannot be
+installed they fall back to zlib's CRC (a load from the page cache is then
+CRC-bound) and a pure-Python combine (tens of microseconds a call).
+
 The manifest records the CRC-32 of every file. A reader hands each range it
 reads to :meth:`ContentCheck.add` (in any order: pieces are joined with
-:func:`~checkpoint.chunk_archive.crc32_combine`); large pieces are summed on a
-helper thread (the CRC releases the GIL), overlapping the next read. With the
-``fast-crc`` extra (ISA-L, ~20 GB/s a core) the sums cost little; with zlib
-(~2.5 GB/s) a load from the page cache is CRC-bound.
+:func:`crc32_combine`); large pieces are summed on a helper thread (the CRC
+releases the GIL), overlapping the next read.
 :meth:`ContentCheck.finish` reads only the bytes no one asked for (e.g. the
 optimizer state beside the weights of a model-only load), joins the pieces and
 compares each file touched with its manifest record. No byte is read twice.
@@ -15,19 +20,67 @@ from __future__ import annotations
 
 import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from checkpoint.chunk_archive import crc32_combine
 from checkpoint.errors import CheckpointCorruptError
-from checkpoint.storage_backend import FileRecord, storage_for
 
-try:  # ISA-L's CRC-32 (same polynomial as zlib's, ~10x faster: carry-less multiply); optional fast path
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pip install offload-fsdp[fast-crc]; without it verified loads are CRC-bound
-    _crc32 = zlib.crc32
+if TYPE_CHECKING:  # storage_backend imports the CRC from here: these names are for annotations only
+    from checkpoint.storage_backend import FileRecord, Storage
 
-__all__ = ["ContentCheck"]
+__all__ = ["ContentCheck", "crc32", "crc32_combine"]
+
+# --- CRC-32 of a concatenation without ISA-L (polynomial arithmetic modulo the CRC-32 polynomial) ---
+
+_POLY = 0xEDB88320  # CRC-32 polynomial, bit-reflected as zlib uses it
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """Product of two bit-reflected polynomials modulo the CRC-32 polynomial."""
+    top = 1 << 31
+    product = 0
+    while a:
+        if a & top:
+            product ^= b
+            a ^= top
+        top >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers_of_x() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(1, 64):
+        table.append(_mult_mod_p(table[-1], table[-1]))  # x^(2^k)
+    return table
+
+
+_X_2K = _powers_of_x()
+
+
+def _crc32_combine_python(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)`` (what zlib's ``crc32_combine`` does)."""
+    shift = 1 << 31  # x^0
+    k = 3  # len2 bytes = len2 * 2^3 bits
+    n = len2
+    while n:
+        if n & 1:
+            shift = _mult_mod_p(_X_2K[k & 63], shift)
+        n >>= 1
+        k += 1
+    return _mult_mod_p(shift, crc1) ^ crc2
+
+
+crc32: Callable[..., int]
+"""``crc32(data, value=0)``: zlib's CRC-32 (same polynomial and results), ISA-L's implementation when installed"""
+crc32_combine: Callable[[int, int, int], int]
+"""``crc32_combine(crc1, crc2, len2)``: the CRC-32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``"""
+try:
+    from isal.isal_zlib import crc32, crc32_combine
+except ImportError:  # a platform without isal wheels: correct, but verified loads are CRC-bound
+    crc32, crc32_combine = zlib.crc32, _crc32_combine_python
 
 _INLINE_BYTES = 1 << 20
 _GAP_READ = 16 << 20
@@ -36,35 +89,41 @@ _GAP_READ = 16 << 20
 class ContentCheck:
     """CRC-32 of the files of one checkpoint, as they are read; checked by :meth:`finish`.
 
-    ``files``: the manifest's records, by name relative to ``directory``. Not
-    for concurrent readers of one file (pieces from threads are fine: a lock
-    guards the bookkeeping).
+    ``files``: the manifest's records, by name relative to ``directory``, which
+    ``store`` holds. Not for concurrent readers of one file (pieces from threads
+    are fine: a lock guards the bookkeeping).
     """
 
     _pool: ThreadPoolExecutor | None = None
 
-    def __init__(self, directory: Path, files: dict[str, FileRecord]) -> None:
+    def __init__(self, directory: Path, files: dict[str, FileRecord], store: Storage) -> None:
         self.directory = directory
         self.files = files
+        self.store = store
         self._pieces: dict[str, dict[int, tuple[int, int | Future]]] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, offset: int, data) -> None:
-        """``data`` (bytes-like, kept alive by the caller until :meth:`finish`) was read from ``name`` at ``offset``."""
+    def add(self, name: str, offset: int, data) -> Future | None:
+        """``data`` (bytes-like) was read from ``name`` at ``offset``.
+
+        Returns the sum still running on a helper thread (a large piece): the
+        caller keeps ``data`` alive and unchanged until it is done; ``None``: summed already.
+        """
         view = memoryview(data).cast("B")
         if not len(view):
-            return
+            return None
         crc: int | Future
         if len(view) < _INLINE_BYTES:
-            crc = _crc32(view)
+            crc = crc32(view)
         else:
             if ContentCheck._pool is None:
                 ContentCheck._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc-read")
-            crc = ContentCheck._pool.submit(_crc32, view)
+            crc = ContentCheck._pool.submit(crc32, view)
         with self._lock:
             pieces = self._pieces.setdefault(name, {})
             if offset not in pieces or pieces[offset][0] < len(view):
                 pieces[offset] = (len(view), crc)
+        return crc if isinstance(crc, Future) else None
 
     def finish(self) -> None:
         """Check every file read from since the last call; raise :class:`CheckpointCorruptError` naming a bad one."""
@@ -81,7 +140,7 @@ class ContentCheck:
                 f"{path}: read but not listed in the manifest; restore the checkpoint from a copy"
             )
         crc, pos = 0, 0
-        with storage_for(path).open_read(path) as f:
+        with self.store.open_read(path) as f:
             for offset in sorted(pieces):
                 length, piece = pieces[offset]
                 if offset < pos:
@@ -106,6 +165,6 @@ def _crc_of_range(f, start: int, length: int, path: Path) -> int:
         chunk = f.read(min(left, _GAP_READ))
         if not chunk:
             raise CheckpointCorruptError(f"{path}: ends {left} bytes early (truncated); restore the file from a copy")
-        crc = _crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         left -= len(chunk)
     return crc

@@ -7,17 +7,30 @@ shape, as locally computed chunks of bounded size.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from checkpoint.shard import CheckpointShard
 from offload_fsdp.grad import local_tensor
-from offload_fsdp.shard_spec import ShardSpec, shard_spec_of
+from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
 
-__all__ = ["StatefulPath", "convert_tree", "load_stateful", "resolve_stateful", "to_checkpointable"]
+__all__ = [
+    "StatefulPath",
+    "assign_back",
+    "convert_tree",
+    "load_stateful",
+    "materialize_meta",
+    "resolve_stateful",
+    "to_checkpointable",
+]
+
+
+_PLAIN_VALUES = frozenset({int, float, str, bool, bytes, type(None), tuple, list, dict})
 
 
 def to_checkpointable(
@@ -31,6 +44,10 @@ def to_checkpointable(
     """``value`` as a :class:`CheckpointShard` if it is a tensor, else unchanged.
 
     * ``DTensor``: its local tensor at the box DTensor computes for this rank;
+    * any other value implementing DCP's checkpointable protocol
+      (``__create_chunk_list__`` / ``__get_tensor_shard__``: a tensor subclass, a
+      ``DTensor`` over a ``LocalShardsWrapper``): the one chunk it lists on this rank
+      (none: an empty shard); several chunks on one rank are refused (``TypeError``);
     * a tensor carrying a :class:`ShardSpec` (flat-shard params): that region;
     * any other tensor: the whole tensor (a replica on every rank).
 
@@ -38,7 +55,7 @@ def to_checkpointable(
     to de-duplicate replicas) only one rank writes each replicated region.
     Loading writes into the local tensor in place.
     """
-    if not isinstance(value, torch.Tensor):  # ShardedTensor and DTensor are tensors too
+    if type(value) in _PLAIN_VALUES:  # most leaves (a group's options per parameter): skip the protocol checks
         return value
     if isinstance(value, CheckpointShard):
         if value.max_chunk_bytes == max_chunk_bytes:
@@ -46,10 +63,14 @@ def to_checkpointable(
         return CheckpointShard(value.local, value.spec, writes=value.writes, max_chunk_bytes=max_chunk_bytes)
     if _is_sharded_tensor(value):
         return _from_sharded_tensor(value, name=name, max_chunk_bytes=max_chunk_bytes)
-    if isinstance(value, DTensor):
+    if isinstance(value, DTensor) and not _is_checkpointable(local_tensor(value)):
         return _from_dtensor(
             value, name=name, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
         )
+    if _is_checkpointable(value):
+        return _from_checkpointable(value, name=name, max_chunk_bytes=max_chunk_bytes)
+    if not isinstance(value, torch.Tensor):
+        return value
     try:
         spec = shard_spec_of(value)
     except (TypeError, ValueError) as exc:
@@ -83,6 +104,87 @@ def _from_dtensor(value: DTensor, *, name: str, replicas_on_rank0_only: bool, ma
         writes = all(c == 0 for c, p in zip(coordinate, value.placements) if isinstance(p, Replicate))
     spec = ShardSpec(tuple(value.shape), offsets=tuple(offsets))
     return CheckpointShard(local, spec, writes=writes, max_chunk_bytes=max_chunk_bytes)
+
+
+def materialize_meta(value: Any, *, name: str, device: torch.device) -> Any:
+    """``value`` as a fresh, uninitialised tensor of the same kind on ``device`` if it is on the meta device, else itself.
+
+    What ``dcp.load`` does to a meta-device target before reading into it (a model
+    built on ``meta`` is how large models are loaded): a tensor, a ``DTensor``
+    (same mesh, placements and global shape, uneven shards included), a
+    :class:`CheckpointShard` or a flat-shard tensor (its :class:`ShardSpec` kept).
+    """
+    if not isinstance(value, torch.Tensor) or value.device.type != "meta":
+        return value
+    if isinstance(value, CheckpointShard):
+        local = torch.empty_like(value.local, device=device)
+        return CheckpointShard(local, value.spec, writes=value.writes, max_chunk_bytes=value.max_chunk_bytes)
+    if isinstance(value, DTensor) and not _is_checkpointable(local_tensor(value)):
+        return DTensor.from_local(
+            torch.empty_like(local_tensor(value), device=device),
+            value.device_mesh,
+            value.placements,
+            # given, not inferred: the local shapes of an uneven sharding do not determine them
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    if _is_checkpointable(value):
+        raise TypeError(
+            f"{name}: a {type(value).__name__} on the meta device cannot be materialised here (its shards are its "
+            "own); create it on a real device before loading into it"
+        )
+    spec = shard_spec_of(value)
+    out = torch.empty_like(value, device=device)
+    return out if spec is None else attach_shard_spec(out, spec, name=name)
+
+
+_PROTOCOL = ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__")
+
+
+def _is_checkpointable(value: Any) -> bool:
+    """A value that describes its own shards through DCP's checkpointable protocol (TorchRec-style shards)."""
+    return not isinstance(value, CheckpointShard) and all(hasattr(value, m) for m in _PROTOCOL)
+
+
+def _from_checkpointable(value: Any, *, name: str, max_chunk_bytes: int | None) -> CheckpointShard:
+    """A checkpointable value (a DTensor forwards to its local tensor's protocol) as its one chunk on this rank.
+
+    ``__get_tensor_shard__`` gives the chunk's data (a load writes into it, as
+    ``dcp.load`` does). One region per key and rank is what this format stores
+    without a global plan, so several chunks on one rank are refused.
+    """
+    if isinstance(value, DTensor) and any(isinstance(p, Partial) for p in value.placements):
+        raise ValueError(f"{name}: a DTensor with Partial placements cannot be checkpointed; reduce it first")
+    global_shape = tuple(value.shape)
+    origin = (0,) * len(global_shape)
+    if math.prod(global_shape) == 0:  # no elements: one empty chunk records its key and shape
+        empty = torch.empty(global_shape, dtype=value.dtype)
+        return CheckpointShard(empty, ShardSpec(global_shape, offsets=origin), max_chunk_bytes=max_chunk_bytes)
+    # (index in the value's own list, chunk): the index is the protocol's lookup hint
+    chunks = [(i, c) for i, c in enumerate(value.__create_chunk_list__()) if math.prod(c.sizes) > 0]
+    if len(chunks) > 1:
+        raise TypeError(
+            f"{name}: a {type(value).__name__} with {len(chunks)} chunks on this rank is not supported "
+            "(one region per key and rank); pass each chunk under its own key as "
+            "checkpoint.shard(chunk, global_shape, offsets=...), or save it with plain torch.distributed.checkpoint"
+        )
+    if not chunks:  # an empty shard: this rank holds nothing of it
+        empty = torch.empty((0,) * len(global_shape), dtype=value.dtype)
+        return CheckpointShard(
+            empty, ShardSpec(global_shape, offsets=origin), writes=False, max_chunk_bytes=max_chunk_bytes
+        )
+    index, chunk = chunks[0]
+    local = value.__get_tensor_shard__(MetadataIndex(name, chunk.offsets, index))
+    plain = isinstance(local, torch.Tensor) and not isinstance(local, DTensor) and not _is_checkpointable(local)
+    if not plain or tuple(local.shape) != tuple(chunk.sizes):
+        raise TypeError(
+            f"{name}: {type(value).__name__}.__get_tensor_shard__ returned a {type(local).__name__} of shape "
+            f"{tuple(getattr(local, 'shape', ()))} for its chunk of size {tuple(chunk.sizes)}; it must return "
+            "the chunk's data as a plain tensor"
+        )
+    return CheckpointShard(
+        local.detach(), ShardSpec(global_shape, offsets=tuple(chunk.offsets)), max_chunk_bytes=max_chunk_bytes
+    )
 
 
 def _is_sharded_tensor(value: Any) -> bool:
@@ -132,9 +234,12 @@ StatefulPath = tuple[str | int, ...]
 def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tuple[StatefulPath, Any]]]:
     """``tree`` with every Stateful value (``state_dict()`` / ``load_state_dict()``) replaced by its state dict.
 
-    Returns the new tree (dicts and lists copied, leaves shared) and ``(path, object)``
-    for each Stateful found in dicts and lists, outermost first, so a load can hand
-    each object its loaded state (:func:`load_stateful`), as ``dcp.load`` does.
+    Returns the new tree (dicts and lists copied in their own order, leaves shared)
+    and ``(path, object)`` for each Stateful found in dicts and lists, outermost
+    first. Dict entries are visited in sorted key order, so every rank calls the
+    objects' ``state_dict()`` in the same order whatever its dicts' insertion order
+    (they may run collectives); :func:`load_stateful` then hands each object its
+    loaded state, in the order ``dcp.load`` does.
     """
     if _is_stateful(tree):
         inner, below = resolve_stateful(tree.state_dict(), path)
@@ -149,10 +254,10 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
     found: list[tuple[StatefulPath, Any]] = []
     if isinstance(tree, dict):
         out = {}
-        for k, v in tree.items():
-            out[k], more = resolve_stateful(v, (*path, str(k)))
+        for k in _sorted_keys(tree):
+            out[k], more = resolve_stateful(tree[k], (*path, str(k)))
             found += more
-        return out, found
+        return {k: out[k] for k in tree}, found
     if isinstance(tree, list):
         items = []
         for i, v in enumerate(tree):
@@ -163,13 +268,43 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
     return tree, []
 
 
+def _sorted_keys(tree: dict) -> list:
+    """``tree``'s keys in an order every rank agrees on, whatever the order they were inserted in (DCP's keys are strings)."""
+    return sorted(tree, key=lambda k: (type(k).__name__, str(k)))
+
+
+def _load_order(path: StatefulPath) -> tuple:
+    """Sort key: ascending paths (``dcp.load``'s sorted keys), an object after everything inside it."""
+    return (*((0, p) if isinstance(p, int) else (1, p) for p in path), (2,))
+
+
 def load_stateful(tree: dict[str, Any], found: list[tuple[StatefulPath, Any]]) -> None:
-    """Call ``load_state_dict`` on each object :func:`resolve_stateful` found, innermost first."""
-    for path, obj in reversed(found):
+    """Call ``load_state_dict`` on each object :func:`resolve_stateful` found, with its state from ``tree``.
+
+    In sorted path order, the same on every rank whatever its dicts' insertion
+    order (an object's ``load_state_dict`` may run collectives: ranks calling
+    them in different orders would wait for each other forever), an object
+    after the objects inside its state: the order ``dcp.load`` uses for top-level keys.
+    """
+    for path, obj in sorted(found, key=lambda item: _load_order(item[0])):
         node: Any = tree
         for part in path:
             node = node[part]
         obj.load_state_dict(node)
+
+
+def assign_back(state_dict: dict[str, Any], resolved: dict[str, Any], found: list[tuple[StatefulPath, Any]]) -> None:
+    """``state_dict[key] = loaded`` for every top-level entry that is not Stateful, as ``dcp.load`` does.
+
+    ``resolved`` is :func:`resolve_stateful`'s tree after the load. A container
+    stays the caller's own object (filled in place); a leaf is the loaded value
+    (a non-tensor value, a materialised meta-device tensor, or the same tensor).
+    """
+    stateful = {path for path, _ in found}
+    for key in _sorted_keys(state_dict):
+        if (str(key),) not in stateful:
+            value = state_dict[key]
+            state_dict[key] = value if isinstance(value, (dict, list)) else resolved[key]
 
 
 def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
@@ -180,7 +315,9 @@ def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
     if _is_stateful(tree):
         return convert_tree(tree.state_dict(), prefix, **kwargs)
     if isinstance(tree, dict):
-        return {k: convert_tree(v, f"{prefix}{k}.", **kwargs) for k, v in tree.items()}
+        # sorted: Stateful values' state_dict() in the same order on every rank (see resolve_stateful)
+        converted = {k: convert_tree(tree[k], f"{prefix}{k}.", **kwargs) for k in _sorted_keys(tree)}
+        return {k: converted[k] for k in tree}  # the state dict's own order: the plan's and the files' order
     if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) or _is_stateful(v) for v in tree):
         return [convert_tree(v, f"{prefix}{i}.", **kwargs) for i, v in enumerate(tree)]
     return to_checkpointable(tree, name=prefix.rstrip("."), **kwargs)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 
 from checkpoint.chunk_archive import plan_archive
+from checkpoint.content_check import crc32
 from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
 
 __all__ = ["BatchedStream", "CrcStream", "DataFile", "StorageInfo", "data_file_name", "tensor_bytes", "write_tensor"]
@@ -77,7 +77,7 @@ class BatchedStream(io.RawIOBase):
             self.flush_batch()
             return self.stream.write_uncounted(view)
         self.write(view)
-        return zlib.crc32(view)
+        return crc32(view)
 
     def tell(self) -> int:
         return self.stream.tell() + len(self._buffer)

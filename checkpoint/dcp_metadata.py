@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from checkpoint.data_file import StorageInfo
 from checkpoint.manifest import METADATA_NAME
 from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
 
-__all__ = ["MetadataBuilder", "with_storage", "write_metadata"]
+__all__ = ["MetadataBuilder", "key_identities", "with_storage", "write_metadata"]
 
 
 _BYTES = BytesStorageMetadata()  # a field-less marker; one instance serves every key
@@ -159,3 +160,29 @@ def write_metadata(directory: str | os.PathLike, metadata: Metadata | bytes) -> 
 
     storage_for(directory).write_file(Path(directory) / METADATA_NAME, dump)
     return record[0]
+
+
+def key_identities(metadata: Metadata) -> dict[str, int]:
+    """Every key's identity as ``metadata`` records it, one CRC-32 each (the manifest's ``KeyRecord.identity``).
+
+    It covers the key's name, kind, dtype, global shape and nested path (``planner_data``), every chunk's
+    offsets and sizes, and every stored piece's file, byte offset and length; not their order, which
+    means nothing to a load. Linear in the number of chunks: one pass over ``storage_data``, one over the keys.
+    """
+    stored: dict[str, list[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        at = "" if index.offset is None else ",".join(map(str, index.offset))
+        stored.setdefault(index.fqn, []).append(f"{at}@{info.relative_path}:{info.offset}+{info.length}")
+    paths = metadata.planner_data or {}
+    identities = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            shape = ",".join(map(str, item.size))
+            kind = f"tensor|{item.properties.dtype}|{shape}"
+            chunks = sorted(f"{','.join(map(str, c.offsets))}/{','.join(map(str, c.sizes))}" for c in item.chunks)
+        else:
+            kind, chunks = type(item).__name__, []
+        # repr, not str: a path of ("0",) and one of (0,) nest differently
+        text = "|".join([key, kind, repr(paths.get(key)), ";".join(chunks), ";".join(sorted(stored.get(key, ())))])
+        identities[key] = zlib.crc32(text.encode("utf-8", "surrogatepass"))
+    return identities

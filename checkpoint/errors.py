@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptError", "NotACheckpointError"]
+__all__ = ["CheckpointCorruptError", "LoadTargetError", "NotACheckpointError"]
 
 
 class NotACheckpointError(ValueError):
@@ -11,3 +11,7 @@ class NotACheckpointError(ValueError):
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint whose files do not match its manifest or cannot be read (truncated, corrupt, crafted)."""
+
+
+class LoadTargetError(TypeError):
+    """A value being loaded into cannot take the stored data (the caller's state dict is at fault, not the files)."""

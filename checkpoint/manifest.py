@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from checkpoint.content_check import crc32
 from checkpoint.errors import CheckpointCorruptError, NotACheckpointError
 from checkpoint.storage_backend import FileRecord, storage_for
 
@@ -67,6 +67,11 @@ class KeyRecord:
     """torch dtype name without the ``torch.`` prefix, e.g. ``"bfloat16"``; tensors only"""
     shape: tuple[int, ...] | None = None
     """the true global shape; tensors only"""
+    identity: int | None = None
+    """CRC-32 of everything ``.metadata`` says about the key (:func:`checkpoint.dcp_metadata.key_identities`):
+    kind, dtype, shape, nested path, and every chunk's offsets, sizes, file and byte range. With the files'
+    CRC-32s it pins which bytes the key is read from, so a relabelling in a CRC-valid ``.metadata`` is a
+    mismatch naming the key. ``None`` in manifests written before 2026-11 (not checked then)"""
 
     def __post_init__(self) -> None:
         if self.kind not in ("tensor", "bytes"):
@@ -183,8 +188,8 @@ def _schema_problem(data: object) -> str | None:
 
 
 def _key_problem(record: object) -> str | None:
-    if not isinstance(record, dict) or set(record) - {"kind", "dtype", "shape"}:
-        return "not an object of kind, dtype, shape"
+    if not isinstance(record, dict) or set(record) - {"kind", "dtype", "shape", "identity"}:
+        return "not an object of kind, dtype, shape, identity"
     if record.get("kind") not in ("tensor", "bytes"):
         return "kind is not 'tensor' or 'bytes'"
     if not isinstance(record.get("dtype", ""), (str, type(None))):
@@ -194,6 +199,8 @@ def _key_problem(record: object) -> str | None:
         isinstance(shape, list) and len(shape) <= 64 and all(_is_int(s, 0, _MAX_FILE_BYTES) for s in shape)
     ):
         return "shape is not a list of non-negative integers"
+    if "identity" in record and not _is_int(record["identity"], 0, 0xFFFFFFFF):
+        return "identity is not a 32-bit unsigned integer"
     return None
 
 
@@ -242,7 +249,7 @@ def checksum_file(path: str | os.PathLike) -> FileRecord:
     size = 0
     with storage_for(path).open_read(path) as f:
         while chunk := f.read(_CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             size += len(chunk)
     return FileRecord(size=size, crc32=crc)
 

@@ -16,20 +16,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import zlib
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from checkpoint.atomic import resolve_for_load
-from checkpoint.content_check import ContentCheck
+from checkpoint.content_check import ContentCheck, crc32
+from checkpoint.dcp_metadata import key_identities
+from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
     CheckpointCorruptError,
+    FileRecord,
     Manifest,
+    checksum_file,
     dtype_name,
     read_manifest,
     verify_files,
@@ -39,7 +42,17 @@ from checkpoint.safe_unpickle import load_metadata
 from checkpoint.save_errors import first_failure
 from checkpoint.storage_backend import storage_for
 
-__all__ = ["VERIFY_MODES", "CheckpointCorruptError", "OpenCheckpoint", "open_checkpoint", "read_failure"]
+__all__ = [
+    "VERIFY_MODES",
+    "CheckpointCorruptError",
+    "OpenCheckpoint",
+    "consistency_problems",
+    "file_problems",
+    "open_checkpoint",
+    "read_failure",
+    "storage_problems",
+    "unlisted_files",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +78,7 @@ class OpenCheckpoint:
         """A fresh streamed CRC-32 check for the bytes a reader reads, or ``None`` when not asked for / no manifest."""
         if self.manifest is None or self.verify != "crc":
             return None
-        return ContentCheck(self.path, self.manifest.files)
+        return ContentCheck(self.path, self.manifest.files, storage_for(self.path))
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
@@ -126,16 +139,14 @@ def open_checkpoint(
             _check_files(src, manifest, checksums=verify == "full")
         metadata = load_metadata(src / METADATA_NAME, _read_metadata_bytes(src, manifest, verify))
         if manifest is not None:
-            unlisted = sorted(
-                {info.relative_path for info in (metadata.storage_data or {}).values()} - set(manifest.files)
-            )
+            unlisted = unlisted_files(metadata, manifest.files)
             if unlisted:
                 raise CheckpointCorruptError(
                     f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
                     "restore the checkpoint from a copy or re-save it"
                 )
         # verify="none" skips these too: `fsdp-ckpt verify` opens so and lists every problem itself
-        problems = _inconsistencies(metadata, manifest) if verify != "none" else []
+        problems = consistency_problems(metadata, manifest) if verify != "none" else []
         if problems:
             raise CheckpointCorruptError(
                 f"{src / METADATA_NAME}: does not describe a whole checkpoint ({'; '.join(problems[:3])}); "
@@ -148,42 +159,77 @@ def open_checkpoint(
     return OpenCheckpoint(src, manifest, metadata, verify, stamp if manifest is not None else None)
 
 
-def _inconsistencies(metadata: Metadata, manifest: Manifest | None) -> list[str]:
-    """What in a (CRC-valid) ``.metadata`` would make a load quietly wrong rather than fail.
+def consistency_problems(metadata: Metadata, manifest: Manifest | None) -> list[str]:
+    """What in a (CRC-valid) ``.metadata`` would make a load quietly wrong rather than fail, one phrase each.
 
     A chunk missing or out of bounds would leave part of the destination as it
     was; a byte range shared by two entries or past its file's recorded end, or
-    a key whose dtype / shape differs from the manifest's, would read other bytes.
+    a key whose dtype / shape differs from the manifest's, would read other bytes;
+    a key whose identity (chunks, byte ranges, nested name) differs from the one the
+    manifest recorded at save would read another key's bytes, or another part of its own.
+    The one check behind both a load (:func:`open_checkpoint`) and ``fsdp-ckpt verify``.
     """
     problems = metadata_problems(metadata)
     if manifest is not None:
-        for key, item in metadata.state_dict_metadata.items():
-            record = manifest.keys.get(key)
-            saved: tuple[str, str | None, tuple[int, ...] | None]
-            if isinstance(item, TensorStorageMetadata):
-                saved = ("tensor", dtype_name(item.properties.dtype), tuple(item.size))
-            else:
-                saved = ("bytes", None, None)
-            if record is None or (record.kind, record.dtype, record.shape) != saved:
-                problems.append(f"{key!r} is {saved} here but {record} in {MANIFEST_NAME}")
-        extra = sorted(set(manifest.keys) - set(metadata.state_dict_metadata))
-        if extra:
-            problems.append(f"{MANIFEST_NAME} lists keys {extra[:5]} it does not hold")
-        ranges = sorted(
-            (info.relative_path, info.offset, info.offset + info.length, index.offset is None, _entry(index))
-            for index, info in (metadata.storage_data or {}).items()
-        )
-        for (name, start, end, value, key), (next_name, next_start, next_end, next_value, next_key) in zip(
-            ranges, ranges[1:]
-        ):
-            # Pickled values may share one exact range: a save stores an equal value once (a param group's
-            # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
-            shared_value = value and next_value and (start, end) == (next_start, next_end)
-            if name == next_name and next_start < end and not shared_value:
-                problems.append(f"{key} and {next_key} share bytes of {name}")
-        for name, _, end, _, key in ranges:
-            if name in manifest.files and end > manifest.files[name].size:
-                problems.append(f"{key} is stored past the end of {name} (byte {end})")
+        problems += _key_problems(metadata, manifest) + storage_problems(metadata, manifest.files)
+    return problems
+
+
+def storage_problems(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[str]:
+    """Byte ranges of ``metadata`` that ``files`` (name -> recorded size) cannot hold, one phrase each.
+
+    A range in a file not listed, shared by two entries (but for equal pickled values stored once), or past
+    its file's recorded end.
+    Also what a commit checks before it vouches for a merged ``.metadata``.
+    """
+    problems = [f"points into {name}, which is not listed" for name in unlisted_files(metadata, files)[:5]]
+    ranges = sorted(
+        (info.relative_path, info.offset, info.offset + info.length, index.offset is None, _entry(index))
+        for index, info in (metadata.storage_data or {}).items()
+    )
+    for (name, start, end, value, key), (next_name, next_start, next_end, next_value, next_key) in zip(
+        ranges, ranges[1:]
+    ):
+        # Pickled values may share one exact range: a save stores an equal value once (a param group's
+        # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
+        shared_value = value and next_value and (start, end) == (next_start, next_end)
+        if name == next_name and next_start < end and not shared_value:
+            problems.append(f"{key} and {next_key} share bytes of {name}")
+    for name, _, end, _, key in ranges:
+        if name in files and end > files[name].size:
+            problems.append(f"{key} is stored past the end of {name} (byte {end})")
+    return problems
+
+
+def unlisted_files(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[str]:
+    """The files ``metadata`` points into that ``files`` does not list, sorted."""
+    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()} - set(files))
+
+
+def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
+    """Keys ``.metadata`` and the manifest disagree on: presence, kind / dtype / shape, identity."""
+    problems = []
+    # manifests written before 2026-11 record no identities: nothing to compare, and nothing to compute
+    identities = key_identities(metadata) if any(r.identity is not None for r in manifest.keys.values()) else {}
+    for key, item in metadata.state_dict_metadata.items():
+        record = manifest.keys.get(key)
+        saved: tuple[str, str | None, tuple[int, ...] | None]
+        if isinstance(item, TensorStorageMetadata):
+            saved = ("tensor", dtype_name(item.properties.dtype), tuple(item.size))
+        else:
+            saved = ("bytes", None, None)
+        if record is None or (record.kind, record.dtype, record.shape) != saved:
+            problems.append(f"{key!r} is {saved} here but {record} in {MANIFEST_NAME}")
+        elif identities and record.identity is None:
+            problems.append(f"{key!r} has no identity in {MANIFEST_NAME}, unlike its other keys")
+        elif record.identity is not None and identities[key] != record.identity:
+            problems.append(
+                f"{key!r} is not stored as {MANIFEST_NAME} recorded it at save (its chunks, their byte ranges, "
+                "its dtype or its nested name were changed)"
+            )
+    extra = sorted(set(manifest.keys) - set(metadata.state_dict_metadata))
+    if extra:
+        problems.append(f"{MANIFEST_NAME} lists keys {extra[:5]} it does not hold")
     return problems
 
 
@@ -203,11 +249,25 @@ def _stamp(src: Path) -> Hashable | None:
 
 
 def _check_files(src: Path, manifest: Manifest, *, checksums: bool) -> None:
-    if METADATA_NAME not in manifest.files:
-        raise CheckpointCorruptError(f"{src / 'manifest.json'} does not list {METADATA_NAME}; re-save the checkpoint")
-    problems = verify_files(src, manifest, checksums=checksums)
+    problems = file_problems(src, manifest, checksums=checksums, metadata_crc=False)
     if problems:
         raise CheckpointCorruptError(f"checkpoint {str(src)!r} is damaged: " + "; ".join(problems))
+
+
+def file_problems(src: Path, manifest: Manifest, *, checksums: bool, metadata_crc: bool = True) -> list[str]:
+    """Every problem with the files ``manifest`` lists, one sentence each: sizes, CRC-32s with ``checksums``,
+    and ``.metadata``'s CRC-32 in any case unless ``metadata_crc=False`` (a load checks it as it reads it).
+
+    The file check behind both a load (:func:`open_checkpoint`) and ``fsdp-ckpt verify``.
+    """
+    record = manifest.files.get(METADATA_NAME)
+    if record is None:
+        return [f"{src / MANIFEST_NAME} does not list {METADATA_NAME}; re-save the checkpoint"]
+    problems = verify_files(src, manifest, checksums=checksums)
+    metadata_reported = any(p.startswith(f"{src / METADATA_NAME}:") for p in problems)
+    if metadata_crc and not checksums and not metadata_reported and checksum_file(src / METADATA_NAME) != record:
+        problems.append(f"{src / METADATA_NAME}: CRC-32 does not match the manifest (the file is corrupt)")
+    return problems
 
 
 def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> bytes:
@@ -221,7 +281,7 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
     if len(data) > _MAX_METADATA_BYTES:
         raise CheckpointCorruptError(f"{path}: larger than {_MAX_METADATA_BYTES} bytes, not DCP metadata")
     record = manifest.files.get(METADATA_NAME) if manifest is not None else None
-    if verify != "none" and record is not None and (len(data) != record.size or zlib.crc32(data) != record.crc32):
+    if verify != "none" and record is not None and (len(data) != record.size or crc32(data) != record.crc32):
         raise CheckpointCorruptError(
             f"{path}: CRC-32 does not match the manifest (the file is corrupt); "
             "restore it from a copy or re-save the checkpoint"
@@ -231,10 +291,13 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
 
 def read_failure(exc: BaseException, where: Path) -> Exception:
     """What to raise for a failed read of checkpoint ``where``: our own errors as they are, anything else as
-    :class:`CheckpointCorruptError` (an ``Exception``, never DCP's ``BaseException``)."""
+    :class:`CheckpointCorruptError` (an ``Exception``, never DCP's ``BaseException``).
+
+    A :class:`~checkpoint.errors.LoadTargetError` (the values being loaded into are at fault, raised by the
+    load planner) is never reported as damaged files."""
     cause = first_failure(exc)
-    if isinstance(cause, (ValueError, OSError)):
-        return cause  # raised by our reader / opener: they name the file and the fix
+    if isinstance(cause, (ValueError, OSError, LoadTargetError)):
+        return cause  # raised by our reader / opener / planner: they name the file or key and the fix
     text = " ".join(str(cause).split())[:200]
     return CheckpointCorruptError(
         f"reading {str(where)!r} failed ({type(cause).__name__}: {text}); run `fsdp-ckpt verify {where}`, "

@@ -12,6 +12,12 @@ byte what :mod:`checkpoint.chunk_archive` writes is read in one sequential
 ``preadv`` (head, data into the destination, tail) with no zip parsing first.
 Anything else (another writer's archive, zip64, a transform) goes through
 DCP's own path.
+
+Bytes that cannot land in their destination directly (another dtype, part of
+a chunk, an archive parsed whole) are read into host buffers of the reader's
+own; a :class:`ReadBudget` caps how many such bytes are held at once (a
+buffer stays held until its streamed CRC-32 is summed), so a load's extra
+host memory is bounded by ``max_read_bytes`` plus one item larger than it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import io
 import math
 import struct
+from collections import deque
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +34,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
+from torch.futures import Future as TorchFuture
 
 from checkpoint.chunk_archive import archive_layout
 from checkpoint.content_check import ContentCheck
@@ -34,7 +42,13 @@ from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.storage_backend import storage_for
 
-__all__ = ["DirectReader"]
+__all__ = ["DEFAULT_MAX_READ_BYTES", "DirectReader", "ReadBudget"]
+
+DEFAULT_MAX_READ_BYTES = 256 << 20
+"""The default cap on the host bytes a load holds in its own read buffers at once"""
+_SLICE_BYTES = 8 << 20
+"""A whole chunk is read in slices of this size: each one's CRC-32 is summed while the next is read, so a
+verified load waits only for the last slice's sum"""
 
 _EOCD = struct.Struct("<4s4H2LH")
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
@@ -42,29 +56,75 @@ _LOCAL = struct.Struct("<4s5H3L2H")
 _NO_VALUE = 0xFFFFFFFF
 
 
+class ReadBudget:
+    """The host bytes a reader holds in buffers of its own at once, at most ``cap`` (``None``: no cap).
+
+    A buffer is held from :meth:`hold` (before it is allocated) until the reader
+    is :meth:`done` with it and its CRC-32, summed on a helper thread, has
+    finished. :meth:`hold` first waits for earlier buffers' sums until the new
+    one fits; one buffer larger than ``cap`` is held alone. ``peak``: the most held at once.
+    """
+
+    def __init__(self, cap: int | None) -> None:
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
+            raise ValueError(f"max_read_bytes must be a positive number of bytes or None (no cap), got {cap!r}")
+        self.cap = cap
+        self.held = 0
+        self.peak = 0
+        self._summing: deque[tuple[int, Future]] = deque()
+
+    def hold(self, nbytes: int) -> None:
+        while self._summing and (
+            self._summing[0][1].done() or (self.cap is not None and self.held + nbytes > self.cap)
+        ):
+            held, summing = self._summing.popleft()
+            wait([summing])
+            self.held -= held
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def done(self, nbytes: int, summing: list[Future]) -> None:
+        """The reader no longer needs the buffer; it is free once ``summing`` (its CRC-32 sums) finished."""
+        pending = [f for f in summing if not f.done()]
+        if not pending:
+            self.held -= nbytes
+            return
+        for f in pending[:-1]:
+            self._summing.append((0, f))
+        self._summing.append((nbytes, pending[-1]))
+
+
 class DirectReader(FileSystemReader):
     """Reads a checkpoint whose metadata was already read (and checked) by the caller.
 
-    ``direct=False`` keeps DCP's reading path (for directories written by other tools).
-    ``check`` receives every byte range read, for the streamed CRC-32 check
+    ``direct=False`` keeps DCP's reading path (for directories written by other tools;
+    it reads one item at a time). ``check`` receives every byte range read, for the streamed CRC-32 check
     (the caller calls its ``finish``). Every file is checked to be a regular
     file before it is opened (never a FIFO or device that would block).
+    ``max_read_bytes``: the cap of :attr:`budget`, on the bytes held in the reader's own buffers.
     """
 
     def __init__(
-        self, path: str | Path, metadata: Metadata, *, direct: bool = True, check: ContentCheck | None = None
+        self,
+        path: str | Path,
+        metadata: Metadata,
+        *,
+        direct: bool = True,
+        check: ContentCheck | None = None,
+        max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
     ) -> None:
         super().__init__(path)
         self._metadata = metadata
         self._direct = direct
         self._check = check
+        self.budget = ReadBudget(max_read_bytes)
         self._layouts: dict = {}  # (dtype, chunk shape) -> ArchiveLayout | None
         self._store = storage_for(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._metadata
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -81,23 +141,28 @@ class DirectReader(FileSystemReader):
                 for item in items:
                     info: StorageInfo = self.storage_data[item.storage_index]
                     if item.type == LoadItemType.BYTE_IO:
+                        self.budget.hold(info.length)
                         f.seek(info.offset)
                         data = _read_exact(f, info.length, path)
-                        self._verified(relative_path, info.offset, data)
+                        summing = self._verified(relative_path, info.offset, data)
                         planner.load_bytes(item, io.BytesIO(data))
+                        self.budget.done(info.length, summing)
                         continue
                     if self._read_known_archive(f, info, item, planner):
                         continue
                     if info.offset not in tensor_locations:
                         tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
                     self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
-        future: Future = Future()
+        future: TorchFuture = TorchFuture()
         future.set_result(None)
         return future
 
-    def _verified(self, name: str, offset: int, data) -> None:
-        if self._check is not None:
-            self._check.add(name, offset, data)
+    def _verified(self, name: str, offset: int, data) -> list[Future]:
+        """Hand ``data`` to the streamed check; the CRC-32 sums still running on it (it must stay alive until then)."""
+        if self._check is None:
+            return []
+        summing = self._check.add(name, offset, data)
+        return [] if summing is None else [summing]
 
     def _read_known_archive(self, f, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
         """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
@@ -129,17 +194,34 @@ class DirectReader(FileSystemReader):
         head, tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
         data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-        if self._store.read_into(f, [head, data, tail], info.offset) != info.length:
+        whole, summing = self._read_in_slices(f, info, [head, data, tail])
+        if not whole or head != layout.head or tail != layout.tail(layout.data_crc(tail)):
+            # the general path may rewrite the destination: the sums of what was read here finish first
+            wait(summing)
             return False
-        if head != layout.head or tail != layout.tail(layout.data_crc(tail)):
-            return False
-        if self._check is not None:
-            name = info.relative_path
-            self._check.add(name, info.offset, head)
-            self._check.add(name, info.offset + len(head), data)
-            self._check.add(name, info.offset + len(head) + len(data), tail)
         planner.commit_tensor(item, target)
         return True
+
+    def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[Future]]:
+        """Fill ``buffers`` from ``info.offset`` in reads of at most :data:`_SLICE_BYTES`, each slice handed to
+        the streamed check as soon as it is read (its CRC-32 summed while the next is read). Returns whether
+        all were filled, and the sums still running."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        slices = [v[i : i + _SLICE_BYTES] for v in views for i in range(0, len(v), _SLICE_BYTES)]
+        summing: list[Future] = []
+        at = info.offset
+        batch: list[memoryview] = []
+        for piece in slices:
+            batch.append(piece)
+            if len(piece) == _SLICE_BYTES or piece is slices[-1]:  # small head / tail pieces share a read
+                size = sum(len(b) for b in batch)
+                if self._store.read_into(f, batch, at) != size:
+                    return False, summing
+                for b in batch:
+                    summing += self._verified(info.relative_path, at, b)
+                    at += len(b)
+                batch = []
+        return True, summing
 
     def _read_tensor(self, f, path: Path, info: StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
@@ -148,7 +230,10 @@ class DirectReader(FileSystemReader):
         itemsize = md.properties.dtype.itemsize
         target = planner.resolve_tensor(item).detach()
         if location is None or location[1] != math.prod(chunk_sizes) * itemsize:
-            saved = self._load_whole(f, info, path)  # not a plain chunk archive: DCP's way
+            # not a plain chunk archive: DCP's way (the archive's bytes, and the tensor torch.load makes of them)
+            held = 2 * info.length
+            self.budget.hold(held)
+            saved, summing = self._load_whole(f, info, path)
         else:
             start, run = _contiguous_run(chunk_sizes, item.storage_offsets, item.lengths)
             # Raw bytes land in the target only when they mean the same thing there:
@@ -161,22 +246,25 @@ class DirectReader(FileSystemReader):
                 self._verified(info.relative_path, at, buffer)
                 planner.commit_tensor(item, target)
                 return
+            held = location[1]
+            self.budget.hold(held)
             saved = torch.empty(chunk_sizes, dtype=md.properties.dtype)
             f.seek(info.offset + location[0])
             buffer = saved.reshape(-1).view(torch.uint8).numpy()
             _readinto(f, buffer, path)
-            self._verified(info.relative_path, info.offset + location[0], buffer)
+            summing = self._verified(info.relative_path, info.offset + location[0], buffer)
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             saved = saved.narrow(dim, offset, length)
         target.copy_(saved)
         planner.commit_tensor(item, target)
+        self.budget.done(held, summing)
 
-    def _load_whole(self, f, info: StorageInfo, path: Path) -> torch.Tensor:
+    def _load_whole(self, f, info: StorageInfo, path: Path) -> tuple[torch.Tensor, list[Future]]:
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
-        self._verified(info.relative_path, info.offset, data)
+        summing = self._verified(info.relative_path, info.offset, data)
         try:
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), summing
         except Exception as exc:  # noqa: BLE001 - any failure to parse a damaged archive is the same error
             raise CheckpointCorruptError(
                 f"{path}: the chunk at byte {info.offset} is not a tensor archive weights-only loading reads "

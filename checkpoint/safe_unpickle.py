@@ -18,10 +18,12 @@ import or call anything but what DCP itself writes:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pathlib
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint.convert import resolve_stateful
+from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
 
 __all__ = [
@@ -219,12 +222,27 @@ def load_value(data: io.BytesIO | bytes, *, where: str) -> Any:
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values weights-only (DCP's own uses ``weights_only=False``).
 
-    ``where`` names the checkpoint in errors.
+    ``where`` names the checkpoint in errors. A failure in what it does with the
+    caller's values (planning reads into them, finding the tensor a chunk goes
+    to) is a :class:`~checkpoint.errors.LoadTargetError` naming the key, so it is
+    never taken for damaged files.
     """
 
     def __init__(self, *args: Any, where: str = "checkpoint", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.where = where
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        with _target_errors("the state dict being loaded into"):
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self):
+        with _target_errors("the state dict being loaded into"):
+            return super().create_local_plan()
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        with _target_errors(repr(read_item.dest_index.fqn)):
+            return super().resolve_tensor(read_item)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -237,6 +255,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+@contextlib.contextmanager
+def _target_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except LoadTargetError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the caller's value raised
+        raise LoadTargetError(
+            f"{what}: the value loaded into cannot take the stored data ({type(exc).__name__}: {_one_line(exc)}); "
+            "the checkpoint's files are not at fault: load into plain tensors, DTensors or checkpoint.shard(...) values"
+        ) from exc
 
 
 def _weights_only_reason(exc: BaseException) -> str:

@@ -14,7 +14,11 @@ failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
 the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
 reads no more than each rank's own chunks and the merged ``.metadata``; under
 an initialised process group it ends with one small gather agreeing on
-success, so a damaged file one rank read raises on every rank.
+success, so a damaged file one rank read raises on every rank. With
+replicated DTensors (HSDP, DDP over a device mesh) one replica reads and the
+others receive (:mod:`checkpoint.replicas`): then the ranks also agree once
+the reads are done, before the broadcasts, so a failed read never leaves a
+rank waiting in one.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -45,10 +49,12 @@ from checkpoint.atomic import (
     staging_path,
     write_lock,
 )
-from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged
+from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged, new_save_id, staged_save_id
 from checkpoint.convert import (
+    assign_back,
     convert_tree,
     load_stateful,
+    materialize_meta,
     resolve_stateful,
     to_checkpointable,
 )
@@ -60,7 +66,8 @@ from checkpoint.opener import (
     read_failure,
 )
 from checkpoint.planner import FsdpSavePlanner
-from checkpoint.reader import DirectReader
+from checkpoint.reader import DEFAULT_MAX_READ_BYTES, DirectReader, ReadBudget
+from checkpoint.replicas import ReplicaDims, ReplicaShare, replica_dims
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
 from checkpoint.save_errors import (
     CheckpointLoadError,
@@ -74,9 +81,11 @@ from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
 
 __all__ = [
+    "DEFAULT_MAX_READ_BYTES",
     "CheckpointCorruptError",
     "LoadReport",
     "OpenCheckpoint",
+    "ReadOptions",
     "load_state_dict",
     "open_checkpoint",
     "save_state_dict",
@@ -97,6 +106,10 @@ class LoadReport:
     """keys the checkpoint holds, in the sections the caller asked for, that the caller lacks"""
     mismatched_keys: list[str] = field(default_factory=list)
     """``"key: saved (shape) vs local (shape)"`` for keys present on both sides with different shapes / kinds"""
+    peak_read_buffer_bytes: int = 0
+    """the most bytes this rank held at once in the reader's own host buffers (bytes that could not be read
+    straight into their destination: another dtype, part of a chunk); at most ``max_read_bytes`` unless one
+    item alone is larger. Not a problem: ignored by ``bool(report)``"""
 
     def __bool__(self) -> bool:
         return bool(self.missing_keys or self.unexpected_keys or self.mismatched_keys)
@@ -114,10 +127,64 @@ class LoadReport:
         return "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a load reads, beyond what it reads: its host-memory cap and the replicas' shared reads."""
+
+    max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES
+    """cap on the bytes held at once in the reader's own host buffers, and on one replica broadcast;
+    ``None``: no cap"""
+    read_once_per_replica: bool = True
+    """replicated DTensors (HSDP / DDP mesh dims): one replica reads from storage, the others receive the
+    bytes over the process group (only in a collective load)"""
+    process_group: dist.ProcessGroup | None = None
+    """the ranks loading together (the default group when ``None``)"""
+    collective: bool = False
+    """every rank of ``process_group`` loads (see :func:`read_options`); ``False``: a rank-local load"""
+    replicas: ReplicaDims | None = None
+    """the mesh dimensions along which what every rank loads whole is read once (:meth:`sharing_replicas_of`)"""
+
+    def __post_init__(self) -> None:
+        ReadBudget(self.max_read_bytes)  # raises ValueError naming max_read_bytes when it is not a byte count
+
+    def sharing_replicas_of(self, targets: Iterable[Any]) -> ReadOptions:
+        """These options, with :attr:`replicas` found among the values being loaded (their DTensors' meshes)."""
+        if not (self.collective and self.read_once_per_replica):
+            return self
+        return replace(self, replicas=replica_dims(targets, self.process_group))
+
+
+LOCAL_READS = ReadOptions()
+"""A rank-local load's options: the default cap, no replica sharing"""
+
+
+class _AgreedFailure(BaseException):
+    """A load failure every rank already learned of (in the agreement before replica broadcasts): carried up
+    to :func:`load_on_every_rank` past any ``except Exception``, which then raises ``error`` without
+    agreeing again (the other ranks agreed already and will not)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _dist_info(process_group) -> tuple[int, int, bool]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(process_group), dist.get_world_size(process_group), True
     return 0, 1, False
+
+
+def read_options(
+    *,
+    process_group: dist.ProcessGroup | None,
+    no_dist: bool,
+    max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
+    read_once_per_replica: bool = True,
+) -> ReadOptions:
+    """The :class:`ReadOptions` of a load called with these arguments (collective when a process group is
+    initialised and not ``no_dist``)."""
+    collective = not no_dist and dist.is_available() and dist.is_initialized()
+    return ReadOptions(max_read_bytes, read_once_per_replica, process_group, collective)
 
 
 def load_on_every_rank(
@@ -126,12 +193,15 @@ def load_on_every_rank(
     """``load()`` (rank-local reads), then one small gather agreeing on its success (unless ``no_dist`` or no
     process group is initialised): a rank whose read failed raises its own error, every other rank
     :class:`~checkpoint.save_errors.CheckpointLoadError`, so no rank goes on to train alone and wait forever.
+    A failure already agreed on inside ``load()`` (before replica broadcasts) is raised without a second gather.
     """
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
     result = error = None
     try:
         with paused_gc():
             result = load()
+    except _AgreedFailure as agreed:
+        raise agreed.error from None
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
         error = exc
     failures = agree_on_failure(error, group=process_group, distributed=distributed)
@@ -162,6 +232,9 @@ def save_state_dict(
     """
     wait_for_async_save()
     with paused_gc():
+        # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
+        # dcp.save would call them in each rank's dict order)
+        state_dict, _ = resolve_stateful(state_dict)
         check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
         write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
 
@@ -237,11 +310,14 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
         converted = convert(state_dict)
         if rank == 0:
             prepare()
+            new_save_id(path)  # in the records of this save only: commit refuses a straggler of another
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     agree(error)
+    save_id = None
     try:
-        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size)
+        save_id = staged_save_id(path)
+        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size, save_id=save_id)
         with quiet_single_process():
             # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
             dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
@@ -253,7 +329,7 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
     error = None
     if rank == 0:
         try:
-            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes})
+            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes}, save_id=save_id)
         except Exception as exc:  # noqa: BLE001
             error = exc
     agree(error)
@@ -271,15 +347,17 @@ def load_flat(
     optional: frozenset[str] | set[str] = frozenset(),
     scope: tuple[str, ...] = ("",),
     ignored: frozenset[str] | set[str] = frozenset(),
+    options: ReadOptions = LOCAL_READS,
 ) -> tuple[LoadReport, dict[str, Any]]:
     """Fill flat ``targets`` (dotted key -> tensor / placeholder) from ``opened``; tensors in place.
 
     Returns the report and the loaded non-tensor values by key. ``optional``
     keys are never reported missing; only checkpoint keys starting with one of
     ``scope`` and not in ``ignored`` count as unexpected. Strict: raises ``ValueError`` naming every
-    problem before reading anything.
+    problem before reading anything. In a collective load (``options``) every rank calls it with the same keys.
     """
     saved = opened.metadata.state_dict_metadata
+    _refuse_meta_targets(targets)
     report = LoadReport()
     loadable: dict[str, Any] = {}
     for key, value in targets.items():
@@ -297,23 +375,78 @@ def load_flat(
     if strict and report:
         raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
     if loadable:
-        check = opened.content_check()
-        with opened.reading():
-            _read_flat(opened, loadable, check)
+        replicas = None
+        if options.collective and options.read_once_per_replica:
+            replicas = ReplicaShare.of(
+                {k: targets[k] for k in loadable},
+                shared=options.replicas,
+                bucket_bytes=options.max_read_bytes or DEFAULT_MAX_READ_BYTES,
+            )
+        if replicas is None:
+            report.peak_read_buffer_bytes = _read(opened, loadable, options)
+        else:
+            received = replicas.received()
+            reads = {k: v for k, v in loadable.items() if k not in received}
+            report.peak_read_buffer_bytes = _read_then_share(opened, reads, options)
+            loadable.update(reads)  # the non-tensor values read here (tensors were filled in place)
+            replicas.send(loadable)
     values = {k: v for k, v in loadable.items() if not isinstance(v, torch.Tensor)}
     return report, values
 
 
-def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check) -> None:
-    """One DCP load of ``loadable`` from ``opened``, then the streamed CRC-32 check of the files it read."""
+def _refuse_meta_targets(targets: dict[str, Any]) -> None:
+    """A meta-device tensor has no storage to fill in place: say so before reading (never a read failure)."""
+    meta = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    if meta:
+        shown = ", ".join(meta[:5]) + (f", ... ({len(meta)} in all)" if len(meta) > 5 else "")
+        raise TypeError(
+            f"{shown}: on the meta device, with no storage to load into; materialise the module first "
+            "(module.to_empty(device=...)), or load with checkpoint.load_state_dict, which replaces meta-device "
+            "values in the state dict with loaded tensors as dcp.load does"
+        )
+
+
+def _read(opened: OpenCheckpoint, loadable: dict[str, Any], options: ReadOptions) -> int:
+    """Read ``loadable`` on this rank; the reader's peak buffer bytes."""
+    if not loadable:
+        return 0
+    check = opened.content_check()
+    with opened.reading():
+        return _read_flat(opened, loadable, check, options.max_read_bytes)
+
+
+def _read_then_share(opened: OpenCheckpoint, reads: dict[str, Any], options: ReadOptions) -> int:
+    """This rank's reads, then one gather agreeing that every rank's succeeded (before the replica broadcasts);
+    the reader's peak buffer bytes."""
+    error = None
+    peak = 0
+    try:
+        peak = _read(opened, reads, options)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
+        error = exc
+    try:
+        failures = agree_on_failure(error, group=options.process_group, distributed=True)
+    except Exception as exc:  # noqa: BLE001 - this rank's own error, re-raised by agree_on_failure()
+        raise _AgreedFailure(exc) from None
+    if failures:
+        raise _AgreedFailure(CheckpointLoadError(opened.path, failures))
+    return peak
+
+
+def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check, max_read_bytes: int | None) -> int:
+    """One DCP load of ``loadable`` from ``opened``, then the streamed CRC-32 check of the files it read.
+
+    Returns the reader's peak buffer bytes (:attr:`LoadReport.peak_read_buffer_bytes`).
+    """
+    reader = DirectReader(
+        opened.path, opened.metadata, direct=opened.manifest is not None, check=check, max_read_bytes=max_read_bytes
+    )
     try:
         with quiet_single_process():
             dcp.load(
                 loadable,
                 # Our own files are read straight into place; a plain DCP directory the DCP way.
-                storage_reader=DirectReader(
-                    opened.path, opened.metadata, direct=opened.manifest is not None, check=check
-                ),
+                storage_reader=reader,
                 planner=SafeLoadPlanner(
                     flatten_state_dict=False,
                     flatten_sharded_tensors=False,
@@ -326,6 +459,7 @@ def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check) -> None:
         raise read_failure(exc, opened.path) from None
     if check is not None:
         check.finish()  # raises naming the file whose bytes did not match
+    return reader.budget.peak
 
 
 def _mismatch(key: str, saved, value) -> str | None:
@@ -347,6 +481,8 @@ def load_state_dict(
     require_manifest: bool = True,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
+    max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
+    read_once_per_replica: bool = True,
 ) -> LoadReport:
     """Fill ``state_dict`` from the checkpoint at ``path``: tensors in place, other values replaced.
 
@@ -359,23 +495,77 @@ def load_state_dict(
     ``strict`` raises ``ValueError`` naming missing / unexpected (within the
     top-level sections given) / mis-shaped keys; otherwise they are skipped and
     returned in the :class:`LoadReport`. ``verify`` / ``require_manifest``: see :func:`open_checkpoint`.
-    A Stateful value (``state_dict()`` / ``load_state_dict()``: a module, a
-    dataloader), as ``dcp.load`` accepts, is filled through its ``state_dict()``
-    and then given it by ``load_state_dict()``.
+
+    As ``dcp.load`` does:
+
+    * a Stateful value (``state_dict()`` / ``load_state_dict()``: a module, a
+      dataloader) is filled through its ``state_dict()`` and then given it by
+      ``load_state_dict()``; these calls run in sorted key order on every rank,
+      whatever order each rank's dict was built in (they may run collectives);
+    * a meta-device tensor (a model built on ``meta``) is replaced by a loaded
+      tensor of the same kind (``DTensor`` placements kept) on the process
+      group's device (:func:`meta_device_target`);
+    * every other top-level entry is assigned back (``state_dict[key] = value``),
+      nested dicts filled in place.
+
+    ``max_read_bytes`` caps the bytes this rank holds at once in read buffers of its own (bytes that cannot
+    be read straight into their destination: another dtype, part of a chunk), so a load's extra host memory
+    stays within it plus one larger item (``None``: no cap); the peak is the report's
+    ``peak_read_buffer_bytes``. ``read_once_per_replica`` (collective loads): a DTensor replicated over mesh
+    dimensions (HSDP, DDP) is read from storage by the replica at coordinate 0 only and broadcast along
+    them to the others, in buckets of at most ``max_read_bytes``; ``False``: every rank reads its own.
     """
-    load = partial(_load_state_dict, state_dict, path, strict=strict, verify=verify, require_manifest=require_manifest)
+    device = meta_device_target(process_group)
+    options = read_options(
+        process_group=process_group,
+        no_dist=no_dist,
+        max_read_bytes=max_read_bytes,
+        read_once_per_replica=read_once_per_replica,
+    )
+    load = partial(
+        _load_state_dict,
+        state_dict,
+        path,
+        strict=strict,
+        verify=verify,
+        require_manifest=require_manifest,
+        device=device,
+        options=options,
+    )
     return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
 
 
-def _load_state_dict(state_dict, path, *, strict: bool, verify: str, require_manifest: bool) -> LoadReport:
+def meta_device_target(process_group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a load materialises a meta-device value: where ``dcp.load`` does.
+
+    The current accelerator when the process group has a backend for it
+    (``nccl`` for CUDA: the group's default device), else the host (gloo, or no group).
+    """
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = dist.Backend.default_device_backend_map.get(accelerator.type)
+    if backend is None or backend not in str(dist.get_backend(process_group)):
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
+
+
+def _load_state_dict(
+    state_dict, path, *, strict: bool, verify: str, require_manifest: bool, options: ReadOptions, device: torch.device
+) -> LoadReport:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     resolved, stateful = resolve_stateful(state_dict)  # Stateful values load through their state dicts
     flat, mappings = flatten_state_dict(resolved)
+    materialized = {k: m for k, v in flat.items() if (m := materialize_meta(v, name=k, device=device)) is not v}
+    flat.update(materialized)
     scope = tuple(f"{k}." for k in state_dict)
-    report, values = load_flat(opened, flat, strict=strict, scope=scope)
-    for key, value in values.items():
-        set_element(resolved, mappings[key], value)
-        if not any(mappings[key][: len(p)] == p for p, _ in stateful):
-            set_element(state_dict, mappings[key], value)
+    options = options.sharing_replicas_of(flat.values())
+    report, values = load_flat(opened, flat, strict=strict, scope=scope, options=options)
+    for key, value in {**materialized, **values}.items():
+        where = mappings[key]
+        set_element(resolved, where, value)
+        if len(where) > 1 and not any(where[: len(p)] == p for p, _ in stateful):
+            set_element(state_dict, where, value)  # nested containers are the caller's own, filled in place
     load_stateful(resolved, stateful)
+    assign_back(state_dict, resolved, stateful)
     return report

@@ -32,7 +32,7 @@ rank's file prefix in its plan); the storage record ``_StorageInfo`` comes from
   place, :mod:`checkpoint.commit`); in *scale* mode (``use_collectives=False``,
   or :func:`checkpoint.write_rank`) it writes, last, the rank's own record
   ``__<rank>.rank.json`` (its chunks, where they are stored, its files' sizes
-  and CRC-32s): plain integers and strings, much cheaper to read back than
+  and CRC-32s, the save's id): plain integers and strings, much cheaper to read back than
   DCP's pickled per-rank metadata. :func:`checkpoint.commit.commit` merges them.
 """
 
@@ -48,6 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 # _StoragePrefix: what FileSystemWriter puts in a SavePlan's storage_data (the rank's file prefix; no
 # public name); renamed -> import fails, and scale-mode ranks can no longer name their own files
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StoragePrefix
@@ -58,7 +60,7 @@ from torch.futures import Future
 
 from checkpoint.data_file import DataFile, StorageInfo, data_file_name, write_tensor
 from checkpoint.dcp_metadata import with_storage, write_metadata
-from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, dtype_name
+from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, check_relative_name, dtype_name
 from checkpoint.staging import StagedShard
 from checkpoint.storage_backend import storage_for
 
@@ -68,6 +70,7 @@ __all__ = [
     "quiet_single_process",
     "rank_record",
     "rank_record_name",
+    "rank_record_problem",
     "write_items",
 ]
 
@@ -86,7 +89,7 @@ class FsdpWriter(FileSystemWriter):
     after ``.metadata`` is on disk; ``prepare()`` runs on the coordinator in
     DCP's local-plan step, before any rank writes (its error reaches every
     rank); ``force_rank`` makes a single process write as that rank (scale
-    mode, used by :func:`checkpoint.write_rank`).
+    mode, used by :func:`checkpoint.write_rank`), whose record carries ``save_id``.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class FsdpWriter(FileSystemWriter):
         prepare=None,
         force_rank: int | None = None,
         world_size: int | None = None,
+        save_id: str | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self._files: dict[str, FileRecord] = {}  # this rank's data files, for the manifest
@@ -104,6 +108,7 @@ class FsdpWriter(FileSystemWriter):
         self.prepare = prepare
         self.force_rank = force_rank
         self.world_size = world_size
+        self._save_id = save_id  # not DCP's own save_id attribute: the caller's, for the rank record
 
     def storage_meta(self):
         return None
@@ -172,6 +177,7 @@ class FsdpWriter(FileSystemWriter):
             # Scale mode: this record, written after the rank's data is durable, is its "done" mark.
             record = rank_record(metadata, clean[0] if clean else [], files)
             record["world_size"] = self.world_size
+            record["save_id"] = self._save_id  # commit merges only the records of one save
             assert self.rank is not None  # set up by DCP (or force_rank) before any write
             where = Path(self.path) / rank_record_name(self.rank)
             storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
@@ -265,3 +271,59 @@ def rank_record(metadata: Metadata, results: list[WriteResult], files: dict[str,
         "planner_data": {k: list(v) for k, v in (metadata.planner_data or {}).items()},
         "files": {k: [v.size, v.crc32] for k, v in sorted(files.items())},
     }
+
+
+def rank_record_problem(record: Any) -> str | None:
+    """What is wrong with a parsed rank record (what :func:`rank_record` writes, plus ``world_size`` and
+    ``save_id``), one phrase, or ``None``: :func:`checkpoint.commit.commit` merges only records that pass."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    fields = {"tensors": dict, "bytes": dict, "planner_data": dict, "files": dict, "world_size": int}
+    for name, kind in fields.items():
+        if not isinstance(record.get(name), kind) or isinstance(record.get(name), bool):
+            return f"{name} is missing or not a JSON {kind.__name__}"
+    if not isinstance(record.get("save_id"), (str, type(None))):
+        return "save_id is not a string"
+    for key, item in record["tensors"].items():
+        if not (
+            isinstance(item, dict)
+            and isinstance(getattr(torch, str(item.get("dtype")), None), torch.dtype)
+            and _ints(item.get("size"))
+            and isinstance(item.get("chunks"), list)
+            and all(_stored_chunk(c) for c in item["chunks"])
+        ):
+            return f"tensor {key[:200]!r} is not a dtype, a shape and chunks of [offsets, sizes, file, offset, length]"
+    for key, where in record["bytes"].items():
+        if not _stored_range(where):
+            return f"value {key[:200]!r} is not stored as [file, offset, length]"
+    for key, nested in record["planner_data"].items():
+        if not (isinstance(nested, list) and all(isinstance(p, (str, int)) for p in nested)):
+            return f"the path of {key[:200]!r} is not a list of names"
+    for name, size_crc in record["files"].items():
+        problem = check_relative_name(name)
+        if problem is not None or not (_ints(size_crc) and len(size_crc) == 2 and size_crc[1] <= 0xFFFFFFFF):
+            return f"file {name[:200]!r}: {problem or 'not [size, crc32]'}"
+    return None
+
+
+def _ints(values: Any) -> bool:
+    return (
+        isinstance(values, list)
+        and len(values) <= 64
+        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62 for v in values)
+    )
+
+
+def _stored_range(where: Any) -> bool:
+    return isinstance(where, list) and len(where) == 3 and isinstance(where[0], str) and _ints(where[1:])
+
+
+def _stored_chunk(chunk: Any) -> bool:
+    return (
+        isinstance(chunk, list)
+        and len(chunk) == 5
+        and _ints(chunk[0])
+        and _ints(chunk[1])
+        and len(chunk[0]) == len(chunk[1])
+        and _stored_range(chunk[2:])
+    )

@@ -33,6 +33,17 @@ Parts (``--parts`` picks a subset):
 * ``verify``: ``checkpoint.load_state_dict`` of the ``--mib`` state with the
   default content check (``verify="crc"``: each file's CRC-32 computed as it
   is read) vs without (``verify="sizes"``), cold and warm page cache, as a ratio.
+* ``replicas``: bytes read from storage per rank (counted through a mounted
+  :class:`~checkpoint.storage_backend.Storage`) and wall time of ``checkpoint.load``
+  of a ``--replica-mib`` MiB model + AdamW state on 4 gloo ranks, HSDP on a 2x2
+  (replicate x shard) mesh: one replica reads, the other receives
+  (``read_once_per_replica=True``, the default) vs every rank reading its own
+  (``False``); interleaved rounds.
+* ``capped``: peak RSS above the loaded-into tensors (``VmHWM`` reset through
+  ``/proc/self/clear_refs``, in a fresh subprocess per load) of a load of a
+  ``--capped-mib`` MiB fp32 checkpoint into bf16 tensors (every byte goes
+  through the reader's buffers), with ``max_read_bytes`` of 64 MiB and with no
+  cap, against the bound cap + largest tensor + 256 MiB.
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -154,7 +165,7 @@ def bench_throughput(root: Path, mib: int) -> None:
     )
 
 
-def bench_verify(root: Path, mib: int) -> None:
+def bench_verify(root: Path, mib: int, rounds: int = 5) -> None:
     """Load with the streamed CRC-32 check (the default) vs without, same files, alternating runs."""
     state = _state(mib << 20)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -162,27 +173,36 @@ def bench_verify(root: Path, mib: int) -> None:
     checkpoint.save_state_dict({"model": state}, path)
     targets = {"model": {k: torch.empty_like(v) for k, v in state.items()}}
 
-    def load(mode: str, cold: bool) -> float:
+    def load(mode: str, cold: bool) -> tuple[float, float]:
         if cold:
             _drop_cache(path)
-        return _timed(lambda: checkpoint.load_state_dict(targets, path, verify=mode))
+        cpu = time.process_time()
+        wall = _timed(lambda: checkpoint.load_state_dict(targets, path, verify=mode))
+        return wall, time.process_time() - cpu
 
     print(
-        f"\n== verify: load of {nbytes / 2**20:.0f} MiB with CRC-32 checked as it is read (default) vs sizes only; "
-        "best of 3, alternating, after a warm-up"
+        f"\n== verify: load of {nbytes / 2**20:.0f} MiB with CRC-32 checked as it is read (default, {_crc_name()}) "
+        f"vs sizes only; best of {rounds}, alternating, after a warm-up; process CPU time beside wall"
     )
     for cold in (True, False):
         load("crc", cold), load("sizes", cold)  # warm-up
-        times: dict[str, list[float]] = {"crc": [], "sizes": []}
-        for _ in range(3):
+        times: dict[str, list[tuple[float, float]]] = {"crc": [], "sizes": []}
+        for _ in range(rounds):
             for mode, runs in times.items():
                 runs.append(load(mode, cold))
-        crc, sizes = min(times["crc"]), min(times["sizes"])
+        (crc, crc_cpu), (sizes, sizes_cpu) = min(times["crc"]), min(times["sizes"])
         print(
-            f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s)   "
-            f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s)   ratio {crc / sizes:.2f}x"
+            f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s, cpu {crc_cpu:5.3f} s)   "
+            f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s, cpu {sizes_cpu:5.3f} s)   "
+            f"ratio {crc / sizes:.2f}x wall, {crc_cpu / sizes_cpu:.2f}x cpu"
         )
     shutil.rmtree(path)
+
+
+def _crc_name() -> str:
+    from checkpoint.content_check import crc32
+
+    return "zlib's CRC-32" if crc32.__module__ == "zlib" else f"CRC-32 from {crc32.__module__}"
 
 
 def bench_async(root: Path, mib: int) -> None:
@@ -249,6 +269,125 @@ def bench_staging(root: Path, mib: int, saves: int) -> None:
             f"async, {label:30s} fresh buffers {mean_fresh:6.3f} s, reused {mean_reused:6.3f} s: "
             f"fresh / reused {mean_fresh / mean_reused:5.2f}x"
         )
+
+
+def _replica_model(seed: int, total_bytes: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    width = 1024
+    layers = max(total_bytes // 3 // 4 // (width * width), 1)  # params + 2 AdamW moments
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _replicas_body(rank: int, world_size: int, root: str, total_bytes: int, rounds: int) -> dict:
+    from checkpoint.storage_backend import mount, unmount
+    from tests.read_counting import ReadCountingStorage
+
+    model, opt = _replica_model(0, total_bytes)
+    path = Path(root) / "replicas"
+    checkpoint.save(path, model=model, optimizer=opt)
+    out: dict[str, list] = {"shared": [], "plain": []}
+    for _ in range(rounds):
+        for name, once in (("shared", True), ("plain", False)):
+            storage = ReadCountingStorage()
+            mount(root, storage)
+            try:
+                dist.barrier()
+                start, cpu = time.perf_counter(), time.process_time()
+                checkpoint.load(path, model=model, optimizer=opt, read_once_per_replica=once)
+                dist.barrier()
+                out[name].append((time.perf_counter() - start, time.process_time() - cpu, storage.data_bytes()))
+            finally:
+                unmount(root)
+    return out
+
+
+def bench_replicas(root: Path, mib: int, rounds: int = 3) -> None:
+    from tests.distributed import run_ranks
+
+    results = run_ranks(_replicas_body, 4, args=(str(root), mib << 20, rounds), timeout_s=1800)
+    print(
+        f"\n== replica load: {mib} MiB model + AdamW state, HSDP 2x2 (replicate x shard), 4 gloo ranks, "
+        f"best of {rounds} interleaved rounds"
+    )
+    print(
+        "load                          data bytes read per rank (ranks 0..3)       mean/rank   wall s  cpu s (rank 0)"
+    )
+    mean = {}
+    for name, label in (("shared", "one replica reads (default)"), ("plain", "every rank reads")):
+        per_rank = [r[name][0][2] for r in results]
+        mean[name] = sum(per_rank) / len(per_rank)
+        wall = min(max(r[name][i][0] for r in results) for i in range(rounds))
+        cpu = min(results[0][name][i][1] for i in range(rounds))
+        print(
+            f"{label:29s} {' '.join(f'{b / 2**20:8.1f}M' for b in per_rank)}   {mean[name] / 2**20:8.1f}M"
+            f"  {wall:7.2f}  {cpu:6.2f}"
+        )
+    print(f"bytes read per rank, shared / plain: {mean['shared'] / mean['plain']:.2f}x")
+
+
+_CAPPED_CHILD = """
+import sys, torch
+sys.path.insert(0, {root!r})
+import checkpoint
+
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+path, cap = sys.argv[1], None if sys.argv[2] == "none" else int(sys.argv[2])
+metadata = checkpoint.open_checkpoint(path).metadata.state_dict_metadata
+targets = {{k.split(".", 1)[1]: torch.zeros(tuple(m.size), dtype=torch.bfloat16) for k, m in metadata.items()}}
+open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM (peak RSS) to the current RSS
+base = kib("VmRSS")
+report = checkpoint.load_state_dict({{"model": targets}}, path, max_read_bytes=cap)
+print(kib("VmHWM") - base, report.peak_read_buffer_bytes)
+"""
+
+
+def bench_capped(root: Path, mib: int) -> None:
+    import subprocess
+
+    torch.manual_seed(0)
+    rows = (mib << 20) // 8 // 4 // 4096
+    path = root / "capped"
+    checkpoint.save_state_dict({"model": {f"w{i}": torch.randn(rows, 4096) for i in range(8)}}, path)
+    largest = rows * 4096 * 4
+    child = _CAPPED_CHILD.format(root=str(ROOT))
+    print(
+        f"\n== capped load: {mib} MiB fp32 checkpoint (8 tensors of {largest / 2**20:.0f} MiB) into bf16 tensors, "
+        "fresh process per load; peak RSS above the loaded-into tensors"
+    )
+    for cap in (64 << 20, None):
+        runs = []
+        for _ in range(2):
+            out = subprocess.run(
+                [sys.executable, "-c", child, str(path), "none" if cap is None else str(cap)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            peak, buffers = map(int, out.stdout.split())
+            runs.append((peak, buffers))
+        peak, buffers = max(runs)
+        bound = (cap or 0) + largest + (256 << 20)
+        label = "no cap" if cap is None else f"max_read_bytes={cap >> 20} MiB"
+        print(
+            f"{label:24s} peak RSS +{peak / 2**20:7.1f} MiB (reader buffers {buffers / 2**20:6.1f} MiB at most)"
+            + (f"; bound cap + largest + 256 MiB = {bound / 2**20:.0f} MiB" if cap is not None else "")
+        )
+    shutil.rmtree(path)
 
 
 def _count(fn) -> int:
@@ -616,6 +755,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--merge-tensors", type=int, default=1000)
     parser.add_argument("--merge-ours-only", action="store_true", help="skip DCP's central plan (memory / time)")
     parser.add_argument("--saves", type=int, default=5, help="consecutive async saves for the staging part (>= 2)")
+    parser.add_argument("--replica-mib", type=int, default=48, help="model + AdamW state for the replicas part (MiB)")
+    parser.add_argument("--capped-mib", type=int, default=512, help="checkpoint size for the capped part (MiB)")
     parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
     parser.add_argument(
         "--scaling-params",
@@ -629,7 +770,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--parts",
         nargs="+",
-        default=["throughput", "verify", "async", "staging", "collectives", "ranks", "merge", "scaling"],
+        default=[
+            "throughput",
+            "verify",
+            "async",
+            "staging",
+            "collectives",
+            "ranks",
+            "replicas",
+            "capped",
+            "merge",
+            "scaling",
+        ],
     )
     args = parser.parse_args(argv)
     if args.saves < 2:
@@ -652,6 +804,10 @@ def main(argv: list[str] | None = None) -> None:
             bench_collectives(root)
         if "ranks" in args.parts:
             bench_ranks(root, args.ranks_mib)
+        if "replicas" in args.parts:
+            bench_replicas(root, args.replica_mib)
+        if "capped" in args.parts:
+            bench_capped(root, args.capped_mib)
         if "merge" in args.parts:
             bench_merge(args.merge_ranks, args.merge_tensors, with_dcp=not args.merge_ours_only)
         if "scaling" in args.parts:

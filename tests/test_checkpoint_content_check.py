@@ -12,6 +12,7 @@ import torch
 import checkpoint
 from checkpoint.content_check import ContentCheck
 from checkpoint.manifest import FileRecord
+from checkpoint.storage_backend import LOCAL
 from checkpoint.tool.cli import main as cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -96,7 +97,7 @@ def test_pieces_read_in_any_order_with_gaps_and_overlaps_add_up_to_the_file_crc(
     (tmp_path / "f").write_bytes(raw)
     record = FileRecord(size=len(raw), crc32=zlib.crc32(raw))
     for _trial in range(20):
-        check = ContentCheck(tmp_path, {"f": record})
+        check = ContentCheck(tmp_path, {"f": record}, LOCAL)
         cuts = sorted(rng.sample(range(1, len(raw)), 12))
         pieces = list(zip([0, *cuts], [*cuts, len(raw)]))
         rng.shuffle(pieces)
@@ -105,7 +106,7 @@ def test_pieces_read_in_any_order_with_gaps_and_overlaps_add_up_to_the_file_crc(
         start = rng.randrange(len(raw) - 10)
         check.add("f", start, raw[start : start + 10])  # an overlapping re-read
         check.finish()
-    bad = ContentCheck(tmp_path, {"f": FileRecord(size=len(raw), crc32=record.crc32 ^ 1)})
+    bad = ContentCheck(tmp_path, {"f": FileRecord(size=len(raw), crc32=record.crc32 ^ 1)}, LOCAL)
     bad.add("f", 0, raw[:100])
     with pytest.raises(checkpoint.CheckpointCorruptError, match="CRC-32 does not match"):
         bad.finish()
@@ -143,3 +144,14 @@ def test_a_load_racing_a_save_to_the_same_path_says_it_was_replaced_not_damaged(
     loaded = {"w": torch.zeros(64, 16), "step": None}
     checkpoint.load_state_dict(loaded, path)  # loading again gives the newest save, whole
     assert loaded["step"] == 3 and torch.equal(loaded["w"], torch.full((64, 16), 3.0))
+
+
+def test_the_crc_is_isa_l_s_in_a_default_install():
+    # isal is a base dependency (pyproject): verified loads are not CRC-bound by zlib's ~1-2.5 GB/s a core
+    from isal import isal_zlib
+
+    from checkpoint import content_check
+
+    assert content_check.crc32 is isal_zlib.crc32 and content_check.crc32_combine is isal_zlib.crc32_combine
+    data = bytes(range(256)) * 1000
+    assert content_check.crc32(data) == zlib.crc32(data)

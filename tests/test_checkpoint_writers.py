@@ -301,7 +301,7 @@ def test_saves_and_exports_onto_a_full_disk_fail_clearly_and_leave_no_staging(tm
         assert sorted(p.name for p in small_tmpfs.iterdir()) == ["ck"]
 
 
-def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_at_exit(tmp_path):
+def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_and_exits_1(tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "notes.txt").write_text("mine")  # user data: the save is refused in the background
     script = textwrap.dedent(
@@ -318,6 +318,7 @@ def test_a_process_exiting_after_an_unobserved_async_save_failure_says_so_at_exi
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert done.stdout.strip() == "training finished", done.stderr
+    assert done.returncode == 1, done.stderr  # the one sign a launcher sees: the last checkpoint is not there
     last = done.stderr.strip().splitlines()[-1]
     assert "process exits" in last and "did not commit" in last and str(tmp_path / "ck") in last, done.stderr
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["notes.txt"]

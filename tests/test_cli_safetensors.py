@@ -97,3 +97,33 @@ def test_an_export_failing_mid_way_leaves_no_output_or_the_previous_export_whole
     assert got.keys() == {"a", "b", "c"} and all(torch.equal(got[k], second[f"model.{k}"]) for k in got)
     assert (dst / "config.json").read_text() == "{}"  # carried over by the swap
     assert not staging_path(dst).exists() and not old_path(dst).exists()
+
+
+def _hf_dir_with_a_stale_shard(directory, weight_map: dict) -> None:
+    """``w`` and ``v`` as the index maps them, plus a stale ``w`` in b.safetensors (an earlier export's)."""
+    import json
+
+    directory.mkdir()
+    safetensors_torch.save_file({"w": torch.ones(2, 3)}, directory / "a.safetensors")
+    safetensors_torch.save_file({"v": torch.full((4,), 2.0), "w": torch.zeros(2, 3)}, directory / "b.safetensors")
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_import_takes_each_tensor_from_the_file_the_index_names_and_ignores_a_stale_one(cli, tmp_path, caplog):
+    import checkpoint
+
+    _hf_dir_with_a_stale_shard(tmp_path / "hf", {"w": "a.safetensors", "v": "b.safetensors"})
+    with caplog.at_level("WARNING", logger="checkpoint.tool.safetensors_io"):
+        cli("import", tmp_path / "hf", tmp_path / "ck")
+    assert "ignoring 1 tensor(s)" in caplog.text and "b.safetensors" in caplog.text and "(w)" in caplog.text
+    got = {"model": {"w": torch.full((2, 3), -1.0), "v": torch.zeros(4)}}
+    checkpoint.load_state_dict(got, tmp_path / "ck", no_dist=True)
+    assert torch.equal(got["model"]["w"], torch.ones(2, 3))  # a.safetensors', as the index says
+    assert torch.equal(got["model"]["v"], torch.full((4,), 2.0))
+
+
+def test_import_refuses_an_index_naming_a_tensor_its_file_lacks(cli, tmp_path):
+    _hf_dir_with_a_stale_shard(tmp_path / "hf", {"w": "a.safetensors", "v": "a.safetensors"})
+    out = cli("import", tmp_path / "hf", tmp_path / "ck", check=2)
+    assert "names tensors its files do not hold ('v' in a.safetensors)" in out.stderr, out.stderr
+    assert not (tmp_path / "ck").exists()

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from checkpoint.manifest import dtype_name, verify_files
-from checkpoint.planner import metadata_problems
+from checkpoint.manifest import dtype_name
+from checkpoint.opener import consistency_problems, file_problems
 from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.tool.cli_source import open_source
 from checkpoint.tool.stream import CheckpointReader, Entry
@@ -73,14 +73,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     reader = open_source(args.ckpt, warn=False, check_sizes=False)
     problems: list[str] = []
     if reader.manifest is not None:
-        problems += verify_files(reader.path, reader.manifest, checksums=not args.no_checksums)
-        problems += _manifest_key_problems(reader)
+        problems += file_problems(reader.path, reader.manifest, checksums=not args.no_checksums)
     else:
         print(f"note: {reader.note}")
     reported = {p.split(":", 1)[0] for p in problems}
     # .metadata's own view of the data files: catches a file the manifest does not list
     problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
-    problems += metadata_problems(reader.metadata)  # every element in exactly one chunk
+    # what a load checks when it opens the checkpoint, the same function: verify refuses all a load refuses
+    problems += consistency_problems(reader.metadata, reader.manifest)
     broken_files = {p.split(":", 1)[0] for p in problems}
     problems += _readability_problems(reader, skip_files=broken_files, progress=not args.quiet)
     if problems:
@@ -96,27 +96,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"{human_bytes(nbytes)} of tensors, every element covered once and readable"
     )
     return 0
-
-
-def _manifest_key_problems(reader: CheckpointReader) -> list[str]:
-    assert reader.manifest is not None
-    problems = []
-    keys = reader.manifest.keys
-    for key in sorted(set(keys) - set(reader.entries)):
-        problems.append(f"{key}: listed in manifest.json but absent from .metadata")
-    for key in sorted(set(reader.entries) - set(keys)):
-        problems.append(f"{key}: in .metadata but not in manifest.json")
-    for key in sorted(set(keys) & set(reader.entries)):
-        rec, entry = keys[key], reader.entries[key]
-        if rec.kind == "tensor" and entry.kind == "tensor":
-            if rec.dtype != dtype_name(entry.tensor_dtype) or tuple(rec.shape or ()) != entry.shape:
-                problems.append(
-                    f"{key}: manifest says {rec.dtype} {list(rec.shape or ())}, "
-                    f".metadata says {dtype_name(entry.tensor_dtype)} {list(entry.shape)}"
-                )
-        elif rec.kind == "tensor" or entry.kind == "tensor":
-            problems.append(f"{key}: manifest kind {rec.kind!r} but .metadata kind {entry.kind!r}")
-    return problems
 
 
 def _data_file_problems(reader: CheckpointReader) -> list[str]:

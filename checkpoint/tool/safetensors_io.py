@@ -176,6 +176,12 @@ class SafetensorsSource:
     Keys are the file's names, prefixed by ``prefix`` (``"model."`` by default,
     so HF weights become model keys), except in files that ``fsdp-ckpt export``
     marked as holding whole checkpoint keys. Reads one tensor at a time.
+
+    With an index, the index is the truth (as for ``transformers``): each tensor is
+    taken from the file its ``weight_map`` names, and only from there. A tensor of
+    the same name in another file (e.g. a stale shard of an earlier export) is
+    ignored, with a warning naming it; a tensor the index names but its file lacks
+    is a ``ValueError``.
     """
 
     def __init__(self, path: str | Path, *, prefix: str = "model.") -> None:
@@ -184,6 +190,7 @@ class SafetensorsSource:
         self._safe_open = safe_open
         path = Path(path)
         self.objects: dict[str, Any] = {}
+        self._weight_map: dict[str, str] | None = None  # name -> file, from the index when there is one
         if path.is_dir():
             files = self._files_of_dir(path)
         else:
@@ -195,7 +202,7 @@ class SafetensorsSource:
             try:
                 with safe_open(str(file), framework="pt") as f:
                     full = (f.metadata() or {}).get(KEYS_FIELD) == "full"
-                    for name in f.keys():
+                    for name in self._indexed(file, f.keys()):
                         piece = f.get_slice(name)
                         key = name if full else prefix + name
                         dtype = _from_safetensors_dtype(piece.get_dtype(), name)
@@ -203,9 +210,38 @@ class SafetensorsSource:
                         self._where[key] = (file, name)
             except Exception as exc:
                 raise ValueError(f"{str(file)!r} is not a readable safetensors file ({exc}); check the file") from exc
+        if self._weight_map is not None:
+            self._check_index_complete(path)
         for key in self.objects:
             self.entries[key] = Entry(key, "object")
         self.entries = dict(sorted(self.entries.items()))
+
+    def _indexed(self, file: Path, names: list[str]) -> list[str]:
+        """The names of ``file`` to take: with an index, only those it maps to this very file."""
+        if self._weight_map is None:
+            return list(names)
+        taken = [name for name in names if self._weight_map.get(name) == file.name]
+        stale = sorted(set(names) - set(taken))
+        if stale:
+            logger.warning(
+                "%s: ignoring %d tensor(s) that %s does not map to this file (%s): the index is what is imported",
+                file,
+                len(stale),
+                INDEX_NAME,
+                ", ".join(stale[:5]) + (", ..." if len(stale) > 5 else ""),
+            )
+        return taken
+
+    def _check_index_complete(self, path: Path) -> None:
+        assert self._weight_map is not None
+        found = {name for _, name in self._where.values()}
+        missing = sorted(set(self._weight_map) - found)
+        if missing:
+            where = ", ".join(f"{name!r} in {self._weight_map[name]}" for name in missing[:5])
+            raise ValueError(
+                f"{str(path / INDEX_NAME)!r} names tensors its files do not hold ({where}); "
+                "fix the index or re-export the model"
+            )
 
     def _files_of_dir(self, path: Path) -> list[Path]:
         index = path / INDEX_NAME
@@ -213,7 +249,10 @@ class SafetensorsSource:
             try:
                 with open_regular(index, follow_symlinks=True) as f:
                     data = json.loads(f.read(_MAX_INDEX_BYTES).decode("utf-8"))
-                files = sorted(set(data["weight_map"].values()))
+                weight_map = data["weight_map"]
+                if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                    raise TypeError("weight_map is not an object of names to file names")
+                files = sorted(set(weight_map.values()))
                 self.objects = dict(data.get("metadata", {}).get(OBJECTS_KEY, {}))
             except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
                 raise ValueError(f"{str(index)!r} is not a valid safetensors index ({exc}); re-export it") from exc
@@ -222,6 +261,7 @@ class SafetensorsSource:
                 problem = check_relative_name(name)
                 if problem is not None:
                     raise ValueError(f"{str(index)!r}: weight_map entry {problem}; fix the index or re-export it")
+            self._weight_map = dict(weight_map)
             missing = [f for f in files if not (path / f).exists()]
             if missing:
                 raise FileNotFoundError(
