@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpoint.atomic import output_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree, resolve_stateful
 from checkpoint.safe_unpickle import check_saved_values
@@ -128,6 +129,7 @@ def async_save_state_dict(
     async save unless ``reuse_staging_buffers=False`` (see
     :func:`release_staging_buffers`).
     """
+    path = output_path(path)
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     with starting():  # the interpreter does not exit before this save is submitted, whichever thread stages it

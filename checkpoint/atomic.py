@@ -11,6 +11,12 @@ files, ``.metadata``, and ``manifest.json`` last) and is then swapped into place
 2. ``rename(staging, P)``; fsync the parent directory; remove the marker from ``P``;
 3. remove ``.P.fsdp-ckpt-old``.
 
+The path is normalised once where a save or tool starts (:func:`output_path`):
+``sub/..`` is the directory it resolves to, and the current directory (or one
+holding it) is refused. A committed checkpoint holding files its manifest does
+not list (a ``NOTES.md``, a folder) is refused as a target, naming them
+(:func:`check_target`): the swap replaces the whole directory and would delete them.
+
 Staging and swap directories are recognisably ours: a name no user would
 pick, and the marker file :data:`MARKER_NAME` inside, written before anything
 else. A save removes only marked directories; anything unmarked sitting at
@@ -41,7 +47,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from checkpoint.manifest import MANIFEST_NAME, NotACheckpointError
+from checkpoint.errors import some_of
+from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointError, read_manifest
 from checkpoint.storage_backend import storage_for
 
 __all__ = [
@@ -51,6 +58,7 @@ __all__ = [
     "is_ours",
     "make_staging",
     "old_path",
+    "output_path",
     "remove_staging",
     "resolve_for_load",
     "staging_path",
@@ -67,8 +75,34 @@ MARKER_NAME = ".fsdp-ckpt-owned"
 """The file inside every directory this library stages or swaps: it may remove such a directory, and no other."""
 
 
+def output_path(path: str | os.PathLike) -> Path:
+    """``path`` as a save or a tool's output names it, normalised once at the entry point.
+
+    A path ending in ``..`` (``sub/..``) becomes the directory it resolves to: the
+    staging and swap names are siblings derived from the last component, and
+    ``sub/....fsdp-ckpt-staging`` would sit inside the target itself. The current
+    directory, or one holding it (``.``, ``/``, a ``sub/..`` that resolves there), is
+    refused with ``ValueError``: a save replaces its target by renaming it away.
+    """
+    given = path
+    path = Path(path)  # drops "." components and a trailing "/"
+    if path.name in ("", ".."):
+        path = Path(os.path.abspath(path))  # as the shell reads it (a link named at the target is refused later)
+    cwd = Path.cwd()
+    if Path(os.path.abspath(path)) in (cwd, *cwd.parents):
+        raise ValueError(
+            f"cannot write to {os.fspath(given)!r} ({path}): it is the current directory or holds it, and a save "
+            "or export replaces its target by renaming it; name a directory of its own, e.g. "
+            f"{str(cwd / 'checkpoint')!r}"
+        )
+    return path
+
+
 def _sibling(path: str | os.PathLike, suffix: str) -> Path:
     path = Path(path)
+    if path.name in ("", ".."):
+        # never derived from such a name: it would nest inside the target (see output_path)
+        raise ValueError(f"{str(path)!r} is not a path to save to; name the output directory itself")
     return path.with_name(f".{path.name}{suffix}")
 
 
@@ -206,16 +240,49 @@ def remove_staging(path: str | os.PathLike) -> None:
 def check_target(path: str | os.PathLike) -> None:
     """Refuse, before anything is written, a ``path`` a save may not replace.
 
-    ``path`` may be absent, an empty directory or a committed checkpoint.
-    Raises ``FileExistsError`` naming it otherwise (user data is never replaced).
+    ``path`` may be absent, an empty directory or a committed checkpoint holding
+    only its own files. Raises ``FileExistsError`` naming it (or the files the user
+    put inside it) otherwise: user data is never replaced.
     """
     path = Path(path)
     if _absent(path):
         return
-    if _is(path, "directory") and (is_committed(path) or _is_empty_dir(path)):
+    if _is(path, "directory") and is_committed(path):
+        _refuse_foreign_files(path)
+        return
+    if _is_empty_dir(path):
         return
     kind = "a file" if not _is(path, "directory") else "a directory that is not a committed checkpoint"
     raise FileExistsError(f"cannot save to {str(path)!r}: it is {kind}; move it away or save to another path")
+
+
+def _refuse_foreign_files(path: Path) -> None:
+    """``FileExistsError`` naming what the user put inside committed checkpoint ``path``.
+
+    A save replaces the whole directory (renamed aside, then removed), so it would
+    delete them; carrying them over instead would mean copying arbitrary user data
+    into every save. The checkpoint's own files are those its manifest lists; when
+    the manifest cannot be read, those named as the writers name them.
+    """
+    try:
+        own = set(read_manifest(path).files)
+    except (OSError, ValueError):  # a damaged manifest: the save replacing it is welcome
+        own = None
+    store = storage_for(path)
+    foreign = sorted(
+        name
+        for name in store.list(path)
+        if name not in (MANIFEST_NAME, MARKER_NAME) and not (name in own if own is not None else _written_name(name))
+    )
+    if foreign:
+        raise FileExistsError(
+            f"cannot save to {str(path)!r}: it holds files that are not part of the checkpoint ({some_of(foreign)}), which "
+            "the save would delete (it replaces the whole directory); move them out, or save to another path"
+        )
+
+
+def _written_name(name: str) -> bool:
+    return name == METADATA_NAME or name.endswith((".distcp", ".rank.json"))
 
 
 _registry_lock = threading.Lock()

@@ -29,7 +29,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint.atomic import MARKER_NAME, check_target, make_staging, staging_path, swap_into_place, write_lock
+from checkpoint.atomic import (
+    MARKER_NAME,
+    check_target,
+    make_staging,
+    output_path,
+    staging_path,
+    swap_into_place,
+    write_lock,
+)
 from checkpoint.convert import convert_tree
 from checkpoint.data_file import StorageInfo
 from checkpoint.dcp_metadata import MetadataBuilder, key_identities, write_metadata
@@ -86,6 +94,7 @@ def write_rank(
     rank's record: give every rank and :func:`commit` the same one, and a record left by an earlier,
     unfinished save to ``path`` (a rank that was not written again) is refused instead of merged.
     """
+    path = output_path(path)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
@@ -109,6 +118,7 @@ def commit(
     missing, whose record is not valid or is of another save, or the key whose chunks are inconsistent,
     ``FileExistsError`` when ``path`` holds something other than a checkpoint; nothing at ``path`` changes then.
     """
+    path = output_path(path)
     with write_lock(path):
         check_target(path)
         commit_ranks(path, world_size, extra_info=extra_info, save_id=save_id)

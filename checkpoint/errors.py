@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointCorruptError", "LoadTargetError", "NotACheckpointError"]
+__all__ = ["CheckpointCorruptError", "LoadTargetError", "NotACheckpointError", "some_of"]
 
 
 class NotACheckpointError(ValueError):
@@ -15,3 +15,8 @@ class CheckpointCorruptError(ValueError):
 
 class LoadTargetError(TypeError):
     """A value being loaded into cannot take the stored data (the caller's state dict is at fault, not the files)."""
+
+
+def some_of(names: list[str], limit: int = 5) -> str:
+    """``names`` for an error message: the first ``limit``, then how many there are in all."""
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")

@@ -183,7 +183,7 @@ class DirectReader(FileSystemReader):
         if any(item.storage_offsets) or tuple(item.lengths) != chunk_sizes:
             return False
         target = planner.resolve_tensor(item).detach()
-        if not target.is_contiguous() or target.dtype != md.properties.dtype or target.numel() == 0:
+        if not _fills_in_place(target, md.properties.dtype) or target.numel() == 0:
             return False
         key = (md.properties.dtype, chunk_sizes)
         if key not in self._layouts:
@@ -238,7 +238,7 @@ class DirectReader(FileSystemReader):
             start, run = _contiguous_run(chunk_sizes, item.storage_offsets, item.lengths)
             # Raw bytes land in the target only when they mean the same thing there:
             # another dtype (fp32 moments into bf16 host moments) goes through copy_.
-            if run is not None and target.is_contiguous() and target.dtype == md.properties.dtype:
+            if run is not None and _fills_in_place(target, md.properties.dtype):
                 at = info.offset + location[0] + start * itemsize
                 f.seek(at)
                 buffer = target.reshape(-1).view(torch.uint8).numpy()
@@ -282,6 +282,12 @@ def _chunk_sizes(md: TensorStorageMetadata, item: ReadItem) -> tuple[int, ...]:
         if tuple(chunk.offsets) == tuple(index.offset):
             return tuple(chunk.sizes)
     raise ValueError(f"{index.fqn}: no stored chunk at offset {tuple(index.offset)}")
+
+
+def _fills_in_place(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether file bytes can be read straight into ``target``: host memory (an accelerator tensor has no
+    buffer to ``readinto``; it takes a host copy instead), contiguous, and of the saved dtype."""
+    return target.device.type == "cpu" and target.is_contiguous() and target.dtype == dtype
 
 
 def _contiguous_run(sizes, offsets, lengths) -> tuple[int, int | None]:

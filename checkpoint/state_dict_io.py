@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint.atomic import (
     check_target,
     make_staging,
+    output_path,
     remove_staging,
     staging_path,
     write_lock,
@@ -58,6 +59,7 @@ from checkpoint.convert import (
     resolve_stateful,
     to_checkpointable,
 )
+from checkpoint.errors import some_of
 from checkpoint.gc_pause import paused_gc
 from checkpoint.opener import (
     CheckpointCorruptError,
@@ -114,6 +116,18 @@ class LoadReport:
     def __bool__(self) -> bool:
         return bool(self.missing_keys or self.unexpected_keys or self.mismatched_keys)
 
+    def fix(self) -> str:
+        """What a strict load's error tells the user to do about these keys."""
+        fix = "pass strict=False to load the rest (the skipped keys are listed on the result)"
+        if self.mismatched_keys:
+            return (
+                f"{fix}, or rewrite the checkpoint to this model's shapes with `fsdp-ckpt reshard SRC DST` and "
+                "--reshape / --split / --merge / --stack (docs/cli.md)"
+            )
+        if self.missing_keys and self.unexpected_keys:
+            return f"{fix}, or rename the checkpoint's keys with `fsdp-ckpt reshard SRC DST --rename REGEX REPLACEMENT`"
+        return fix
+
     def describe(self) -> str:
         parts = []
         for label, keys in (
@@ -122,8 +136,7 @@ class LoadReport:
             ("mis-shaped", self.mismatched_keys),
         ):
             if keys:
-                shown = ", ".join(keys[:10]) + (f", ... ({len(keys)} in all)" if len(keys) > 10 else "")
-                parts.append(f"{label}: {shown}")
+                parts.append(f"{label}: {some_of(keys, 10)}")
         return "; ".join(parts)
 
 
@@ -223,13 +236,15 @@ def save_state_dict(
     Atomic: nothing at ``path`` changes until the new checkpoint is complete
     (see :mod:`checkpoint.atomic`); a save to a path another save is writing
     waits for it. An async save still in flight is finished first, and raises
-    here if it failed. ``path`` must be absent, empty or a committed
-    checkpoint (checked before anything is written). An error on any rank
+    here if it failed. ``path`` (normalised: ``sub/..`` is the directory it names; the
+    current directory is refused) must be absent, empty or a committed checkpoint
+    holding only its own files (checked before anything is written). An error on any rank
     raises on every rank (:class:`~checkpoint.save_errors.CheckpointSaveError`
     on the others); a failed save leaves no staging behind. ``mode="scale"``
     trades DCP's plan exchange for three small gathers; in it, plain tensors are
     taken from rank 0 and the checkpoint is committed by rank 0.
     """
+    path = output_path(path)
     wait_for_async_save()
     with paused_gc():
         # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
@@ -373,7 +388,9 @@ def load_flat(
             loadable[key] = value
     report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
-        raise ValueError(f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}")
+        raise ValueError(
+            f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}; {report.fix()}"
+        )
     if loadable:
         replicas = None
         if options.collective and options.read_once_per_replica:

@@ -44,6 +44,7 @@ per process: a ``RuntimeWarning`` with ``compiled``, a log warning with ``auto``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import hashlib
 import logging
@@ -80,7 +81,14 @@ from offload_fsdp.fused_step import (
 )
 from offload_fsdp.records import ParamShard
 
-__all__ = ["HOST_STEP_ENV", "HostStep", "compiled_adam_bucket_step", "compiled_step_available", "select_host_step"]
+__all__ = [
+    "HOST_STEP_ENV",
+    "HostStep",
+    "choose_host_step",
+    "compiled_adam_bucket_step",
+    "compiled_step_available",
+    "select_host_step",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +96,24 @@ HOST_STEP_ENV = "OFFLOAD_FSDP_HOST_STEP"
 """Environment variable read at optimizer construction: ``auto`` (default), ``compiled`` or ``fused``."""
 
 HostStep = Callable[[HostBucket, list[ParamShard], AdamHyper, FusedScratch], None]
+
+_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("offload_fsdp_host_step", default=None)
+"""the choice an optimizer under construction was given (``OffloadOptions.host_step``), over the environment"""
+
+
+@contextlib.contextmanager
+def choose_host_step(choice: str | None) -> Iterator[None]:
+    """Kernels built inside take ``choice`` (``auto`` / ``compiled`` / ``fused``) instead of ``$OFFLOAD_FSDP_HOST_STEP``.
+
+    ``None``: the environment variable decides, as without this context. (A kernel factory takes
+    no arguments, so an optimizer's own choice reaches the Adam kernel it builds this way.)
+    """
+    token = _CHOSEN.set(choice)
+    try:
+        yield
+    finally:
+        _CHOSEN.reset(token)
+
 
 _MOMENT_FP32, _MOMENT_BF16_RNE, _MOMENT_BF16_SR = 0, 1, 2
 
@@ -461,7 +487,8 @@ def compiled_adam_bucket_step(
 
 
 def select_host_step() -> HostStep:
-    """The host Adam step chosen by ``$OFFLOAD_FSDP_HOST_STEP`` (read once, at optimizer construction).
+    """The host Adam step chosen by ``$OFFLOAD_FSDP_HOST_STEP`` (read once, at optimizer construction),
+    or by the optimizer's ``OffloadOptions.host_step`` (:func:`choose_host_step`).
 
     ``auto`` or unset: :func:`compiled_adam_bucket_step`, which builds the C loop at the
     first step with a bucket it covers (an all-fp32 model never builds it) and steps
@@ -469,7 +496,7 @@ def select_host_step() -> HostStep:
     its cost and any failure warning come at construction. ``fused``:
     :func:`~offload_fsdp.fused_step.adam_bucket_step` only.
     """
-    choice = os.environ.get(HOST_STEP_ENV, "").strip().lower() or "auto"
+    choice = _CHOSEN.get() or os.environ.get(HOST_STEP_ENV, "").strip().lower() or "auto"
     if choice == "fused":
         return adam_bucket_step
     if choice == "compiled":

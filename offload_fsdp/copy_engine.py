@@ -14,6 +14,7 @@ Per-bucket events live on the bucket (``d2h_done``, ``h2d_done``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,6 +26,26 @@ __all__ = ["CopyEngine", "StreamCopyEngine", "SyncCopyEngine"]
 
 
 class CopyEngine(Protocol):
+    """How one device's grads reach the host and its params return (the optimizer's transfer concern).
+
+    The optimizer calls only these members, so an engine's kind (synchronous, streams, or the
+    ring of pinned slots in :mod:`offload_fsdp.transfer_ring`) is named nowhere else:
+    :func:`offload_fsdp.transfer.copy_engine_for` picks it.
+    """
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes the engine itself holds (its slots; 0 when it copies to and from the buckets)."""
+        ...
+
+    def fit(self, buckets: Iterable[HostBucket]) -> None:
+        """Get ready to move these new buckets too (size slots; nothing for engines without)."""
+        ...
+
+    def release_grads(self) -> None:
+        """Drop every reference to device grads held since backward (``zero_grad``)."""
+        ...
+
     def begin_step(self) -> None: ...
     def note_params_read(self) -> None: ...
     def stage_grad(self, bucket: HostBucket, dst: torch.Tensor, src: torch.Tensor) -> None: ...
@@ -36,7 +57,21 @@ class CopyEngine(Protocol):
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
 
 
-class SyncCopyEngine:
+class _NoSlots:
+    """The members of :class:`CopyEngine` for an engine that copies straight to and from the buckets."""
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def fit(self, buckets: Iterable[HostBucket]) -> None:
+        pass
+
+    def release_grads(self) -> None:
+        pass
+
+
+class SyncCopyEngine(_NoSlots):
     """Copies that are finished when the call returns: nothing is ever in flight."""
 
     def begin_step(self) -> None:
@@ -68,7 +103,7 @@ class SyncCopyEngine:
         dst.copy_(src.reshape(dst.shape))
 
 
-class StreamCopyEngine:
+class StreamCopyEngine(_NoSlots):
     """D2H and H2D on their own streams of ``device``; host buffers must be page-locked to overlap."""
 
     def __init__(self, device: torch.device) -> None:

@@ -23,9 +23,15 @@ from typing import Any
 
 import torch
 
-from offload_fsdp.delegate import hyperparameters
+_NOT_HYPER = ("params", "param_names")
 
-__all__ = ["DeviceDefaults", "class_defaults", "same_value", "snapshot_value"]
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters: every key but ``params`` and ``param_names``."""
+    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
+
+
+__all__ = ["DeviceDefaults", "class_defaults", "hyperparameters", "same_value", "snapshot_value"]
 
 
 def class_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:

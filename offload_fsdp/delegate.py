@@ -14,20 +14,15 @@ from typing import Any
 
 import torch
 
+from offload_fsdp.defaults import class_defaults, hyperparameters
 from offload_fsdp.fresh_state import create_fresh_state
 from offload_fsdp.master import MASTER_KEY
 from offload_fsdp.records import ParamShard
 
 __all__ = ["DelegatedOptimizer", "hyperparameters"]
 
-_NOT_HYPER = ("params", "param_names")
-
 GroupView = Callable[[int, dict[str, Any]], dict[str, Any]]
 """(wrapper group index, wrapper group) -> the hyper-parameters the inner class gets"""
-
-
-def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _NOT_HYPER}
 
 
 def _same_hyperparameters(index: int, group: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +67,9 @@ class DelegatedOptimizer:
             self.inner = cls(inner_groups)  # type: ignore[call-arg]
         except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
             raise self._unsupported(exc) from exc
+        # torch's Adagrad creates its state in __init__, from its constructor's keywords, not the groups'.
+        self.init_creates_state = bool(self.inner.state)
+        self._state_from_group_values(inner_groups)
         self.records = list(records)
 
     def add_records(self, records: list[ParamShard], groups: list[dict[str, Any]]) -> None:
@@ -81,10 +79,23 @@ class DelegatedOptimizer:
         try:
             for inner_group in inner_groups:
                 self.inner.add_param_group(inner_group)
+            self._state_from_group_values(self.inner.param_groups[-len(inner_groups) :])
         except Exception as exc:  # noqa: BLE001 - re-raised with what the user can change
             raise self._unsupported(exc) from exc
         self.group_indices += indices
         self.records += records
+
+    def _state_from_group_values(self, inner_groups: list[dict[str, Any]]) -> None:
+        """For a class that creates state in ``__init__`` (torch's Adagrad: ``sum`` at its constructor's
+        ``initial_accumulator_value``): that state again, per group, built with the group's own values."""
+        if not self.init_creates_state:
+            return
+        keywords = set(class_defaults(self.cls))
+        for group in inner_groups:
+            hyper = {k: v for k, v in hyperparameters(group).items() if k in keywords}
+            made = self.cls(group["params"], **hyper)
+            for p in group["params"]:
+                self.inner.state[p] = made.state[p]
 
     def _unsupported(self, exc: Exception) -> TypeError:
         return TypeError(

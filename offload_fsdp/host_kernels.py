@@ -8,22 +8,25 @@ included, which is what makes the host step memory-bandwidth bound instead of
 Python bound. A kernel runs over flat concatenations of local shards, so its
 update must be elementwise.
 
-A kernel says four things (:class:`HostKernel`): which groups it can run
+A kernel says five things (:class:`HostKernel`): which groups it can run
 (``unsupported``), the per-param state it keeps as flat per-bucket buffers
-(``state_layout``, plus a scalar ``step`` when ``has_step``), the dtypes it
-steps, and the update itself (``step_bucket``). The registry maps an optimizer
-class, exactly (a subclass may change the update, so it is served only when
-registered itself), to a factory called once per ``HybridDeviceOptimizer``:
+(``state_layout``, plus a scalar ``step`` when ``has_step``), how that state
+starts (``init_state``, as the class creates it, and whether the class's first
+update reads it: ``first_update_replaces_state``), the dtypes it steps, and the
+update itself (``step_bucket``). The one registry of :mod:`offload_fsdp.per_element`
+maps an optimizer class (its own name, or that of the class implementing its
+``step``) to a factory called once per ``HybridDeviceOptimizer``:
 
 * ``torch.optim.Adam`` / ``AdamW``: :class:`AdamKernel` (torch's fused CPU kernel in
   cache-sized pieces, :mod:`offload_fsdp.fused_step`, or the compiled loop,
   :mod:`offload_fsdp.compiled_step`, as ``$OFFLOAD_FSDP_HOST_STEP`` chooses);
 * ``torch.optim.SGD``: :class:`SgdKernel` (torch's fused CPU SGD kernel,
-  :mod:`offload_fsdp.sgd_step`).
+  :mod:`offload_fsdp.sgd_step`);
+* ``torch.optim.Adagrad``: :class:`AdagradKernel` (torch's functional Adagrad over per-param views).
 
 Adding a kernel for another class: write a class with the members of
 :class:`HostKernel` and call :func:`register_host_kernel` (``docs/architecture.md``,
-"Where to add a second host kernel").
+"Where to add a host kernel").
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch.optim.adagrad import adagrad
 
 from offload_fsdp.compiled_step import select_host_step
 from offload_fsdp.fused_step import AdamHyper, FusedScratch
+from offload_fsdp.grad import local_tensor
+from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, qualified_name, registered_name
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard
 from offload_fsdp.sgd_step import SgdHyper, sgd_bucket_step
@@ -44,12 +50,14 @@ if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
 
 __all__ = [
+    "AdagradKernel",
     "AdamKernel",
-    "HOST_KERNELS",
     "HostKernel",
     "HostKernelFactory",
     "SgdKernel",
+    "first_update_replaces_state",
     "host_kernel_for",
+    "init_fresh_state",
     "register_host_kernel",
 ]
 
@@ -70,6 +78,11 @@ class HostKernel(Protocol):
     moment_dtypes_from_policy: bool
     """``PrecisionPolicy.exp_avg_dtype`` / ``exp_avg_sq_dtype`` set its state dtypes (else a warning says they
     are ignored)"""
+    first_update_replaces_state: bool
+    """the class's first update of a param does not read the state :meth:`init_state` created (SGD starts
+    ``momentum_buffer`` from the grad): such state, never updated (``ParamShard.placeholder_state``), is only
+    a place to load into, ``step_bucket`` takes the first-update path for it, and ``state_dict()`` leaves it
+    out (torch's class has none yet). False: the fresh state is what the first update reads (Adam's zeros)"""
 
     def unsupported(self, group: dict[str, Any]) -> str | None:
         """The name of a setting of ``group`` it cannot run (``"amsgrad"``), or None: such a group's buckets
@@ -81,10 +94,18 @@ class HostKernel(Protocol):
     ) -> dict[str, torch.dtype]:
         """Torch state name -> dtype of each flat per-bucket state buffer ``group``'s buckets need.
 
-        Each param's state holds its view of each, shaped like the local shard. Fresh
-        state is zeros with ``record.placeholder_state`` True (a load clears it): a
-        class that starts a buffer from the first grad (SGD's ``momentum_buffer``)
-        reads the flag in ``step_bucket`` and clears it once it wrote the buffer.
+        Each param's state holds its view of each, shaped like the local shard, filled by
+        :meth:`init_state` when the param's state is created.
+        """
+        ...
+
+    def init_state(self, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+        """Fill one param's fresh state in place, as the class creates it before its first update.
+
+        ``state``: the param's views of the flat state buffers (:meth:`state_layout`'s names) and,
+        when ``has_step``, its ``step`` (a scalar tensor at 0). The record is then marked never
+        updated (``placeholder_state``) until a load or an update; a kernel whose first update
+        differs (:attr:`first_update_replaces_state`) reads that flag in ``step_bucket`` and clears it.
         """
         ...
 
@@ -114,6 +135,7 @@ class AdamKernel:
     dtypes: tuple[torch.dtype, ...] = _STEPPABLE
     master_dtypes: tuple[torch.dtype, ...] = _STEPPABLE
     moment_dtypes_from_policy: bool = True
+    first_update_replaces_state: bool = False
 
     def __init__(self, *, decoupled_default: bool) -> None:
         self.decoupled_default = decoupled_default
@@ -131,6 +153,10 @@ class AdamKernel:
         self, group: dict[str, Any], master_dtype: torch.dtype, precision: PrecisionPolicy
     ) -> dict[str, torch.dtype]:
         return {"exp_avg": precision.exp_avg_dtype, "exp_avg_sq": precision.exp_avg_sq_dtype}
+
+    def init_state(self, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+        for name in ("exp_avg", "exp_avg_sq"):
+            state[name].zero_()
 
     def step_bucket(
         self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
@@ -156,6 +182,7 @@ class SgdKernel:
     # checks it still is, so a fixed torch shows up there.
     master_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     moment_dtypes_from_policy: bool = False
+    first_update_replaces_state: bool = True
 
     def unsupported(self, group: dict[str, Any]) -> str | None:
         return "differentiable" if group.get("differentiable", False) else None
@@ -165,37 +192,103 @@ class SgdKernel:
     ) -> dict[str, torch.dtype]:
         return {"momentum_buffer": master_dtype} if group["momentum"] != 0 else {}
 
+    def init_state(self, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+        if "momentum_buffer" in state:
+            state["momentum_buffer"].zero_()  # a place to load into: the first update starts it from the grad
+
     def step_bucket(
         self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
     ) -> None:
         sgd_bucket_step(bucket, active, SgdHyper.from_group(group), scratch)
 
 
-HOST_KERNELS: dict[type[torch.optim.Optimizer], HostKernelFactory] = {}
-"""optimizer class (exactly) -> the factory of its host kernel"""
+def init_fresh_state(kernel: HostKernel, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    """``kernel.init_state``; zeros for a kernel written before that member existed (what they then got)."""
+    init = getattr(kernel, "init_state", None)
+    if init is not None:
+        init(group, state)
+        return
+    for name, value in state.items():
+        if name != "step":
+            value.zero_()
+
+
+def first_update_replaces_state(kernel: HostKernel) -> bool:
+    """``kernel.first_update_replaces_state``; False for a kernel written before that member existed."""
+    return bool(getattr(kernel, "first_update_replaces_state", False))
 
 
 def register_host_kernel(cls: type[torch.optim.Optimizer], kernel: HostKernelFactory) -> None:
-    """Serve host buckets of ``cls`` (exactly this class) with ``kernel()`` instead of one ``cls`` per bucket.
+    """Serve host buckets of ``cls`` with ``kernel()`` instead of one ``cls`` per bucket.
 
     ``kernel``: a :class:`HostKernel` class or any zero-argument callable returning
-    one. Replaces an earlier registration of ``cls``. Affects optimizers built after
-    the call. On sharded params ``cls`` must also be elementwise
-    (:func:`offload_fsdp.per_element.register_per_element`).
+    one. Registers ``cls`` in the one registry (:data:`offload_fsdp.per_element.PER_ELEMENT_OPTIMIZERS`):
+    a kernel runs over flat concatenations of local shards, so ``cls`` is elementwise, and it
+    is matched as every registered class is (:func:`~offload_fsdp.per_element.registered_name`:
+    ``cls`` itself, or a subclass keeping its ``step``). Replaces an earlier registration of
+    ``cls``. Affects optimizers built after the call.
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"register_host_kernel needs a torch.optim.Optimizer subclass, got {cls!r}")
     if not callable(kernel):
         raise TypeError(f"register_host_kernel needs a HostKernel class or factory for {cls.__name__}, got {kernel!r}")
-    HOST_KERNELS[cls] = kernel
+    PER_ELEMENT_OPTIMIZERS[qualified_name(cls)] = kernel
 
 
 def host_kernel_for(cls: type[torch.optim.Optimizer]) -> HostKernel | None:
-    """A new host kernel for ``cls`` (exact class match), or None when none is registered."""
-    factory = HOST_KERNELS.get(cls)
+    """A new host kernel for ``cls`` (matched by :func:`~offload_fsdp.per_element.registered_name`), or None."""
+    name = registered_name(cls)
+    factory = PER_ELEMENT_OPTIMIZERS.get(name) if name is not None else None
     return factory() if factory is not None else None
+
+
+class AdagradKernel:
+    """``torch.optim.Adagrad`` (``lr_decay``, ``weight_decay``, ``initial_accumulator_value``, ``maximize``).
+
+    Torch's own functional update over each active record's views of the flat buffers, with the
+    group's ``foreach`` / ``fused`` choice, so the bits are those of ``Adagrad`` on the params (or
+    on fp32 masters, the grad cast to the master's dtype as torch steps an fp32 master). State:
+    ``sum`` in the master's dtype, started at ``initial_accumulator_value``, and a ``step`` scalar.
+    """
+
+    name: str = "Adagrad"
+    has_step: bool = True
+    dtypes: tuple[torch.dtype, ...] = _STEPPABLE
+    master_dtypes: tuple[torch.dtype, ...] = _STEPPABLE
+    moment_dtypes_from_policy: bool = False
+    first_update_replaces_state: bool = False
+
+    def unsupported(self, group: dict[str, Any]) -> str | None:
+        return "differentiable" if group.get("differentiable", False) else None
+
+    def state_layout(
+        self, group: dict[str, Any], master_dtype: torch.dtype, precision: PrecisionPolicy
+    ) -> dict[str, torch.dtype]:
+        return {"sum": master_dtype}
+
+    def init_state(self, group: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+        state["sum"].fill_(group["initial_accumulator_value"])  # as Adagrad.__init__ creates it
+
+    def step_bucket(
+        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
+    ) -> None:
+        masters = [r.host_master for r in active]
+        grads = [r.host_grad_stage.to(m.dtype) for r, m in zip(active, masters)]  # no copy when equal
+        states = [r.created_state for r in active]
+        # Local views: the public state wraps them as DTensors for DTensor params.
+        sums = [local_tensor(s["sum"]) for s in states]
+        steps = [s["step"] for s in states]
+        adagrad(
+            masters, grads, sums, steps, fused=group.get("fused"), foreach=group.get("foreach"),
+            lr=group["lr"], weight_decay=group["weight_decay"], lr_decay=group["lr_decay"], eps=group["eps"],
+            maximize=group.get("maximize", False),
+        )  # fmt: skip
+        for r in active:
+            if r.param_stage is not None:
+                r.param_stage.copy_(r.host_master)
 
 
 register_host_kernel(torch.optim.Adam, functools.partial(AdamKernel, decoupled_default=False))
 register_host_kernel(torch.optim.AdamW, functools.partial(AdamKernel, decoupled_default=True))
 register_host_kernel(torch.optim.SGD, SgdKernel)
+register_host_kernel(torch.optim.Adagrad, AdagradKernel)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +34,8 @@ import torch
 from torch.profiler import record_function
 
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
-from offload_fsdp.copy_engine import CopyEngine, StreamCopyEngine, SyncCopyEngine
+from offload_fsdp.compiled_step import choose_host_step
+from offload_fsdp.copy_engine import CopyEngine
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
@@ -47,47 +46,24 @@ from offload_fsdp.grad import (
 )
 from offload_fsdp.graph_safe import GraphSafeGrads
 from offload_fsdp.graph_safe import graph_safe_grads as pin_grads
-from offload_fsdp.host_kernels import HostKernel, host_kernel_for
+from offload_fsdp.host_kernels import HostKernel, first_update_replaces_state, host_kernel_for, init_fresh_state
 from offload_fsdp.master import MASTER_KEY, adopt_written, canonical_state, master_dtype, policy_with_fp32_update
+from offload_fsdp.options import DEFAULT_BUCKET_NUMEL, OffloadOptions, Schedule
 from offload_fsdp.overlap import OverlappedStep
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, grad_key, param_name, partition
 from offload_fsdp.state_io import (
+    check_groups_fit_class,
     check_groups_match,
     check_record_state,
     load_record_state,
 )
-from offload_fsdp.transfer_ring import RingCopyEngine, check_transfer_slots
+from offload_fsdp.transfer import copy_engine_for, engine_device
 
-__all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer"]
+__all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer", "OffloadOptions"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_NUMEL = 1 << 24
-"""16M elements (64 MiB of fp32 master) per bucket: big enough that per-bucket
-overheads vanish, small enough that D2H / host step / H2D of neighbouring
-buckets overlap."""
-
-
-def _check_fraction(value: Any) -> float:
-    """``value`` as a float in [0, 1]; anything else (NaN, non-numbers, bools) is a ValueError.
-
-    Accepted: real numbers (int, float, numpy scalars, ``fractions.Fraction``) and
-    one-element real tensors. A bool is refused although Python counts it as an int:
-    ``True`` where a fraction belongs is far more likely a misplaced flag than "1.0".
-    """
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool):
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f"offload_fraction must be a real number in [0, 1] (a float, int or one-element tensor; not a bool), "
-            f"got {value!r} of type {type(value).__name__}"
-        )
-    value = float(value)
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"offload_fraction must be in [0, 1], got {value!r}")
-    return value
 
 
 def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) -> None:
@@ -106,13 +82,27 @@ def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) 
             first[id(p)] = position
 
 
+def _wrapped_use(optimizer: torch.optim.Optimizer, call: str) -> ValueError:
+    return ValueError(
+        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
+        f"updates its params; call {call} on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
+        "wrapped optimizer, to your trainer and to checkpoint.save / checkpoint.load)"
+    )
+
+
 def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step pre-hook on a wrapped optimizer: ``ValueError`` instead of a second, divergent update."""
-    raise ValueError(
-        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
-        "updates its params; call step() on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
-        "wrapped optimizer, to your trainer)"
-    )
+    raise _wrapped_use(optimizer, "step()")
+
+
+def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    """State-dict pre-hook on a wrapped optimizer: its own state is empty or stale, so saving it loses Adam's."""
+    raise _wrapped_use(optimizer, "state_dict()")
+
+
+def _refuse_wrapped_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load pre-hook on a wrapped optimizer: state loaded into it would never reach the wrapper's updates."""
+    raise _wrapped_use(optimizer, "load_state_dict()")
 
 
 def _check_optimizer_cls(cls: Any, arg: str) -> None:
@@ -203,6 +193,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for the whole step's H2D at the end of ``step()``. Reads of params outside those
             forwards (a checkpoint save right after ``step()``, EMA) must call
             :meth:`wait_for_params` first (:mod:`offload_fsdp.forward_waits`).
+        options: all of the settings above but ``model`` and the deprecated ``param_update_in_fp32``, as one
+            :class:`~offload_fsdp.options.OffloadOptions` (a docstring under each field; enums for the
+            schedule and the host step, which ``$OFFLOAD_FSDP_HOST_STEP`` chooses when left unset). The
+            keywords build the same object (``self.options``); giving both is a ``ValueError``.
         **defaults: hyper-parameters (lr, betas, weight_decay, ...) for the explicit form.
 
     Side effects of construction: host buffers are allocated once (exact size),
@@ -228,21 +222,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         graph_safe_grads: bool = False,
         overlap_step_with_backward: bool = False,
         model: torch.nn.Module | None = None,
+        options: OffloadOptions | None = None,
         **defaults: Any,
     ) -> None:
         self._built = False
-        fraction = _check_fraction(offload_fraction)
-        if bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
-        if overlap_step_with_backward and not overlap_cpu_optimizer_d2h_h2d:
+        keywords = OffloadOptions.from_keywords(
+            offload_fraction=offload_fraction, cpu_optimizer_cls=cpu_optimizer_cls,
+            gpu_optimizer_cls=gpu_optimizer_cls, precision=precision, pin_cpu_grads=pin_cpu_grads,
+            pin_cpu_params=pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
+            pinned_transfer_slots=pinned_transfer_slots, bucket_numel=bucket_numel,
+            graph_safe_grads=graph_safe_grads, overlap_step_with_backward=overlap_step_with_backward,
+        )  # fmt: skip
+        if options is not None and keywords.changed():
             raise ValueError(
-                "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "
-                "that stage grads are what start the host updates"
+                f"settings {keywords.changed()} were passed as keywords together with options=; set them in the "
+                "OffloadOptions instead"
             )
+        opts = self.options = options if options is not None else keywords
         groups, opt_defaults, cpu_cls, wrapped, explicit = self._resolve_groups(
-            params_or_optimizer, cpu_optimizer_cls, defaults
+            params_or_optimizer, opts.cpu_optimizer_cls, defaults
         )
-        gpu_cls = gpu_optimizer_cls if gpu_optimizer_cls is not None else cpu_cls
+        gpu_cls = opts.gpu_optimizer_cls if opts.gpu_optimizer_cls is not None else cpu_cls
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
         _refuse_repeated_params(groups)
         super().__init__(groups, opt_defaults)
@@ -264,22 +264,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._device_defaults = DeviceDefaults(gpu_cls)
             for index, (group, keys) in enumerate(zip(self.param_groups, group_keys)):
                 self._device_defaults.add_group(index, group, keys)
-        self.offload_fraction = fraction
+        self.offload_fraction = opts.offload_fraction
         self.cpu_optimizer_cls, self.gpu_optimizer_cls = cpu_cls, gpu_cls
-        self.precision = policy_with_fp32_update(precision, param_update_in_fp32)
-        self.overlap = overlap_cpu_optimizer_d2h_h2d
+        self.precision = policy_with_fp32_update(opts.precision, param_update_in_fp32)
+        self.overlap = opts.overlap_cpu_optimizer_d2h_h2d
         self._scratch = FusedScratch()
-        # Built now: Adam's reads $OFFLOAD_FSDP_HOST_STEP (compiled loop or torch's fused kernel) here.
-        self._host_kernel = host_kernel_for(cpu_cls)
+        # Built now: Adam's reads its step (compiled loop or torch's fused kernel) from the options or
+        # $OFFLOAD_FSDP_HOST_STEP here.
+        with choose_host_step(opts.host_step.value if opts.host_step is not None else None):
+            self._host_kernel = host_kernel_for(cpu_cls)
         self._engines: dict[torch.device, CopyEngine] = {}
         # Optional timing probe, called as hook(stage, bucket, is_begin) around each bucket's "d2h"
         # (once per staged grad), "host_step" and "h2d"; set by scripts/bench_offload.py --timeline-json.
         self._stage_hook: Callable[[str, HostBucket, bool], None] | None = None
 
-        self._transfer_slots = check_transfer_slots(pinned_transfer_slots)
+        self._transfer_slots = opts.pinned_transfer_slots
         # With transfer slots every host buffer stays pageable: only the slots are page-locked.
-        self._pin = (pin_cpu_grads, pin_cpu_params) if self._transfer_slots is None else (False, False)
-        self._bucket_numel = bucket_numel
+        self._pin = (opts.pin_cpu_grads, opts.pin_cpu_params) if self._transfer_slots is None else (False, False)
+        self._bucket_numel = opts.bucket_numel
         self._records: list[ParamShard] = []
         self._buckets: list[HostBucket] = []
         self._device_delegate: DelegatedOptimizer | None = None
@@ -291,12 +293,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 functools.partial(self._step_bucket, push=False),  # step() writes the params (see _step_records)
                 lambda i: self.param_groups[i],
             )
-            if overlap_step_with_backward
+            if opts.schedule is Schedule.OVERLAPPED
             else None
         )
         self._accelerated = False
         self._model = weakref.ref(model) if model is not None else None  # per-module H2D waits (model=)
-        self.graph_safe_grads = graph_safe_grads
+        self.graph_safe_grads = opts.graph_safe_grads
         self._grad_buffers: list[GraphSafeGrads] = []  # one per group batch placed (graph_safe_grads only)
         records = build_records(self.param_groups)
         self._keep_grad_buffers(records)
@@ -316,6 +318,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._refresh_masters_before_step = True
         if wrapped is not None and wrapped.state:
             self.load_state_dict(wrapped.state_dict())
+        if wrapped is not None:  # after its state was taken over: from now on the wrapper holds it
+            wrapped.register_state_dict_pre_hook(_refuse_wrapped_state_dict)
+            wrapped.register_load_state_dict_pre_hook(_refuse_wrapped_load)
 
     # ------------------------------------------------------------------ construction
 
@@ -332,6 +337,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         if isinstance(params_or_optimizer, HybridDeviceOptimizer):
             raise TypeError("cannot wrap a HybridDeviceOptimizer in another; wrap the underlying optimizer")
+        if isinstance(params_or_optimizer, torch.nn.Module):
+            name = type(params_or_optimizer).__name__
+            raise TypeError(
+                f"HybridDeviceOptimizer got a module ({name}); pass its parameters, "
+                "HybridDeviceOptimizer(model.parameters(), ...), or an optimizer to wrap, "
+                "HybridDeviceOptimizer(torch.optim.AdamW(model.parameters()), ...)"
+            )
         if isinstance(params_or_optimizer, torch.optim.Optimizer):
             wrapped = params_or_optimizer
             if defaults:
@@ -389,22 +401,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return kernel, kernel.state_layout(group, bucket.master_dtype, self.precision)
 
     def _engine_for(self, device: torch.device) -> CopyEngine:
-        key = device if (device.type != "cpu" and self.overlap) else torch.device("cpu")
+        key = engine_device(device, overlap=self.overlap)
         if key not in self._engines:
-            if key.type == "cpu":
-                self._engines[key] = SyncCopyEngine()
-            elif self._transfer_slots is not None:
-                self._engines[key] = RingCopyEngine(device, self._transfer_slots)
-            else:
-                self._engines[key] = StreamCopyEngine(device)
+            self._engines[key] = copy_engine_for(key, transfer_slots=self._transfer_slots)
         return self._engines[key]
 
     @property
     def pinned_bytes(self) -> int:
         """Page-locked host bytes this optimizer holds: bucket buffers (default) or transfer slots."""
         arenas = [b.pinned for b in (self._host_buffers, *self._later_host_buffers)]
-        rings = [e.pinned_bytes for e in self._engines.values() if isinstance(e, RingCopyEngine)]
-        return sum(a.reserved_bytes for a in arenas if a.pinned) + sum(rings)
+        slots = sum(e.pinned_bytes for e in self._engines.values())
+        return sum(a.reserved_bytes for a in arenas if a.pinned) + slots
 
     def _place(self, records: list[ParamShard], what: str) -> HostBuffers:
         """Partition ``records`` (new, validated) and give each side what it needs; returns their arenas.
@@ -451,10 +458,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _fit_transfer_slots(buckets: list[HostBucket]) -> None:
-        """Size the pinned slots of each ``RingCopyEngine`` (``pinned_transfer_slots``) for these new buckets too."""
+        """Let each engine size what it holds (``pinned_transfer_slots``' slots) for these new buckets too."""
         for engine in {id(b.engine): b.engine for b in buckets}.values():
-            if isinstance(engine, RingCopyEngine):
-                engine.fit(b for b in buckets if b.engine is engine)
+            engine.fit(b for b in buckets if b.engine is engine)
 
     def _check_classes_fit_shards(self, records: list[ParamShard]) -> None:
         """Refuse, naming class and param, a non-elementwise class on a sharded param (:mod:`offload_fsdp.per_element`)."""
@@ -468,15 +474,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Fill host masters / param staging from the params; attach fallback delegates."""
         for bucket in buckets:
             for r in bucket.records:
-                bucket.engine.fetch(r.push_source, r.local)
-                if r.param_stage is not None:
-                    r.host_master.copy_(r.param_stage)
+                self._copy_master_from_param(r)
                 r.working = r.master
-                r.mark_synced(master_is_upcast=True)
             if bucket.kernel is None:
                 bucket.delegate = DelegatedOptimizer(
                     self.cpu_optimizer_cls, bucket.records, self.param_groups, where="host"
                 )
+
+    @staticmethod
+    def _copy_master_from_param(r: ParamShard) -> None:
+        """The host master (and param staging) of offloaded ``r`` becomes exactly its param widened."""
+        r.host_bucket.engine.fetch(r.push_source, r.local)
+        if r.param_stage is not None:
+            r.host_master.copy_(r.param_stage)
+        r.mark_synced(master_is_upcast=True)
 
     @torch.no_grad()
     def _join_device_delegate(self, records: list[ParamShard]) -> None:
@@ -545,7 +556,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         host = [r for r in records if r.offloaded]
         device = [r for r in records if r.trainable and not r.offloaded]
         pinned = buffers.pinned
-        rings = {id(b.engine): b.engine for b in buckets if isinstance(b.engine, RingCopyEngine)}.values()
+        engines = {id(b.engine): b.engine for b in buckets}.values()
         logger.info(
             "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
             "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
@@ -554,7 +565,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             what, self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
             len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
             pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
-            self._transfer_slots, sum(e.pinned_bytes for e in rings),
+            self._transfer_slots, sum(e.pinned_bytes for e in engines),
         )  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -734,6 +745,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _finish_overlapped_backward(self, closure: Any) -> set[int]:
         """Refusals, then wait for the updates started during backward; ids of the records they updated."""
         assert self._overlapped is not None
+        self._overlapped.check_backward_finished("step()")  # nothing to abandon: refused until a load
         try:
             self._refuse_in_overlapped_step(closure)
             return self._overlapped.finish_backward()  # raises a worker's error, naming the bucket
@@ -753,6 +765,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for engine in self._overlapped.begun_engines.values():
             engine.end_step()  # the next forward waits for those H2D
         self._overlapped.end_step()
+
+    @torch.no_grad()
+    def _discard_overlapped_step(self) -> None:
+        """End a step whose backward raised after updates started, writing no param; the masters those updates
+        changed that were exact upcasts (a checkpoint does not hold them) are copied from the params again."""
+        assert self._overlapped is not None
+        for bucket in self._overlapped.discard():
+            for r in bucket.records:
+                if r.master_is_upcast:
+                    self._copy_master_from_param(r)
 
     def _step_records(self, done: set[int]) -> None:
         """The step of every record with a grad, except ``done`` (updated during backward)."""
@@ -964,18 +986,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.state[record.param] = record.state
 
     def _materialize_kernel_state(self, r: ParamShard) -> None:
-        """Fresh state of a record its bucket's kernel steps: ``step`` 0 (if the kernel keeps one), its views
-        of the flat state buffers zeroed, ``master_param``; none at all when that is empty (SGD without momentum
-        on an fp32 param, as in torch). Marked ``placeholder_state`` until a load, or an update by a kernel that
-        reads the flag (SGD's first update starts ``momentum_buffer`` from the grad)."""
+        """Fresh state of a record its bucket's kernel steps, created by the kernel as its class would
+        (:meth:`HostKernel.init_state`: ``step`` 0 if it keeps one, its views of the flat state buffers), plus
+        ``master_param``; none at all when that is empty (SGD without momentum on an fp32 param, as in torch).
+        Marked ``placeholder_state`` (never updated) until a load or an update."""
         bucket = r.host_bucket
-        assert bucket.kernel is not None, f"{r.name}: materialised as kernel state without a kernel"
+        kernel = bucket.kernel
+        assert kernel is not None, f"{r.name}: materialised as kernel state without a kernel"
         sl = slice(r.offset, r.offset + r.numel)
-        shape = r.local.shape
-        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)} if bucket.kernel.has_step else {}
-        for name, flat in bucket.state.items():
-            flat[sl].zero_()
-            state[name] = r.wrap(flat[sl].view(shape))
+        # "step" first: torch's key order
+        views = {"step": torch.tensor(0.0, dtype=torch.float32)} if kernel.has_step else {}
+        views.update({name: flat[sl].view(r.local.shape) for name, flat in bucket.state.items()})
+        init_fresh_state(kernel, self.param_groups[bucket.group_index], views)
+        state: dict[str, Any] = {name: r.wrap(view) for name, view in views.items()}
         if r.has_separate_master:
             state[MASTER_KEY] = r.wrap(r.host_master)
         r.state = state or None
@@ -1081,7 +1104,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self._overlapped is not None:
             self._overlapped.check_idle("state_dict()")  # it would hold a half-applied step
         self._refresh_written(self._records)
-        return super().state_dict()
+        return self._without_unread_state(super().state_dict())
+
+    def _without_unread_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """``saved`` less the never-updated state a kernel's first update does not read (SGD's momentum
+        buffers made by :meth:`materialize_state`): torch's class has none yet, and a resume must start them
+        from the grad as the run that never saved does. Their masters stay."""
+        unread = {
+            id(r.param)
+            for r in self._records
+            if r.placeholder_state and r.offloaded and r.host_bucket.kernel is not None
+            and first_update_replaces_state(r.host_bucket.kernel)
+        }  # fmt: skip
+        if not unread:
+            return saved
+        params = [p for group in self.param_groups for p in group["params"]]
+        state = {}
+        for index, per_param in saved["state"].items():
+            if id(params[index]) in unread:
+                per_param = {k: v for k, v in per_param.items() if k == MASTER_KEY}
+            if per_param:
+                state[index] = per_param
+        return {**saved, "state": state}
 
     def checkpoint_state(self, *, for_save: bool) -> dict[str, Any]:
         """The torch-convention state dict a checkpoint saves (``for_save``) or loads into in place.
@@ -1150,8 +1194,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for r in self._records:
             r.staged_grad_key = None
         for engine in self._engines.values():
-            if isinstance(engine, RingCopyEngine):
-                engine.release_grads()  # slots held since backward reference the grads just dropped
+            engine.release_grads()  # slots held since backward reference the grads just dropped
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1166,7 +1209,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         loaded after this call, as ``set_state_dict`` does, are seen). Hyper-parameters
         come from the saved groups.
         """
-        if self._overlapped is not None:
+        if self._overlapped is not None and self._overlapped.backward_raised:
+            self._discard_overlapped_step()  # the load replaces what those updates changed
+        elif self._overlapped is not None:
             self._overlapped.check_idle("load_state_dict()")  # the worker may still be updating this state
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -1174,6 +1219,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 state_dict = result
         saved_groups = state_dict["param_groups"]
         check_groups_match(self.param_groups, saved_groups)
+        check_groups_fit_class(self.cpu_optimizer_cls, self.param_groups, saved_groups)
         saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
         saved_state = state_dict["state"]
         pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []

@@ -207,6 +207,8 @@ class OverlappedStep:
         """buckets whose update finished on the worker (appended there; read after ``worker.wait``)"""
         self.begun_engines: dict[int, CopyEngine] = {}
         """copy engines whose ``begin_step`` ran during backward (step() must not run it again)"""
+        self._backward_open = False
+        """a backward counted a final grad and has not finished: True after it, when that backward raised"""
 
     def register(self, records: Iterable[ParamShard], owner: object) -> None:
         """Mark the offloaded ``records``' params for :func:`refuse_overlapped`."""
@@ -233,6 +235,7 @@ class OverlappedStep:
     def grad_final(self, record: ParamShard) -> None:
         """``record``'s grad is final and staged: queue its bucket's update once all of its records are."""
         self.check_not_started(record)
+        self._watch_backward()
         bucket = record.host_bucket
         ready = self._ready.setdefault(bucket.index, set())
         ready.add(id(record))
@@ -240,6 +243,38 @@ class OverlappedStep:
         # from a backward whose grads were zeroed since must not start an update on stale staging).
         if len(ready) == len(bucket.records) and all(_staged_is_current(r) for r in bucket.records):
             self._start(bucket)
+
+    def _watch_backward(self) -> None:
+        """Note that a backward is running until autograd runs its final callbacks, which it skips when it raises."""
+        if not self._backward_open:
+            self._backward_open = True
+            # Private `queue_callback` (no public "backward finished" hook; FSDP2 uses it the same way):
+            # it runs only when this backward completes, so a flag still set afterwards means it raised.
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _backward_finished(self) -> None:
+        self._backward_open = False
+
+    @property
+    def backward_raised(self) -> bool:
+        """True when the backward that started this step's updates raised before it finished."""
+        return self.in_progress and self._backward_open
+
+    def check_backward_finished(self, what: str) -> None:
+        """``RuntimeError`` naming the fix when the backward that started updates raised (see :attr:`backward_raised`).
+
+        torch's optimizer would never have applied anything: the step is refused (``step()``,
+        ``zero_grad()``, ``state_dict()``) until :meth:`discard` (a ``load_state_dict``).
+        """
+        if self.backward_raised:
+            raise RuntimeError(
+                f"{what} refused: the backward that started the overlapped host update of buckets "
+                f"{sorted(self._started)} raised before it finished, and those updates already changed the "
+                "buckets' masters and optimizer state (the model's params are unchanged: only step() writes "
+                "them). torch's optimizer would have applied nothing, and this one cannot take the update back: "
+                "load the optimizer state from your last checkpoint (optimizer.load_state_dict or "
+                "checkpoint.load), which ends this step, or build a new optimizer"
+            )
 
     def _start(self, bucket: HostBucket) -> None:
         self._prepare(bucket)
@@ -311,6 +346,7 @@ class OverlappedStep:
     def forget_readiness(self) -> None:
         """Grads were zeroed without a step: no grad counted so far is final any more."""
         self._ready.clear()
+        self._backward_open = False
 
     def end_step(self) -> None:
         """Forget this step's readiness and started buckets (after ``step()``, successful or not)."""
@@ -321,9 +357,23 @@ class OverlappedStep:
         self._started_records.clear()
         self._updated.clear()
         self.begun_engines.clear()
+        self._backward_open = False
+
+    def discard(self) -> list[HostBucket]:
+        """End a step whose backward raised (:attr:`backward_raised`) without writing any param.
+
+        Returns the buckets whose update ran, for the caller to restore their host copies.
+        """
+        self.worker.wait_quietly()
+        started = [bucket for bucket, _ in self._started.values()]
+        for engine in self.begun_engines.values():
+            engine.end_step()  # nothing was pushed: the next forward has nothing to wait for
+        self.end_step()
+        return started
 
     def check_idle(self, what: str) -> None:
         """``RuntimeError`` when updates started during backward and ``step()`` has not finished them."""
+        self.check_backward_finished(what)
         if self.in_progress:
             started = sorted(self._started)
             raise RuntimeError(

@@ -8,16 +8,20 @@ factors, LAMB/LARS trust ratios, Shampoo/Muon matrix updates) would silently
 compute them over the piece; such a class on a sharded parameter is refused
 (:func:`check_per_element`).
 
-Classes are matched by the qualified name of the class that implements their
-``step``, so a subclass of a registered class that keeps its ``step`` (e.g. one
-that only adds logging to ``__init__``) counts as registered, while one that
-overrides ``step`` (a LAMB-style trust ratio on top of ``AdamW``) must be
-registered itself; optional backends need not be imported to be listed.
+It is also where a class's host kernel is found (:mod:`offload_fsdp.host_kernels`):
+one registry, ``qualified class name -> kernel factory or None``, and one matching rule
+(:func:`registered_name`): a class is matched by its own qualified name, else by that of
+the class that implements its ``step``, so a subclass of a registered class that keeps
+its ``step`` (e.g. one that only adds logging to ``__init__``) counts as registered,
+kernel included, while one that overrides ``step`` (a LAMB-style trust ratio on top of
+``AdamW``) must be registered itself; optional backends need not be imported to be listed.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,34 +30,52 @@ __all__ = [
     "check_per_element",
     "check_steps_without_closure",
     "is_per_element",
+    "qualified_name",
     "register_per_element",
+    "registered_name",
 ]
 
-PER_ELEMENT_OPTIMIZERS: set[str] = {
-    "torch.optim.sgd.SGD",
-    "torch.optim.adam.Adam",
-    "torch.optim.adamw.AdamW",
-    "torch.optim.adamax.Adamax",
-    "torch.optim.nadam.NAdam",
-    "torch.optim.radam.RAdam",
-    "torch.optim.rmsprop.RMSprop",
-    "torch.optim.adagrad.Adagrad",
-    "torch.optim.adadelta.Adadelta",
-    "torch.optim.asgd.ASGD",
-    "torch.optim.rprop.Rprop",
-    "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam",
-    "apex.optimizers.fused_adam.FusedAdam",
-}
-"""Qualified names (``module.qualname``) of classes whose update is elementwise."""
+
+class _Registry(dict[str, Callable[[], Any] | None]):
+    """qualified class name -> host kernel factory or None; also takes the set calls of the set it once was."""
+
+    def add(self, name: str) -> None:
+        self.setdefault(name, None)
+
+    def discard(self, name: str) -> None:
+        self.pop(name, None)
 
 
-def _qualified(cls: type) -> str:
+PER_ELEMENT_OPTIMIZERS = _Registry(
+    (name, None)
+    for name in [
+        "torch.optim.sgd.SGD",
+        "torch.optim.adam.Adam",
+        "torch.optim.adamw.AdamW",
+        "torch.optim.adamax.Adamax",
+        "torch.optim.nadam.NAdam",
+        "torch.optim.radam.RAdam",
+        "torch.optim.rmsprop.RMSprop",
+        "torch.optim.adagrad.Adagrad",
+        "torch.optim.adadelta.Adadelta",
+        "torch.optim.asgd.ASGD",
+        "torch.optim.rprop.Rprop",
+        "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam",
+        "apex.optimizers.fused_adam.FusedAdam",
+    ]
+)
+"""The one registry: qualified name (``module.qualname``) of each class whose update is elementwise ->
+the factory of its host kernel (:func:`offload_fsdp.host_kernels.register_host_kernel`), or None (its
+host buckets run the class itself)."""
+
+
+def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def register_per_element(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     """Declare ``cls`` elementwise, so it may run on local shards; returns ``cls`` (usable as a decorator)."""
-    PER_ELEMENT_OPTIMIZERS.add(_qualified(cls))
+    PER_ELEMENT_OPTIMIZERS.setdefault(qualified_name(cls), None)
     return cls
 
 
@@ -69,9 +91,18 @@ def _step_owner(cls: type[torch.optim.Optimizer]) -> str:
     return f"{getattr(step, '__module__', '')}.{getattr(step, '__qualname__', '').rpartition('.')[0]}"
 
 
+def registered_name(cls: type[torch.optim.Optimizer]) -> str | None:
+    """The one matching rule: ``cls``'s own qualified name if registered, else that of the class
+    implementing ``cls.step`` if registered, else None."""
+    for name in (qualified_name(cls), _step_owner(cls)):
+        if name in PER_ELEMENT_OPTIMIZERS:
+            return name
+    return None
+
+
 def is_per_element(cls: type[torch.optim.Optimizer]) -> bool:
-    """True when the class implementing ``cls.step`` (``cls`` or a base) is registered as elementwise."""
-    return _qualified(cls) in PER_ELEMENT_OPTIMIZERS or _step_owner(cls) in PER_ELEMENT_OPTIMIZERS
+    """True when ``cls`` is registered as elementwise (:func:`registered_name`)."""
+    return registered_name(cls) is not None
 
 
 def check_steps_without_closure(cls: type[torch.optim.Optimizer], arg: str) -> None:

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
+from offload_fsdp.defaults import class_defaults
 from offload_fsdp.grad import local_tensor
 from offload_fsdp.master import MASTER_KEY
 from offload_fsdp.records import ParamShard
 
-__all__ = ["check_groups_match", "check_record_state", "load_record_state"]
+__all__ = ["check_groups_fit_class", "check_groups_match", "check_record_state", "load_record_state"]
 
 
 def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
@@ -35,6 +36,30 @@ def check_groups_match(ours: list[dict[str, Any]], saved: list[dict[str, Any]]) 
             )
 
 
+def check_groups_fit_class(
+    cls: type[torch.optim.Optimizer], ours: list[dict[str, Any]], saved: list[dict[str, Any]]
+) -> None:
+    """Raise ``ValueError`` when a saved group lacks a hyper-parameter ``cls`` reads (saved by another class).
+
+    torch's ``load_state_dict`` takes such a group and its next step raises ``KeyError``
+    (AdamW given SGD's groups: ``'betas'``). Keys the class's ``__setstate__`` fills in
+    (those older torch versions did not save, e.g. ``decoupled_weight_decay``) are not missing.
+    """
+    hyper = set(class_defaults(cls))
+    for index, (group, theirs) in enumerate(zip(ours, saved)):
+        probe = cls.__new__(cls)
+        # The class's own unpickling: what torch's load_state_dict runs to complete an older group.
+        probe.__setstate__({"defaults": {}, "state": {}, "param_groups": [{**theirs, "params": []}]})
+        missing = sorted((hyper & set(group)) - set(probe.param_groups[0]))
+        if missing:
+            extra = sorted(set(theirs) - set(group) - {"params", "param_names"})
+            raise ValueError(
+                f"loaded param group {index} has no {missing}, which {cls.__name__} reads at every step"
+                + (f" (and has {extra}, which it does not)" if extra else "")
+                + f"; was the state dict saved by another optimizer class? Load one saved by {cls.__name__}"
+            )
+
+
 def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> None:
     """Raise ``ValueError`` naming the param and key unless ``saved`` fits ``r``'s materialised state.
 
@@ -43,7 +68,7 @@ def check_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) ->
     assert r.working is not None  # materialised before any load
     expected = set(r.state or ()) - {MASTER_KEY}  # None: the class keeps no state with these options
     got = set(saved) - {MASTER_KEY}
-    if expected != got:
+    if got and expected != got:  # none at all (a master only): never updated, as state_dict() leaves it
         raise ValueError(
             f"optimizer state of parameter {r.name!r} has keys {sorted(got)}, expected {sorted(expected)} "
             f"({class_name}); was it saved with another optimizer class or options (e.g. amsgrad)?"
@@ -77,7 +102,8 @@ def load_record_state(r: ParamShard, saved: dict[str, Any], class_name: str) -> 
     the master's cast (one blocking host-to-device copy); the master is then no upcast of the param.
     """
     check_record_state(r, saved, class_name)
-    r.placeholder_state = False  # loaded: the state is real from here on
+    if set(saved) - {MASTER_KEY}:
+        r.placeholder_state = False  # loaded: the state is real from here on
     for key, value in saved.items():
         if key != MASTER_KEY:
             _load_value(r, key, value)

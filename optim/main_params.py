@@ -9,16 +9,18 @@ an update applied in bf16 would drop everything below bf16's resolution.
 the optimizer a real ``torch.optim`` object of its own class whose ``param_groups``
 hold the model's parameters (so LR schedulers and ``get_state_dict`` work):
 
-* before ``step``, every parameter with a gradient is pointed (``param.data``)
-  at its master copy in ``main_params_dtype`` (:mod:`offload_fsdp.master`: which
-  params get one, in what dtype), kept in the optimizer state under
-  ``"master_param"`` (state saved under the old key ``"main_param"`` loads as it),
-  and its ``.grad`` at the gradient from :func:`~offload_fsdp.grad.get_grad`
-  (cast to the main dtype only if it is not already in it). A param written since
-  the last step (a weight load, an in-place edit: its version counter moved) is
-  adopted into its master first, as ``HybridDeviceOptimizer`` does;
-* after ``step``, the updated main copy is cast back into the parameter's own
-  storage, and ``.grad`` is restored to what it was;
+* before ``step``, every parameter with a gradient that has a master (:mod:`offload_fsdp.master`:
+  which params get one, in what dtype) is replaced, in its param group and as the key of its
+  state, by that master presented like the param (a DTensor for a DTensor param), whose
+  ``.grad`` is the gradient from :func:`~offload_fsdp.grad.get_grad` (cast to the main dtype
+  only if it is not already in it). The master is the param's local shard in
+  ``main_params_dtype``, kept in a :class:`~offload_fsdp.records.ParamShard` record as
+  ``HybridDeviceOptimizer`` keeps its own, and in the optimizer state under ``"master_param"``
+  (state saved under the old key ``"main_param"`` loads as it). A param written since the last
+  step (a weight load, an in-place edit through the param or its ``to_local()``: a version
+  counter moved) is adopted into its master first;
+* after ``step``, the param is put back in its group with its state, and the updated master
+  is cast into the param's own local shard;
 * ``optimizer.zero_grad`` also clears ``decoupled_grad``. torch.optim has no
   zero_grad hook, so the method is shadowed on the instance (the class is
   untouched, and ``state_dict`` never holds methods).
@@ -43,30 +45,36 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from offload_fsdp.fresh_state import create_fresh_state
-from offload_fsdp.grad import get_grad, zero_decoupled_grad
+from offload_fsdp.grad import get_grad, local_tensor, zero_decoupled_grad
 from offload_fsdp.master import MASTER_KEY, adopt_written, canonical_state, has_master
+from offload_fsdp.records import ParamShard, param_name
 
 __all__ = ["enable_main_params"]
 
 _HOOKS_ATTR = "_optim_main_params_hooks"
 
 
-def _version_key(param: torch.Tensor) -> tuple[int, int]:
-    # An in-place write (load, copy_, mul_) bumps the version counter; a new storage moves data_ptr.
-    return (param.data_ptr(), param._version)
-
-
 class _MainParamsHooks:
-    """The step / load hooks of one optimizer, and what must be undone after the current step."""
+    """The step / load hooks of one optimizer, and what must be undone after the current step.
+
+    A param with a master has a :class:`~offload_fsdp.records.ParamShard` record, as in
+    ``HybridDeviceOptimizer``: ``working`` is the master of its local shard (a plain tensor),
+    and the record's version keys say when the user wrote the param (through a DTensor or
+    through ``to_local()``). For the step the optimizer's group holds the master presented like
+    the param (:meth:`ParamShard.wrap`: a DTensor for a DTensor param) in the param's place,
+    with the param's state: setting ``.data`` cannot change a DTensor's local tensor.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, main_dtype: torch.dtype | None) -> None:
         self.optimizer = optimizer
         self.main_dtype = main_dtype
-        # id(param) -> its version key when it and its master last agreed (absent: compare before the next
-        # step). Keyed by id: the optimizer's param_groups hold every param, so an id is never reused.
-        self._synced: dict[int, tuple[int, int]] = {}
-        # (param, its own storage or None when only .grad was aliased, the .grad to restore)
-        self._undo: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        # id(param) -> its record, for params with a master. Keyed by id: the optimizer's
+        # param_groups hold every param, so an id is never reused.
+        self._records: dict[int, ParamShard] = {}
+        # What the current step swapped: (group, position, param, master presented like it), and
+        # (param, the .grad to restore) where only .grad was aliased.
+        self._swapped: list[tuple[dict[str, Any], int, torch.Tensor, torch.Tensor]] = []
+        self._aliased: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._incoming_state: dict[Any, dict[str, Any]] | None = None
         self._incoming_groups: list[dict[str, Any]] | None = None
         self._own_zero_grad = optimizer.zero_grad  # the class's, or an instance override made before ours
@@ -90,47 +98,68 @@ class _MainParamsHooks:
         params = (param for group in self.optimizer.param_groups for param in group["params"])
         zero_decoupled_grad(params, set_to_none=set_to_none)
 
+    def _record(self, param: torch.Tensor, group_index: int, position: int) -> ParamShard:
+        """The record of ``param`` (a param with a master), created on first use."""
+        record = self._records.get(id(param))
+        if record is None:
+            group = self.optimizer.param_groups[group_index]
+            name = param_name(group, group_index, position)
+            record = ParamShard(param=param, name=name, group_index=group_index)
+            self._records[id(param)] = record
+        return record
+
+    @torch.no_grad()
+    def _master_of(self, record: ParamShard) -> torch.Tensor:
+        """The record's master, presented like its param; created as the param's exact upcast on first use,
+        and adopting what the user wrote into the param since the optimizer last wrote it."""
+        assert self.main_dtype is not None  # has_master said this param has one
+        if record.working is None:
+            record.working = record.local.to(self.main_dtype, copy=True)
+            record.mark_synced(master_is_upcast=True)
+        elif record.written_since_sync:
+            adopt_written(record.working, record.local)  # the user's weights are the truth
+            record.mark_synced()
+        return record.wrap(record.working)
+
     def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        assert not self._undo, "step hooks re-entered: a previous step did not finish"
-        for group in optimizer.param_groups:
-            for param in group["params"]:
+        assert not self._swapped and not self._aliased, "step hooks re-entered: a previous step did not finish"
+        for group_index, group in enumerate(optimizer.param_groups):
+            for position, param in enumerate(group["params"]):
                 grad = get_grad(param)
                 if grad is None:
                     continue
                 if not has_master(param.dtype, self.main_dtype):
                     # The param is its own main copy (fp32, or wider); only .grad may need aliasing.
                     if grad is not param.grad:  # e.g. an fp32 decoupled grad of an fp32 param
-                        self._undo.append((param, None, param.grad))
+                        self._aliased.append((param, param.grad))
                         param.grad = grad.to(param.dtype)
                     continue
-                self._swap_in_main(optimizer, param, grad)
+                self._swap_in_master(group, position, self._record(param, group_index, position), grad)
 
-    def _swap_in_main(self, optimizer: torch.optim.Optimizer, param: torch.Tensor, grad: torch.Tensor) -> None:
-        assert self.main_dtype is not None  # has_master said this param has one
-        state = optimizer.state[param]
-        main = state.get(MASTER_KEY)
-        if main is None:
-            # First step: the main copy starts as the exact upcast of the param.
-            main = param.detach().to(self.main_dtype, copy=True)
-        elif self._synced.get(id(param)) != _version_key(param):
-            adopt_written(main, param.detach())  # the user's weights are the truth
-        own_storage, old_grad = param.data, param.grad
-        param.grad = None  # set .grad only after .data has the main dtype (torch checks dtypes)
-        param.data = main
-        param.grad = grad if grad.dtype == self.main_dtype else grad.to(self.main_dtype)
-        self._undo.append((param, own_storage, old_grad))
+    def _swap_in_master(self, group: dict[str, Any], position: int, record: ParamShard, grad: torch.Tensor) -> None:
+        param, master = record.param, self._master_of(record)
+        master.grad = grad if grad.dtype == master.dtype else grad.to(master.dtype)
+        state = self.optimizer.state
+        if param in state:
+            state[master] = state.pop(param)
+        group["params"][position] = master
+        self._swapped.append((group, position, param, master))
 
+    @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        undo, self._undo = self._undo, []
-        for param, own_storage, old_grad in undo:
-            param.grad = None
-            if own_storage is not None:
-                main = param.data
-                own_storage.copy_(main)
-                param.data = own_storage
-                # Stored after the step so torch's lazy state init (on an empty state) still runs.
-                optimizer.state[param][MASTER_KEY] = main
-                self._synced[id(param)] = _version_key(param)
+        swapped, self._swapped = self._swapped, []
+        aliased, self._aliased = self._aliased, []
+        for group, position, param, master in swapped:
+            group["params"][position] = param
+            master.grad = None
+            state = optimizer.state.pop(master, {})
+            # Stored after the step so torch's lazy state init (on an empty state) still runs.
+            state[MASTER_KEY] = master
+            optimizer.state[param] = state
+            record = self._records[id(param)]
+            record.local.copy_(record.working_tensor)  # the param is the cast of its master
+            record.mark_synced()
+        for param, old_grad in aliased:
             param.grad = old_grad
 
     def before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -144,18 +173,25 @@ class _MainParamsHooks:
     def after_load(self, optimizer: torch.optim.Optimizer) -> None:
         saved_state, saved_groups = self._incoming_state or {}, self._incoming_groups or []
         self._incoming_state = self._incoming_groups = None
-        for saved_group, group in zip(saved_groups, optimizer.param_groups):
-            for key, param in zip(saved_group["params"], group["params"]):
-                self._synced.pop(id(param), None)
+        for group_index, (saved_group, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+            for position, (key, param) in enumerate(zip(saved_group["params"], group["params"])):
+                self._records.pop(id(param), None)  # a loaded master, or a fresh upcast at the next step
                 if not has_master(param.dtype, self.main_dtype) or key not in saved_state:
                     continue
                 for name, value in saved_state[key].items():
                     if name != "step" and torch.is_tensor(value) and value.is_floating_point():
                         optimizer.state[param][name] = value.to(device=param.device, dtype=self.main_dtype, copy=True)
-                master = optimizer.state[param].get(MASTER_KEY)
-                if master is not None:
-                    param.copy_(master)  # the loaded master is the truth, the param its cast
-                    self._synced[id(param)] = _version_key(param)
+                if MASTER_KEY in optimizer.state[param]:
+                    self._adopt_master(param, group_index, position)
+
+    def _adopt_master(self, param: torch.Tensor, group_index: int, position: int) -> None:
+        """The master in ``param``'s state becomes its record's master, and the param its cast."""
+        state = self.optimizer.state[param]
+        record = self._record(param, group_index, position)
+        record.working = local_tensor(state[MASTER_KEY])
+        state[MASTER_KEY] = record.wrap(record.working)
+        record.local.copy_(record.working)  # the loaded master is the truth, the param its cast
+        record.mark_synced()
 
     @torch.no_grad()
     def checkpoint_state(self, *, for_save: bool) -> dict[str, Any]:
@@ -177,10 +213,12 @@ class _MainParamsHooks:
                     for name, value in state.items():
                         if name != "step" and torch.is_tensor(value) and value.is_floating_point():
                             state[name] = value.to(self.main_dtype)
-            for p in params:
-                if p.requires_grad and has_master(p.dtype, self.main_dtype) and MASTER_KEY not in optimizer.state[p]:
-                    assert self.main_dtype is not None  # has_master said so
-                    optimizer.state[p][MASTER_KEY] = p.detach().to(self.main_dtype, copy=True)
+            for group_index, group in enumerate(optimizer.param_groups):
+                for position, p in enumerate(group["params"]):
+                    if p.requires_grad and has_master(p.dtype, self.main_dtype):
+                        state = optimizer.state[p]
+                        if MASTER_KEY not in state:
+                            state[MASTER_KEY] = self._master_of(self._record(p, group_index, position))
         return optimizer.state_dict()
 
 

@@ -13,9 +13,10 @@ What is counted, per parameter element of the local shard:
 * the main (master) parameter, only when its dtype differs from the model
   parameter's: an fp32 model parameter *is* the main parameter (FSDP2 keeps
   fp32 sharded params; fused Adam is built with ``master_weights=False``);
-* the optimizer state: Adam's ``exp_avg`` and ``exp_avg_sq`` in their policy
-  dtypes, or SGD's ``momentum_buffer`` in the main param's dtype (``momentum=0``
-  keeps none: ``name="sgd_no_momentum"``).
+* the optimizer state, as the class's host kernel lays it out
+  (:mod:`offload_fsdp.host_kernels`): Adam's ``exp_avg`` and ``exp_avg_sq`` in their
+  policy dtypes, SGD's ``momentum_buffer`` in the main param's dtype (``momentum=0``
+  keeps none: ``name="sgd_no_momentum"``), Adagrad's ``sum`` in the main param's dtype.
 
 With offload (``HybridDeviceOptimizer``), the share ``offload`` of elements
 keeps main param and Adam state on the host instead, where the main param always
@@ -31,9 +32,12 @@ per-tensor ``step`` scalar, allocator slack.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from offload_fsdp.defaults import class_defaults
+from offload_fsdp.host_kernels import host_kernel_for
 from offload_fsdp.master import master_dtype
 from offload_fsdp.precision import PrecisionPolicy
 
@@ -54,15 +58,25 @@ class MemoryFootprint:
     """name -> bytes for each device buffer (``param``, ``grad``, ...)"""
 
 
+_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "adamw": (torch.optim.AdamW, {}),
+    "adam": (torch.optim.Adam, {}),
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}),
+    "sgd_no_momentum": (torch.optim.SGD, {}),
+    "adagrad": (torch.optim.Adagrad, {}),
+}
+"""name -> (class, the settings that decide its state) for each name :func:`bytes_per_param` takes"""
+
+
 def _state_dtypes(name: str, policy: PrecisionPolicy, main_dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """Optimizer ``name``'s per-element state buffers and their dtypes under ``policy`` (``main_dtype``: what it steps)."""
-    if name in ("adamw", "adam"):
-        return {"exp_avg": policy.exp_avg_dtype, "exp_avg_sq": policy.exp_avg_sq_dtype}
-    if name == "sgd":  # in the dtype of what it steps: the main param (the host kernel's and torch's alike)
-        return {"momentum_buffer": main_dtype}
-    if name == "sgd_no_momentum":
-        return {}
-    raise ValueError(f"unknown optimizer name {name!r}; valid names: adamw, adam, sgd, sgd_no_momentum")
+    """Optimizer ``name``'s per-element state buffers and their dtypes under ``policy`` (``main_dtype``: what it
+    steps), as its host kernel lays them out (:meth:`offload_fsdp.host_kernels.HostKernel.state_layout`)."""
+    if name not in _OPTIMIZERS:
+        raise ValueError(f"unknown optimizer name {name!r}; valid names: {', '.join(_OPTIMIZERS)}")
+    cls, settings = _OPTIMIZERS[name]
+    kernel = host_kernel_for(cls)
+    assert kernel is not None, f"{cls.__name__} has a host kernel"
+    return kernel.state_layout({**class_defaults(cls), **settings}, main_dtype, policy)
 
 
 def bytes_per_param(
@@ -78,7 +92,7 @@ def bytes_per_param(
     (``HybridDeviceOptimizer(offload_fraction=...)``); 0 means no offload. The
     result is exact for 0 and 1 and the element-weighted mix in between.
     ``name``: the optimizer, as ``build_optimizer`` names it (``"adamw"``, ``"adam"``,
-    ``"sgd"`` with momentum), or ``"sgd_no_momentum"`` (no state).
+    ``"sgd"`` with momentum), ``"sgd_no_momentum"`` (no state) or ``"adagrad"``.
     """
     if not 0.0 <= offload <= 1.0:
         raise ValueError(f"offload={offload} must lie in [0, 1] (a share of the parameter elements)")

@@ -291,9 +291,18 @@ def _local_tensors(state: dict):
 
 
 def launch(
-    args: argparse.Namespace, run: str, world_size: int, *, resume: str | None = None, kill_at: int | None = None
+    args: argparse.Namespace,
+    run: str,
+    world_size: int,
+    *,
+    resume: str | None = None,
+    kill_at: int | None = None,
+    phases: Phases | None = None,
 ) -> None:
-    """Start ``world_size`` ranks of this script as a torchrun would; optionally SIGKILL them at a step."""
+    """Start ``world_size`` ranks of this script as a torchrun would; optionally SIGKILL them at a step.
+
+    ``phases``: says when the run's checkpoint is committed and when the ranks are killed.
+    """
     port = _free_port()
     cmd = [sys.executable, __file__, "--phase", "train", "--run", run, "--out", args.out, *_config_args(args)]
     if resume:
@@ -314,13 +323,19 @@ def launch(
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     held = Path(args.out) / f"{run}.held"
     deadline = time.monotonic() + args.timeout
+    saved = False
     while any(p.poll() is None for p in procs):
+        if phases is not None and not saved and _committed(args, run):
+            saved = True
+            phases.say("save", f"run {run}'s async checkpoint of step {args.save_at} is committed")
         # the ranks wait at the kill point until killed, so the kill lands there however slow this loop is
         if kill_at is not None and held.exists() and _committed(args, run):
             for p in procs:
                 os.killpg(p.pid, signal.SIGKILL)  # no clean-up, no flush: a real crash
             for p in procs:
                 p.wait()
+            if phases is not None:
+                phases.say("kill", f"SIGKILL to run {run}'s ranks at step {kill_at}")
             return
         if time.monotonic() > deadline:
             for p in procs:
@@ -393,15 +408,38 @@ def prepare_out(out: Path) -> None:
     (out / MARKER).write_text("output of scripts/demo.py: its own files here are replaced by the next run\n")
 
 
+class Phases:
+    """One line per phase as the demo reaches it (train, save, kill, resume, export), with the time so far."""
+
+    NAMES = ("train", "save", "kill", "resume", "export")
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def say(self, phase: str, text: str) -> None:
+        number = self.NAMES.index(phase) + 1
+        elapsed = time.perf_counter() - self.start
+        print(f"demo [{number}/{len(self.NAMES)}] {elapsed:6.1f} s  {phase}: {text}", flush=True)
+
+
 def orchestrate(args: argparse.Namespace, cfg: Config) -> dict:
     out = Path(args.out)
     prepare_out(out)
     t0 = time.perf_counter()
-    launch(args, "A", args.world_size, kill_at=cfg.kill_at)
+    phases = Phases()
+    phases.say(
+        "train",
+        f"run A, {args.world_size} ranks, FSDP2 + HybridDeviceOptimizer(offload_fraction=1), "
+        f"{cfg.kill_at} of {cfg.steps} steps",
+    )
+    launch(args, "A", args.world_size, kill_at=cfg.kill_at, phases=phases)
     resume_from = str(out / "ckpt" / "A" / f"step_{cfg.save_at}")
+    phases.say("resume", f"run B from step {cfg.save_at} on {args.world_size} ranks (losses must match A bit for bit)")
     launch(args, "B", args.world_size, resume=resume_from)
+    phases.say("resume", f"run C from step {cfg.save_at} in one process (losses within {SINGLE_PROCESS_LOSS_RTOL})")
     launch(args, "C", 1, resume=resume_from)
     export_dir = out / "export"
+    phases.say("export", f"fsdp-ckpt export of run B's step {cfg.steps} to safetensors, reloaded into a plain model")
     final = out / "ckpt" / "B" / f"step_{cfg.steps}"
     subprocess.run(
         [

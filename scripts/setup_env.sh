@@ -21,6 +21,7 @@ if ! "$PY" -c "$_in_env"; then
     # what `source .venv/bin/activate` does: console scripts (fsdp-ckpt) on PATH too
     export VIRTUAL_ENV=$PWD/.venv PATH=$PWD/.venv/bin:$PATH
     PY=$PWD/.venv/bin/python
+    echo "setup: using $PWD/.venv; for fsdp-ckpt and the packages in a new shell: source $PWD/.venv/bin/activate" >&2
 fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0"

@@ -142,3 +142,26 @@ def test_a_checkpoint_storing_a_tied_weight_under_its_second_name_only_loads_str
     model = _gpt2(1)
     checkpoint.load(tmp_path / "c", model=model)
     assert torch.equal(_logits(model), _logits(hf))
+
+
+@pytest.mark.parametrize("stale", ["model.safetensors", "sharded", "pytorch_model.bin"])
+def test_export_force_over_a_hugging_face_folder_replaces_its_weight_files_and_keeps_the_rest(tmp_path, cli, stale):
+    hf = tmp_path / "hf"
+    old = _gpt2(0)
+    if stale == "pytorch_model.bin":
+        old.config.save_pretrained(hf)
+        torch.save(old.state_dict(), hf / "pytorch_model.bin")
+    else:  # one model.safetensors, or model-0000k-of-0000n.safetensors + index
+        old.save_pretrained(hf, **({"max_shard_size": "2KB"} if stale == "sharded" else {}))
+    (hf / "tokenizer.json").write_text('{"version": "1.0"}')
+    stale_files = sorted(p.name for p in hf.iterdir() if p.name.startswith(("model", "pytorch_model")))
+    assert stale_files  # save_pretrained wrote the weights this test expects to be replaced
+    new = _gpt2(1)
+    checkpoint.save(tmp_path / "c", model=new)
+    result = cli("export", tmp_path / "c", hf, "--format", "safetensors", "--model-only", "--force")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(hf).eval()
+    assert torch.equal(_logits(loaded), _logits(new))  # what was exported, not the old weights nor a mix
+    weights = sorted(p.name for p in hf.iterdir() if p.name.startswith(("model", "pytorch_model")))
+    assert weights == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert (hf / "tokenizer.json").read_text() == '{"version": "1.0"}' and (hf / "config.json").is_file()
+    assert f"replacing its earlier weight files ({', '.join(stale_files)}" in result.stdout

@@ -109,6 +109,33 @@ def test_strict_load_names_mis_shaped_missing_and_unexpected_keys_and_non_strict
     assert sorted(result.unexpected_keys) == ["model.2.bias", "model.2.weight"]
 
 
+def _holding(**tensors: torch.Tensor) -> torch.nn.Module:
+    module = torch.nn.Module()
+    for name, value in tensors.items():
+        module.register_parameter(name, torch.nn.Parameter(value))
+    return module
+
+
+def test_a_strict_load_error_says_how_to_load_anyway_and_the_tool_rewrite_it_names_fixes_it(tmp_path, cli):
+    saved = _holding(w=torch.arange(12.0).reshape(3, 4), b=torch.ones(2))
+    checkpoint.save(tmp_path / "c", model=saved)
+    reshaped = _holding(w=torch.zeros(2, 6), b=torch.zeros(2))
+    with pytest.raises(
+        ValueError, match=r"mis-shaped: model\.w.*strict=False.*`fsdp-ckpt reshard SRC DST` and --reshape"
+    ):
+        checkpoint.load(tmp_path / "c", model=reshaped)
+    cli("reshard", tmp_path / "c", tmp_path / "r", "--world-size", "1", "--reshape", "w", "2,6", "-q")
+    checkpoint.load(tmp_path / "r", model=reshaped)
+    assert torch.equal(reshaped.w, torch.arange(12.0).reshape(2, 6))
+
+    renamed = _holding(weight=torch.zeros(3, 4), b=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"strict=False.*`fsdp-ckpt reshard SRC DST --rename REGEX REPLACEMENT`"):
+        checkpoint.load(tmp_path / "c", model=renamed)
+    cli("reshard", tmp_path / "c", tmp_path / "n", "--world-size", "1", "--rename", "^w$", "weight", "-q")
+    checkpoint.load(tmp_path / "n", model=renamed)
+    assert torch.equal(renamed.weight, saved.w)
+
+
 def test_plain_dcp_reads_ours_and_ours_reads_plain_dcp(tmp_path):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 

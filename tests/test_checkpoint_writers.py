@@ -40,6 +40,7 @@ def _racer(path: str, first_value: int, barrier, trials: int) -> None:
     for trial in range(trials):
         barrier.wait()  # both processes start each save together
         checkpoint.save_state_dict(_state(first_value + 2 * trial), path)
+        barrier.wait()  # both saves of this trial are over: the test reads the result before the next trial
 
 
 def test_two_processes_saving_to_one_path_commit_one_whole_state_each_time(tmp_path):
@@ -53,12 +54,10 @@ def test_two_processes_saving_to_one_path_commit_one_whole_state_each_time(tmp_p
     try:
         for trial in range(TRIALS):
             barrier.wait(timeout=120)  # releases both racers for this trial
-            if trial:
-                # the previous trial is over once both racers are at this barrier: its result is settled
-                outcomes.append(_which_state(path) - 2 * (trial - 1))
+            barrier.wait(timeout=120)  # both racers' saves returned; none starts again until the next trial
+            outcomes.append(_which_state(path) - 2 * trial)
         for p in procs:
             p.join(timeout=120)
-        outcomes.append(_which_state(path) - 2 * (TRIALS - 1))
     finally:
         for p in procs:
             if p.is_alive():

@@ -1,8 +1,11 @@
 """Sizes on the command line (``--max-shard-size 5GB``, ``--max-chunk-size 64MiB``) and the installed console script."""
 
 import argparse
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +64,14 @@ def test_the_installed_console_script_runs_and_reports_a_bad_size_in_one_line(tm
         "fsdp-ckpt: error: argument --max-shard-size: '5XB' is not a size; write e.g. 5GB, 500MB or 2GiB; "
         "see `fsdp-ckpt export --help`"
     ]
+
+
+def test_the_checkout_wrapper_runs_the_tool_from_any_directory_without_installing(tmp_path):
+    # the README's way to reach fsdp-ckpt outside the quickstart's .venv
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_ckpt.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "{inspect,verify,reshard,export,import,diff}" in proc.stdout

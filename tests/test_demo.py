@@ -1,6 +1,7 @@
 """The README's demo, at tiny sizes: every claim it prints is checked here."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,9 @@ def test_demo_kills_resumes_bit_exactly_and_exports_a_loadable_model(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     assert (out / "loss_curve.png").stat().st_size > 10_000
     assert "demo OK" in proc.stdout
+    # progress as each phase is reached, in order, before the summary
+    phases = re.findall(r"^demo \[\d/5\] +[0-9.]+ s  (\w+):", proc.stdout, flags=re.MULTILINE)
+    assert phases == ["train", "save", "kill", "resume", "resume", "export"]
 
 
 def _demo_module():

@@ -16,6 +16,14 @@ def _named(n: int = 2) -> list[tuple[str, torch.Tensor]]:
     return [(f"layer{i}.weight", torch.randn(4, 3, requires_grad=True)) for i in range(n)]
 
 
+@pytest.mark.parametrize("model", [torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(3, 2))])
+def test_a_module_instead_of_its_parameters_is_a_type_error_saying_what_to_pass(model):
+    with pytest.raises(
+        TypeError, match=r"got a module \(\w+\); pass its parameters, .*model\.parameters\(\).*or an optimizer"
+    ):
+        HybridDeviceOptimizer(model, 1.0, lr=0.1)
+
+
 @pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan"), float("inf")])
 def test_offload_fraction_outside_zero_one_is_a_value_error(fraction):
     with pytest.raises(ValueError, match="offload_fraction must be in"):

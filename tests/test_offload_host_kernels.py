@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import checkpoint
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.fused_step import FusedScratch
-from offload_fsdp.host_kernels import HOST_KERNELS, SgdKernel, host_kernel_for, register_host_kernel
+from offload_fsdp.host_kernels import SgdKernel, host_kernel_for, register_host_kernel
+from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, qualified_name
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard
 from offload_fsdp.sgd_step import SPLIT_UNIT, pieces
@@ -172,12 +173,6 @@ def test_materialized_momentum_buffers_are_placeholders_the_first_step_replaces_
     _assert_matches(opt, ours, ref_opt, ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="state_dict() saves materialize_state's placeholder momentum buffers (zeros) as real state, so a "
-    "resume from it dampens a zero buffer where the straight run starts it from the grad; fix: leave placeholder "
-    "state out of state_dict() (a kernel keeping no buffer leaves its records placeholders: keep their masters)",
-)
 def test_a_state_dict_taken_after_materialize_state_resumes_as_the_run_that_never_saved():
     hyper = CONFIGS["dampening"]
     straight, saved_from, resumed = _params(), _params(), _params()
@@ -310,12 +305,17 @@ def test_momentum_turned_on_after_construction_is_refused_naming_the_missing_buf
         opt.step()
 
 
-def test_sgd_subclasses_and_differentiable_groups_run_the_class_per_bucket():
-    class LoggingSGD(torch.optim.SGD):
+def test_sgd_subclasses_overriding_step_and_differentiable_groups_run_the_class_per_bucket():
+    class LoggingSGD(torch.optim.SGD):  # keeps SGD.step: matched as SGD (one rule with per_element)
         pass
 
-    sub = HybridDeviceOptimizer(LoggingSGD(_params(), lr=0.1, momentum=0.9), 1.0)
-    assert host_kernel_for(LoggingSGD) is None and all(b.kernel is None for b in sub._buckets)
+    class ClippedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    assert isinstance(host_kernel_for(LoggingSGD), SgdKernel)
+    sub = HybridDeviceOptimizer(ClippedSGD(_params(), lr=0.1, momentum=0.9), 1.0)
+    assert host_kernel_for(ClippedSGD) is None and all(b.kernel is None for b in sub._buckets)
     diff = HybridDeviceOptimizer(torch.optim.SGD(_params(), lr=0.1, differentiable=True), 1.0)
     assert all(b.kernel is None and b.delegate is not None for b in diff._buckets)
 
@@ -386,7 +386,7 @@ def test_a_registered_third_class_gets_its_host_kernel_and_matches_the_class_its
             assert torch.equal(p, q)
             assert torch.equal(opt.state[p]["last_sign"], ref_opt.state[q]["last_sign"])
     finally:
-        HOST_KERNELS.pop(SignSGD)
+        PER_ELEMENT_OPTIMIZERS.pop(qualified_name(SignSGD))
     assert all(b.kernel is None for b in HybridDeviceOptimizer(SignSGD(_params()), 1.0)._buckets)
 
 

@@ -20,6 +20,8 @@ import optim
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.copy_engine import SyncCopyEngine
 from offload_fsdp.forward_waits import owners_of_buckets
+from offload_fsdp.host_kernels import AdamKernel, register_host_kernel
+from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, qualified_name
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.transfer_ring import RingCopyEngine
 from tests.distributed import run_ranks
@@ -59,17 +61,49 @@ def _batch(step: int, micro: int, width: int, dtype: torch.dtype) -> torch.Tenso
     return torch.randn(4, width, generator=torch.Generator().manual_seed(100 * step + micro)).to(dtype)
 
 
+_WORKER = "offload_fsdp-host-step"
+_KERNEL_THREADS: list[str] = []
+"""the thread each host kernel call of the current step ran on (recorded through register_host_kernel)"""
+
+
+def _recording(factory):
+    def make():
+        kernel = factory()
+        step_bucket = kernel.step_bucket
+
+        def recorded(*args):
+            _KERNEL_THREADS.append(threading.current_thread().name)
+            step_bucket(*args)
+
+        kernel.step_bucket = recorded
+        return kernel
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _record_kernel_threads():
+    """AdamW's and SGD's host kernels, each call recorded with its thread (the public extension point)."""
+    originals = {cls: PER_ELEMENT_OPTIMIZERS[qualified_name(cls)] for cls in (torch.optim.AdamW, torch.optim.SGD)}
+    for cls, factory in originals.items():
+        register_host_kernel(cls, _recording(factory))
+    yield
+    for cls, factory in originals.items():
+        PER_ELEMENT_OPTIMIZERS[qualified_name(cls)] = factory
+
+
 def _train(model, opt, steps, *, micro_batches=1, sched=None, dtype=torch.float32, width=WIDTH, seen=None):
-    """Train; ``seen`` collects, per step, whether a host update was queued before backward finished."""
+    """Train; ``seen`` collects, per step, whether a host update ran on the worker (queued during backward)."""
     for step in range(steps):
+        _KERNEL_THREADS.clear()
         for micro in range(micro_batches):
             final = micro == micro_batches - 1
             ctx = opt.defer_grad_copies() if not final else _nullcontext()
             with ctx:
                 model(_batch(step, micro, width, dtype), step).float().square().mean().backward()
-        if seen is not None and opt._overlapped is not None:
-            seen.append(opt._overlapped.in_progress)
         opt.step()
+        if seen is not None:
+            seen.append(_WORKER in _KERNEL_THREADS)
         if sched is not None:
             sched.step()
         opt.zero_grad()
@@ -358,45 +392,55 @@ def test_overlap_without_backward_hooks_is_refused():
         )
 
 
-def test_an_error_in_the_worker_surfaces_at_step_naming_the_bucket_and_params():
+class _FailingAdamW(AdamKernel):
+    """AdamW's host kernel, failing on bucket 0 while ``error`` is set (the last bucket of backward: no hook
+    runs after it is queued to raise first, so the failure cannot race the rest of that backward)."""
+
+    error: BaseException | None = None
+
+    def __init__(self) -> None:
+        super().__init__(decoupled_default=True)
+
+    def step_bucket(self, bucket, active, group, scratch):
+        if _FailingAdamW.error is not None and bucket.index == 0:
+            raise _FailingAdamW.error
+        super().step_bucket(bucket, active, group, scratch)
+
+
+@pytest.fixture
+def failing_kernel():
+    """AdamW's buckets stepped by :class:`_FailingAdamW`, through the public extension point."""
+    original = PER_ELEMENT_OPTIMIZERS[qualified_name(torch.optim.AdamW)]
+    register_host_kernel(torch.optim.AdamW, _FailingAdamW)
+    yield _FailingAdamW
+    _FailingAdamW.error = None
+    PER_ELEMENT_OPTIMIZERS[qualified_name(torch.optim.AdamW)] = original
+
+
+def test_an_error_in_the_worker_surfaces_at_step_naming_the_bucket_and_params(failing_kernel):
     model = _net()
     opt = HybridDeviceOptimizer(
         model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
     )
-    real = opt._host_kernel.host_step
-
-    def failing(bucket, *args):
-        if bucket.index == 0:  # the last bucket of backward: no hook runs after it to raise first (no race)
-            raise OSError("disk on fire")
-        return real(bucket, *args)
-
-    opt._host_kernel.host_step = failing
+    failing_kernel.error = OSError("disk on fire")
     model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
     with pytest.raises(RuntimeError, match="bucket 0 \\(params 'layers.0.weight'.*disk on fire") as info:
         opt.step()
     assert isinstance(info.value.__cause__, OSError)
-    opt._host_kernel.host_step = real
+    failing_kernel.error = None
     opt.zero_grad()  # the failed step is over: the optimizer can go on
     model(_batch(1, 0, WIDTH, torch.float32), 1).square().mean().backward()
     opt.step()
 
 
-def test_a_worker_error_also_surfaces_at_the_next_hook():
+def test_a_worker_error_also_surfaces_at_the_next_hook(failing_kernel):
     model = _net()
     opt = HybridDeviceOptimizer(
         model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
     )
-    real = opt._host_kernel.host_step
-
-    def failing(bucket, *args):
-        # Only the bucket whose grads are final last (layers.0): no hook of this backward runs after it
-        # is queued, so the failure cannot race the rest of this backward (it surfaces at the next one).
-        if bucket.index == 0:
-            raise MemoryError("host out of memory")
-        return real(bucket, *args)
-
-    opt._host_kernel.host_step = failing
+    failing_kernel.error = MemoryError("host out of memory")
     model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
+    # Private: no public call waits for the worker without also raising its failure (which is the point here).
     opt._overlapped.worker.wait_quietly()  # the failure is recorded: deterministic from here on
     with pytest.raises(RuntimeError, match="bucket 0 \\(params 'layers.0.weight'.*MemoryError"):
         model(_batch(0, 1, WIDTH, torch.float32), 1).square().mean().backward()

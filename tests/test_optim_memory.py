@@ -110,3 +110,9 @@ def test_host_bytes_per_param_of_offloaded_sgd_are_what_the_optimizer_allocates(
 def test_an_unknown_optimizer_name_is_a_value_error_listing_the_names():
     with pytest.raises(ValueError, match="valid names: adamw, adam, sgd"):
         bytes_per_param(None, FP32, 1.0, name="lamb")
+
+
+def test_state_sizes_are_read_from_the_host_kernels_layout_adagrad_included():
+    adagrad = bytes_per_param(PrecisionPolicy(), torch.bfloat16, 1.0, name="adagrad")
+    assert adagrad.host_parts["sum"] == 4  # in the fp32 master's dtype, as AdagradKernel.state_layout says
+    assert "sum" not in bytes_per_param(PrecisionPolicy(), torch.bfloat16, 1.0, name="adamw").host_parts

@@ -21,6 +21,11 @@ PRIVATE_USES = [
     ("torch", "_foreach_zero_", "offload_fsdp/grad.py _clear_slots"),
     ("torch", "_foreach_norm", "optim/clip.py _norms"),
     ("torch", "_foreach_mul_", "optim/clip.py clip_grad_norm_"),
+    (
+        "torch.autograd",
+        "Variable._execution_engine.queue_callback",
+        "offload_fsdp/overlap.py OverlappedStep._watch_backward",
+    ),
     ("torch.autograd", "_profiler_enabled", "offload_fsdp/optimizer.py _profiled, _bucket_stage"),
     ("torch", "Tensor._make_wrapper_subclass", "checkpoint/shard.py CheckpointShard.__new__"),
     ("torch._utils", "_rebuild_tensor_v2", "checkpoint/chunk_archive.py (data.pkl's rebuild call)"),

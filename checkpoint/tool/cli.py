@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from checkpoint.atomic import output_path
 from checkpoint.manifest import NotACheckpointError
 from checkpoint.tool.cli_convert import cmd_export, cmd_import, cmd_reshard
 from checkpoint.tool.cli_diff import cmd_diff
@@ -297,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             level=logging.INFO if args.verbose and process_rank() == 0 else logging.WARNING,
             format=f"{PROG}: %(message)s" if not debug else "%(asctime)s %(name)s %(levelname)s: %(message)s",
         )
+        if getattr(args, "dst", None) is not None:
+            args.dst = str(output_path(args.dst))  # normalised once: `sub/..` is the directory it names
         args.group = group = join_group()  # SOLO unless run under torchrun
         if group.rank != 0 and not getattr(args, "parallel", False):
             return 0  # commands that do not split their work run on process 0 only

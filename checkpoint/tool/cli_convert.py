@@ -178,7 +178,7 @@ def _export_safetensors(args, reader, dst: Path, specs, tensors, object_values, 
     group = args.group
     # written whole under the staging dir, then swapped in: a crash leaves DST absent or as it was
     staging = staging_path(dst)
-    group.together(lambda: _prepare_safetensors_dir(dst, args.force), only_rank0=True)
+    replaced = group.together(lambda: _prepare_safetensors_dir(dst, args.force), only_rank0=True)
     by_name = {n: (n, d, s) for n, d, s in specs}
     names = plan_shards([(n, Entry(n, "tensor", d, s).nbytes) for n, d, s in specs], args.max_shard_size)
     shards = [[by_name[n] for n in g] for g in names]
@@ -202,7 +202,10 @@ def _export_safetensors(args, reader, dst: Path, specs, tensors, object_values, 
         if group.rank == 0:  # every process has stopped writing (together() agreed on the failure)
             remove_staging(dst)
         raise
-    return f"{len(shards)} file(s) + model.safetensors.index.json in {dst}", bar
+    where = f"{len(shards)} file(s) + model.safetensors.index.json in {dst}"
+    if replaced:  # rank 0 only
+        where += f", replacing its earlier weight files ({', '.join(replaced)}; its other files were kept)"
+    return where, bar
 
 
 def _export_torch_file(args, reader, dst: Path, specs, tensors, object_values, out_name, cast) -> tuple[str, Progress]:
@@ -224,22 +227,28 @@ def _export_torch_file(args, reader, dst: Path, specs, tensors, object_values, o
     return str(dst), bar
 
 
-def _prepare_safetensors_dir(dst: Path, force: bool) -> None:
+def _prepare_safetensors_dir(dst: Path, force: bool) -> list[str]:
     """Make an empty staging dir for an export to ``dst``; with ``force``, other files of ``dst`` go in first.
 
-    Shards and index of an earlier export in ``dst`` are left out (they would sit
-    beside the new ones, unindexed); anything else there (``config.json``, a
-    tokenizer) is hard-linked (else copied) so the swap keeps it.
+    Weight files and indexes already in ``dst`` (an earlier export's shards, a
+    ``model.safetensors`` or ``pytorch_model*.bin`` of ``save_pretrained``) are
+    left out: beside the new ones ``from_pretrained`` could read them instead.
+    Anything else there (``config.json``, a tokenizer) is hard-linked (else
+    copied) so the swap keeps it. Returns the names left out (replaced by the swap).
     """
     recover_interrupted_swap(dst, complete=is_export)  # an export killed mid-swap left it in the swap dir
     _check_fresh_output(dst, force)
     if dst.exists() and not dst.is_dir():
         raise CliError(f"output {str(dst)!r} is a file; --format safetensors writes a directory: give a directory")
     staging = make_staging(dst)  # an unfinished export to this path (marked as ours) is removed
+    replaced = []
     if force and dst.is_dir():
         for entry in dst.iterdir():
-            if not is_export_file(entry.name) and entry.name != MARKER_NAME:
+            if is_export_file(entry.name):
+                replaced.append(entry.name)
+            elif entry.name != MARKER_NAME:
                 _link_or_copy(entry, staging / entry.name)
+    return sorted(replaced)
 
 
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from checkpoint.manifest import dtype_name
@@ -44,15 +45,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"format      {info['format']}{version}")
     print(f"committed   {'yes (manifest.json)' if reader.committed else 'no: ' + (reader.note or '')}")
     print(f"world size  {info['world_size']}   data files {info['data_files']}")
-    width = max([len(r["key"]) for r in rows] + [3])
+    shown, summarised = _summarise_group_options(rows)
+    width = max([len(r["key"]) for r in shown] + [3])
     print(f"\n{'key':<{width}}  {'dtype':<9} {'shape':<20} {'chunks':>6} {'bytes':>12}")
-    for r in rows:
+    for r in shown:
         shape = "x".join(map(str, r["shape"])) if r["kind"] == "tensor" else "(object)"
         print(f"{r['key']:<{width}}  {r['dtype'] or '-':<9} {shape or '()':<20} {r['chunks']:>6} {r['bytes']:>12}")
+    if summarised:
+        print(f"({summarised} per-parameter optimizer options shown once per option; --json lists every key)")
     print()
     for group, t in sorted(totals.items()):
         print(f"{group:<10} {t['keys']:>6} keys {t['tensors']:>6} tensors {human_bytes(t['bytes']):>12}")
     return 0
+
+
+_GROUP_OPTION = re.compile(r"optimizer\.param_groups\.(?P<fqn>.+)\.(?P<option>[^.]+)")
+
+
+def _summarise_group_options(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """``rows`` with the per-parameter optimizer options (``optimizer.param_groups.<fqn>.<option>``,
+    the same few options repeated for every parameter) folded into one row per option; and how many were folded.
+
+    Torch's numbered groups (``optimizer.param_groups.0.lr``) stay as they are.
+    """
+    shown: list[dict[str, Any]] = []
+    folded: dict[str, dict[str, Any]] = {}
+    count = 0
+    for row in rows:
+        m = _GROUP_OPTION.fullmatch(row["key"])
+        if row["kind"] != "object" or m is None or m["fqn"].isdigit():
+            shown.append(row)
+            continue
+        count += 1
+        option = folded.get(m["option"])
+        if option is None:
+            option = folded[m["option"]] = {**row, "params": 0}
+            shown.append(option)
+        option["params"] += 1
+        option["key"] = f"optimizer.param_groups.<{option['params']} params>.{m['option']}"
+    return shown, count
 
 
 def _inspect_row(e: Entry) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from checkpoint.atomic import is_committed, make_staging, remove_staging, staging_path, write_lock
+from checkpoint.atomic import check_target, make_staging, remove_staging, staging_path, write_lock
 from checkpoint.commit import commit_staged
 from checkpoint.data_file import DataFile, StorageInfo, data_file_name
 from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
@@ -171,10 +171,8 @@ def _write_and_commit(
 def _prepare(dst: Path, replace: bool) -> None:
     if dst.exists() and not replace and (dst.is_file() or any(dst.iterdir())):
         raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
-    if dst.exists() and replace and not (is_committed(dst) or (dst.is_dir() and not any(dst.iterdir()))):
-        raise FileExistsError(
-            f"refusing to replace {str(dst)!r}: it is not a committed checkpoint; choose another output path"
-        )
+    if replace:
+        check_target(dst)  # a committed checkpoint holding only its own files, an empty directory, or nothing
     make_staging(dst)  # an unfinished save of this path (marked as ours) is removed; anything else is refused
 
 

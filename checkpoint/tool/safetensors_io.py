@@ -70,9 +70,20 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
+_WEIGHT_FILE = re.compile(
+    r"model(-\d{5,}-of-\d{5,})?\.safetensors|pytorch_model(-\d{5,}-of-\d{5,})?\.bin"
+    r"|model\.safetensors\.index\.json|pytorch_model\.bin\.index\.json"
+)
+
+
 def is_export_file(name: str) -> bool:
-    """Whether ``name`` is one an export writes (a shard or the index), so a new export replaces it."""
-    return name == INDEX_NAME or re.fullmatch(r"model-\d{5,}-of-\d{5,}\.safetensors", name) is not None
+    """Whether ``name`` is a Hugging Face weight file or index, so a new export replaces it.
+
+    What an export writes (shards, the index) and what ``from_pretrained`` would
+    read beside or instead of it: ``model.safetensors`` (read before any index),
+    ``pytorch_model*.bin`` and their indexes.
+    """
+    return _WEIGHT_FILE.fullmatch(name) is not None
 
 
 def is_export(directory: Path) -> bool:

@@ -1,0 +1,124 @@
+"""``HybridDeviceOptimizer``'s settings as one documented dataclass, with enums for its modes.
+
+``HybridDeviceOptimizer(params, options=OffloadOptions(...))`` and the keyword form
+``HybridDeviceOptimizer(params, offload_fraction, cpu_optimizer_cls=..., ...)`` are the
+same: the keywords build an :class:`OffloadOptions` (:meth:`OffloadOptions.from_keywords`).
+``$OFFLOAD_FSDP_HOST_STEP`` keeps choosing the host Adam step when ``host_step`` is left
+``None``. Every setting is validated here, at construction (``ValueError`` naming it).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from offload_fsdp.precision import PrecisionPolicy
+from offload_fsdp.transfer_ring import check_transfer_slots
+
+__all__ = ["DEFAULT_BUCKET_NUMEL", "HostStepChoice", "OffloadOptions", "Schedule", "check_fraction"]
+
+DEFAULT_BUCKET_NUMEL = 1 << 24
+"""16M elements (64 MiB of fp32 master) per bucket: big enough that per-bucket
+overheads vanish, small enough that D2H / host step / H2D of neighbouring
+buckets overlap."""
+
+
+class Schedule(enum.Enum):
+    """When the host buckets are updated."""
+
+    AFTER_BACKWARD = "after_backward"
+    """inside ``step()``, after the whole backward (the default)"""
+    OVERLAPPED = "overlapped"
+    """during the final backward, each bucket as soon as its grads are final (``overlap_step_with_backward=True``)"""
+
+
+class HostStepChoice(enum.Enum):
+    """How the Adam(W) host kernel steps a bucket (``$OFFLOAD_FSDP_HOST_STEP``: these values)."""
+
+    AUTO = "auto"
+    """the compiled C loop, built at the first step that needs it; torch's fused kernel if that fails"""
+    COMPILED = "compiled"
+    """the compiled loop, built at construction (its cost and any failure warning come then)"""
+    FUSED = "fused"
+    """torch's fused CPU Adam kernel in cache-sized pieces only"""
+
+
+def check_fraction(value: Any) -> float:
+    """``value`` as a float in [0, 1]; anything else (NaN, non-numbers, bools) is a ValueError.
+
+    Accepted: real numbers (int, float, numpy scalars, ``fractions.Fraction``) and
+    one-element real tensors. A bool is refused although Python counts it as an int:
+    ``True`` where a fraction belongs is far more likely a misplaced flag than "1.0".
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not (value.is_complex() or value.dtype == torch.bool):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"offload_fraction must be a real number in [0, 1] (a float, int or one-element tensor; not a bool), "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    value = float(value)
+    if math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {value!r}")
+    return value
+
+
+@dataclass(kw_only=True)
+class OffloadOptions:
+    """Everything ``HybridDeviceOptimizer`` is told besides its params, hyper-parameters and ``model``."""
+
+    offload_fraction: float = 1.0
+    """share (in [0, 1]) of trainable device-resident local elements whose update runs on the host, as a
+    whole-parameter prefix in parameter order (params already on the CPU always update on the host)"""
+    cpu_optimizer_cls: type[torch.optim.Optimizer] | None = None
+    """class of the host update; None: the wrapped optimizer's class, else ``torch.optim.AdamW``"""
+    gpu_optimizer_cls: type[torch.optim.Optimizer] | None = None
+    """class of the device update; None: the host class"""
+    precision: PrecisionPolicy | None = None
+    """master, host moment and grad staging dtypes; None: ``PrecisionPolicy()`` (fp32 masters)"""
+    pin_cpu_grads: bool = True
+    """page-lock the host grad staging (ignored without an accelerator and with ``pinned_transfer_slots``)"""
+    pin_cpu_params: bool = True
+    """page-lock the host buffer H2D copies from (ignored as ``pin_cpu_grads``)"""
+    overlap_cpu_optimizer_d2h_h2d: bool = True
+    """copies on side streams, D2H started from post-accumulate-grad hooks; False: blocking copies in ``step()``"""
+    pinned_transfer_slots: int | None = None
+    """None: every host buffer that crosses the bus is page-locked; n >= 1: they stay pageable and copies go
+    through n page-locked slots per direction (:mod:`offload_fsdp.transfer_ring`), with the same results"""
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    """elements per host bucket (the pipelining unit)"""
+    graph_safe_grads: bool = False
+    """gradients become views of persistent flat buffers a CUDA graph keeps writing (:mod:`offload_fsdp.graph_safe`)"""
+    schedule: Schedule = Schedule.AFTER_BACKWARD
+    """when the host buckets are updated (:class:`Schedule`); ``OVERLAPPED`` needs ``overlap_cpu_optimizer_d2h_h2d``"""
+    host_step: HostStepChoice | None = None
+    """the Adam(W) host kernel's step (:class:`HostStepChoice`); None: ``$OFFLOAD_FSDP_HOST_STEP``, else ``AUTO``"""
+
+    def __post_init__(self) -> None:
+        self.offload_fraction = check_fraction(self.offload_fraction)
+        if self.bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be positive, got {self.bucket_numel}")
+        self.pinned_transfer_slots = check_transfer_slots(self.pinned_transfer_slots)
+        self.schedule = Schedule(self.schedule)
+        if self.host_step is not None:
+            self.host_step = HostStepChoice(self.host_step)
+        if self.schedule is Schedule.OVERLAPPED and not self.overlap_cpu_optimizer_d2h_h2d:
+            raise ValueError(
+                "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "
+                "that stage grads are what start the host updates"
+            )
+
+    @classmethod
+    def from_keywords(cls, *, overlap_step_with_backward: bool = False, **keywords: Any) -> OffloadOptions:
+        """The options the keyword form of ``HybridDeviceOptimizer`` names (``overlap_step_with_backward``: the schedule)."""
+        schedule = Schedule.OVERLAPPED if overlap_step_with_backward else Schedule.AFTER_BACKWARD
+        return cls(schedule=schedule, **keywords)
+
+    def changed(self) -> list[str]:
+        """Names of the fields not at their defaults."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
