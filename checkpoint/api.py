@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
+from checkpoint.gc_pause import paused_gc
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import (
     DEFAULT_MAX_READ_BYTES,
@@ -120,7 +121,8 @@ def save(
     for name in _ASYNC_ONLY:
         if not async_ and name in options:
             raise ValueError(f"{name} only applies to an async save: pass async_=True or call checkpoint.async_save")
-    state = _training_state(model, optimizer, extra)
+    with paused_gc():
+        state = _training_state(model, optimizer, extra)
     if async_:
         return async_save_state_dict(state, path, **options)
     save_state_dict(state, path, **options)

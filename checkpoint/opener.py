@@ -185,18 +185,24 @@ def consistency_problems(metadata: Metadata, manifest: Manifest | None) -> list[
 def storage_problems(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[str]:
     """Byte ranges of ``metadata`` that ``files`` (name -> recorded size) cannot hold, one phrase each.
 
-    A range in a file not listed, shared by two entries, or past its file's recorded end.
+    A range in a file not listed, shared by two entries (but for equal pickled values stored once), or past
+    its file's recorded end.
     Also what a commit checks before it vouches for a merged ``.metadata``.
     """
     problems = [f"points into {name}, which is not listed" for name in unlisted_files(metadata, files)[:5]]
     ranges = sorted(
-        (info.relative_path, info.offset, info.offset + info.length, _entry(index))
+        (info.relative_path, info.offset, info.offset + info.length, index.offset is None, _entry(index))
         for index, info in (metadata.storage_data or {}).items()
     )
-    for (name, _, end, key), (next_name, next_start, _, next_key) in zip(ranges, ranges[1:]):
-        if name == next_name and next_start < end:
+    for (name, start, end, value, key), (next_name, next_start, next_end, next_value, next_key) in zip(
+        ranges, ranges[1:]
+    ):
+        # Pickled values may share one exact range: a save stores an equal value once (a param group's
+        # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
+        shared_value = value and next_value and (start, end) == (next_start, next_end)
+        if name == next_name and next_start < end and not shared_value:
             problems.append(f"{key} and {next_key} share bytes of {name}")
-    for name, _, end, key in ranges:
+    for name, _, end, _, key in ranges:
         if name in files and end > files[name].size:
             problems.append(f"{key} is stored past the end of {name} (byte {end})")
     return problems

@@ -408,8 +408,16 @@ def _check_leaves(tree: Any, prefix: str = "") -> None:
     elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
         for i, v in enumerate(tree):
             _check_leaves(v, f"{prefix}{i}.")
-    elif not isinstance(tree, _PLAIN):  # plain scalars and tensors always load weights-only
+    elif not _is_plain(tree):  # plain scalars and tensors always load weights-only
         check_weights_only(prefix.rstrip("."), tree)
+
+
+def _is_plain(value: Any) -> bool:
+    """A plain scalar or tensor, or a tuple / list of them (a param group's ``betas``): loads weights-only
+    without the torch.save + torch.load round trip per value."""
+    if type(value) in (tuple, list):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointSaveError",
     "agree_on_failure",
     "dcp_failures",
+    "describe_error",
     "first_failure",
     "on_every_rank",
     "raise_on_every_rank",
@@ -80,7 +81,8 @@ def first_failure(exc: BaseException) -> BaseException:
     return next(iter(dcp_failures(exc).values()), exc)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """One rank's error as the others report it: ``"<type>: <message>"``."""
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -98,7 +100,7 @@ def agree_on_failure(
             raise error
         return {}
     everyone: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, None if error is None else _describe(error), group=group)
+    dist.all_gather_object(everyone, None if error is None else describe_error(error), group=group)
     if error is not None:
         raise error
     return {rank: message for rank, message in enumerate(everyone) if message is not None}
@@ -152,7 +154,7 @@ def unwrap_dcp_error(exc: CheckpointException, path: str | os.PathLike, rank: in
     failures = dcp_failures(exc)
     if rank in failures:
         return failures[rank]
-    return CheckpointSaveError(path, {r: _describe(f) for r, f in failures.items()} or {0: str(exc)})
+    return CheckpointSaveError(path, {r: describe_error(f) for r, f in failures.items()} or {0: str(exc)})
 
 
 def raise_unwrapped(exc: CheckpointException, path: str | os.PathLike, rank: int = 0) -> None:

@@ -58,6 +58,7 @@ from checkpoint.convert import (
     to_checkpointable,
 )
 from checkpoint.errors import some_of
+from checkpoint.gc_pause import paused_gc
 from checkpoint.object_commit import protocol_for
 from checkpoint.opener import (
     CheckpointCorruptError,
@@ -79,6 +80,7 @@ from checkpoint.save_errors import (
     raise_unwrapped,
     unwrap_dcp_error,
 )
+from checkpoint.save_plan import PlannedSave
 from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
 from checkpoint.storage_backend import locate
@@ -212,7 +214,8 @@ def load_on_every_rank(
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
     result = error = None
     try:
-        result = load()
+        with paused_gc():
+            result = load()
     except _AgreedFailure as agreed:
         raise agreed.error from None
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
@@ -254,24 +257,25 @@ def save_state_dict(
     """
     path = output_path(path, storage_options)  # resolved once: a local path or a URL, bound to its storage
     wait_for_async_save()
-    # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
-    # dcp.save would call them in each rank's dict order), and what we save must load weights-only. Agreed on
-    # before anything is written: a value refused (or a state_dict() raising) on one rank must not leave the
-    # others waiting in DCP's first collective.
-    state_dict = on_every_rank(
-        partial(_resolved_and_checked, state_dict),
-        partial(CheckpointSaveError, path),
-        group=process_group,
-        distributed=_dist_info(process_group)[2],
-    )
-    write_state_dict(
-        state_dict,
-        path,
-        mode=mode,
-        max_chunk_bytes=max_chunk_bytes,
-        process_group=process_group,
-        keep_last=keep_last,
-    )
+    with paused_gc():
+        # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
+        # dcp.save would call them in each rank's dict order), and what we save must load weights-only. Agreed on
+        # before anything is written: a value refused (or a state_dict() raising) on one rank must not leave the
+        # others waiting in DCP's first collective.
+        state_dict = on_every_rank(
+            partial(_resolved_and_checked, state_dict),
+            partial(CheckpointSaveError, path),
+            group=process_group,
+            distributed=_dist_info(process_group)[2],
+        )
+        write_state_dict(
+            state_dict,
+            path,
+            mode=mode,
+            max_chunk_bytes=max_chunk_bytes,
+            process_group=process_group,
+            keep_last=keep_last,
+        )
 
 
 def _resolved_and_checked(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -367,19 +371,17 @@ def _agree_on_staging(protocol, prepare, rank, process_group, distributed) -> Pu
 def _save_collective(
     state_dict, protocol, world_size, max_chunk_bytes, convert, prepare, process_group, distributed, staged
 ) -> None:
-    """DCP's collective save; conversion and rank 0's preparation run in its local-plan step, where it gathers errors."""
+    """The collective save (:mod:`checkpoint.save_plan`: DCP's layout, its plan made once per layout)."""
     info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
-    writer = FsdpWriter(
-        staged, prepare=prepare, on_commit=partial(_commit_collective, protocol, staged, world_size, info)
-    )
-    with quiet_single_process():
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=FsdpSavePlanner(convert=convert),
-            process_group=process_group,
-            no_dist=not distributed,
-        )
+    PlannedSave(
+        staged,
+        convert=convert,
+        prepare=prepare or (lambda: None),  # None: the object-store protocol prepared the staging already
+        commit=partial(_commit_collective, protocol, staged, world_size, info),
+        group=process_group,
+        distributed=distributed,
+        path=protocol.path,
+    ).run(state_dict)
 
 
 def _save_scale(
