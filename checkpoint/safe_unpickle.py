@@ -412,11 +412,17 @@ def _check_leaves(tree: Any, prefix: str = "") -> None:
         check_weights_only(prefix.rstrip("."), tree)
 
 
+_PLAIN_SEQUENCE_LEN = 16
+"""A tuple / list of at most this many plain scalars (a param group's ``betas``) skips the round trip; a longer
+or nested one goes through :func:`check_weights_only` and its cost budget (shared references make a short
+nested value a huge one to walk: a billion-laughs list)"""
+
+
 def _is_plain(value: Any) -> bool:
-    """A plain scalar or tensor, or a tuple / list of them (a param group's ``betas``): loads weights-only
-    without the torch.save + torch.load round trip per value."""
+    """A plain scalar or tensor, or a short flat tuple / list of them (a param group's ``betas``): loads
+    weights-only without the torch.save + torch.load round trip per value."""
     if type(value) in (tuple, list):
-        return all(_is_plain(v) for v in value)
+        return len(value) <= _PLAIN_SEQUENCE_LEN and all(isinstance(v, _PLAIN) for v in value)
     return isinstance(value, _PLAIN)
 
 

@@ -73,9 +73,7 @@ from checkpoint.retention import retain
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
 from checkpoint.save_errors import (
     CheckpointLoadError,
-    CheckpointSaveError,
     agree_on_failure,
-    on_every_rank,
     raise_on_every_rank,
     raise_unwrapped,
     unwrap_dcp_error,
@@ -258,16 +256,6 @@ def save_state_dict(
     path = output_path(path, storage_options)  # resolved once: a local path or a URL, bound to its storage
     wait_for_async_save()
     with paused_gc():
-        # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
-        # dcp.save would call them in each rank's dict order), and what we save must load weights-only. Agreed on
-        # before anything is written: a value refused (or a state_dict() raising) on one rank must not leave the
-        # others waiting in DCP's first collective.
-        state_dict = on_every_rank(
-            partial(_resolved_and_checked, state_dict),
-            partial(CheckpointSaveError, path),
-            group=process_group,
-            distributed=_dist_info(process_group)[2],
-        )
         write_state_dict(
             state_dict,
             path,
@@ -275,10 +263,13 @@ def save_state_dict(
             max_chunk_bytes=max_chunk_bytes,
             process_group=process_group,
             keep_last=keep_last,
+            check_values=True,
         )
 
 
 def _resolved_and_checked(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Stateful values' ``state_dict()`` once, in sorted key order on every rank (they may run collectives;
+    ``dcp.save`` would call them in each rank's dict order), and a check that what we save loads weights-only."""
     resolved, _ = resolve_stateful(state_dict)
     check_saved_values(resolved)
     return resolved
@@ -292,12 +283,14 @@ def write_state_dict(
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
     keep_last: int | None = None,
+    check_values: bool = False,
 ) -> None:
     """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs).
 
-    The caller has checked the values with :func:`~checkpoint.safe_unpickle.check_saved_values`
-    (an async save does so before staging, so its writer thread does not repeat it), and resolved
-    ``path`` with :func:`~checkpoint.storage_backend.locate`.
+    The caller has resolved ``path`` with :func:`~checkpoint.storage_backend.locate`. ``check_values``:
+    resolve Stateful values and check that every value loads weights-only as the save's first step, whose
+    failure on one rank the save's first collective already raises on every rank (no rank is left waiting,
+    and no collective is added); without it the caller has done so (an async save, before staging).
     """
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
@@ -307,6 +300,8 @@ def write_state_dict(
     convert = partial(
         convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
     )
+    if check_values:
+        convert = partial(_checked_then, convert)
     protocol = protocol_for(path)  # the storage, resolved once: renames and a lock, or the object-store commit
     with contextlib.ExitStack() as held:
         prepared: list = []
@@ -347,6 +342,10 @@ def write_state_dict(
             raise_unwrapped(exc, path, rank if distributed else 0)
     if keep_last is not None and rank == 0:
         retain(path, keep_last=keep_last, wait=False)  # this very save (maybe async) has committed
+
+
+def _checked_then(convert: Callable[[dict[str, Any]], Any], state_dict: dict[str, Any]) -> Any:
+    return convert(_resolved_and_checked(state_dict))
 
 
 def _agree_on_staging(protocol, prepare, rank, process_group, distributed) -> PurePath:
