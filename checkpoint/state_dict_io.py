@@ -257,15 +257,20 @@ def write_state_dict(
     mode: str = "collective",
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
+    distributed: bool | None = None,
 ) -> None:
     """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs).
 
     The caller has checked the values with :func:`~checkpoint.safe_unpickle.check_saved_values`
-    (an async save does so before staging, so its writer thread does not repeat it).
+    (an async save does so before staging, so its writer thread does not repeat it). ``distributed``:
+    whether the save was started in a process group (``None``: whether one is initialised now); a save
+    started in one fails if the group is destroyed before it has prepared the target.
     """
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
-    rank, world_size, distributed = _dist_info(process_group)
+    rank, world_size, in_group = _dist_info(process_group)
+    distributed = in_group if distributed is None else distributed
+    _refuse_lost_group(path, distributed)
     convert = partial(
         convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
     )
@@ -273,6 +278,7 @@ def write_state_dict(
         prepared = []
 
         def prepare() -> None:  # rank 0, before anything is written
+            _refuse_lost_group(path, distributed)
             held.enter_context(write_lock(path))  # held until committed: one writer per path
             check_target(path)
             make_staging(path)
@@ -291,6 +297,21 @@ def write_state_dict(
             if not isinstance(exc, CheckpointException):
                 raise
             raise_unwrapped(exc, path, rank if distributed else 0)
+
+
+def _refuse_lost_group(path: str | os.PathLike, distributed: bool) -> None:
+    """Raise if a save started in a process group has lost it (another thread destroyed it).
+
+    ``dcp.save`` decides whether it is distributed from ``dist.is_initialized()`` when it starts: without the
+    group, every rank would take itself for a single process, coordinator included, and commit its shard alone
+    (and report success). Checked again in ``prepare()``, which every coordinator runs before anything is
+    written, after ``dcp.save`` has decided: a rank that goes on past it meets the others in its collectives,
+    so it reports success only once the commit came back to it through them.
+    """
+    if distributed and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"the process group was destroyed before the save to {str(path)!r} could prepare it: not committed"
+        )
 
 
 def _save_collective(
