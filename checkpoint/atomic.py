@@ -20,8 +20,9 @@ not list (a ``NOTES.md``, a folder) is refused as a target, naming them
 Staging and swap directories are recognisably ours: a name no user would
 pick, and the marker file :data:`MARKER_NAME` inside, written before anything
 else. A save removes only marked directories; anything unmarked sitting at
-one of these names is left alone and the save fails with
-``FileExistsError`` saying what is in the way. Whatever the user keeps next
+one of these names, and any symbolic link there (never followed, whatever it
+points to), is left alone and the save fails with ``FileExistsError`` saying
+what is in the way. Whatever the user keeps next
 to ``P`` (``P.old``, ``P.tmp``, backups) is never looked at.
 
 A ``kill -9`` at any moment leaves one of these states, each resolved without
@@ -49,7 +50,7 @@ from pathlib import Path
 
 from checkpoint.errors import some_of
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointError, read_manifest
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import FileStat, storage_for
 
 __all__ = [
     "MARKER_NAME",
@@ -145,8 +146,12 @@ def is_committed(path: str | os.PathLike) -> bool:
 
 
 def is_ours(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` carries this library's marker (see the module docstring)."""
-    return _is(Path(directory) / MARKER_NAME, "file")
+    """Whether ``directory`` is a directory (not a link to one) carrying this library's marker (see the module
+    docstring): a link at a name the library removes is never followed, so a save cannot empty what it points to."""
+    directory = Path(directory)
+    store = storage_for(directory)
+    found, marker = store.stat(directory), store.stat(directory / MARKER_NAME)
+    return found is not None and found.kind == "directory" and marker is not None and marker.kind == "file"
 
 
 def mark(directory: str | os.PathLike) -> None:
@@ -190,11 +195,29 @@ def _remove_marked(directory: Path) -> None:
     store.remove_dir(directory)
 
 
+def _link_in_the_way(path: Path, found: FileStat, role: str, target: Path) -> FileExistsError:
+    return FileExistsError(
+        f"{str(path)!r} is a symbolic link (to {found.link_target!r}), in the way of the save to {str(target)!r}: "
+        f"this name is kept for its {role}, which a save removes, and a save never follows a link there "
+        "(it would remove what the link points to); move the link away"
+    )
+
+
+def _refuse_links(path: Path) -> None:
+    """Refuse a link at the staging or swap name of ``path``: a save removes what sits there."""
+    for name, role in ((staging_path(path), "unfinished saves"), (old_path(path), "interrupted swaps")):
+        found = storage_for(name).stat(name)
+        if found is not None and found.kind == "symlink":
+            raise _link_in_the_way(name, found, role, path)
+
+
 def _remove_ours(directory: Path, role: str, target: Path) -> None:
     """Remove ``directory`` if it is ours (marked, or an empty dir left by a kill before the marker)."""
     found = storage_for(directory).stat(directory)
     if found is None:
         return
+    if found.kind == "symlink":
+        raise _link_in_the_way(directory, found, role, target)
     if found.kind == "directory":
         if is_ours(directory):
             _remove_marked(directory)
@@ -242,9 +265,11 @@ def check_target(path: str | os.PathLike) -> None:
 
     ``path`` may be absent, an empty directory or a committed checkpoint holding
     only its own files. Raises ``FileExistsError`` naming it (or the files the user
-    put inside it) otherwise: user data is never replaced.
+    put inside it) otherwise: user data is never replaced; or naming a symbolic link at the
+    staging or swap name.
     """
     path = Path(path)
+    _refuse_links(path)
     if _absent(path):
         return
     if _is(path, "directory") and is_committed(path):

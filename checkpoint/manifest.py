@@ -37,6 +37,7 @@ __all__ = [
     "check_relative_name",
     "checksum_file",
     "dtype_name",
+    "read_capped",
     "open_regular",
     "read_manifest",
     "verify_files",
@@ -245,6 +246,18 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
     storage_for(directory).write_file(Path(directory) / MANIFEST_NAME, text, sync_dir=True)
 
 
+def read_capped(path: Path, limit: int) -> bytes:
+    """The bytes of the plain file ``path``, or ``limit + 1`` of them when it holds more (the caller refuses it).
+
+    Sized by the file itself: a read of ``limit + 1`` bytes would allocate a
+    buffer of the cap's size (GiBs) for a file of a few bytes.
+    """
+    store = storage_for(path)
+    with store.open_read(path) as f:
+        found = store.stat(path)
+        return f.read(min(found.size if found is not None else 0, limit) + 1)  # + 1: it may have grown meanwhile
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """Read and validate the manifest of checkpoint ``directory``.
 
@@ -265,8 +278,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             "checkpoint (a save that did not finish, or a plain DCP directory); "
             "re-save it, or read it with torch.distributed.checkpoint directly"
         )
-    with storage_for(path).open_read(path) as f:
-        raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    raw = read_capped(path, _MAX_MANIFEST_BYTES)
     if len(raw) > _MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(f"{path} is larger than {_MAX_MANIFEST_BYTES} bytes: not a manifest; {_FIX}")
     try:

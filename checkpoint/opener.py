@@ -34,6 +34,7 @@ from checkpoint.manifest import (
     Manifest,
     checksum_file,
     dtype_name,
+    read_capped,
     read_manifest,
     verify_files,
 )
@@ -268,8 +269,7 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
     """``.metadata``'s bytes, CRC-checked against the manifest (unless ``verify="none"``) before anything parses them."""
     path = src / METADATA_NAME
     try:
-        with storage_for(path).open_read(path) as f:
-            data = f.read(_MAX_METADATA_BYTES + 1)
+        data = read_capped(path, _MAX_METADATA_BYTES)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; restore it from a copy") from None
     if len(data) > _MAX_METADATA_BYTES:

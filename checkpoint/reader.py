@@ -40,6 +40,7 @@ from checkpoint.chunk_archive import archive_layout
 from checkpoint.content_check import ContentCheck
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
+from checkpoint.pickle_budget import value_problem
 from checkpoint.storage_backend import storage_for
 
 __all__ = ["DEFAULT_MAX_READ_BYTES", "DirectReader", "ReadBudget"]
@@ -263,6 +264,9 @@ class DirectReader(FileSystemReader):
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
         summing = self._verified(info.relative_path, info.offset, data)
+        problem = value_problem(data)  # a plain DCP chunk is a torch.save archive: what it may cost, as values
+        if problem is not None:
+            raise CheckpointCorruptError(f"{path}: the chunk at byte {info.offset}: {problem}; restore the file")
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), summing
         except Exception as exc:  # noqa: BLE001 - any failure to parse a damaged archive is the same error

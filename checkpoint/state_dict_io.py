@@ -5,11 +5,13 @@
 of tensors, DTensors, flat-shard tensors (with a ``fsdp_shard_spec``),
 :func:`checkpoint.shard` objects and picklable values.
 
-Communication: a save in the default ``mode="collective"`` costs DCP's fixed
+Communication: every save starts with one small gather agreeing that every
+rank's values can be saved (weights-only loadable, Stateful ``state_dict()``
+calls that returned). Then a save in the default ``mode="collective"`` costs DCP's fixed
 plan exchange (a gather and a scatter) and its final gather + broadcast,
 whatever the number of tensors (errors of any rank, the conversion of the
 state dict included, are gathered there and raised on every rank);
-``mode="scale"`` costs three small gathers, each agreeing on whether a step
+``mode="scale"`` costs three more small gathers, each agreeing on whether a step
 failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
 the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
 reads no more than each rank's own chunks and the merged ``.metadata``; under
@@ -72,7 +74,9 @@ from checkpoint.replicas import ReplicaDims, ReplicaShare, replica_dims
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
 from checkpoint.save_errors import (
     CheckpointLoadError,
+    CheckpointSaveError,
     agree_on_failure,
+    on_every_rank,
     raise_on_every_rank,
     raise_unwrapped,
     unwrap_dcp_error,
@@ -244,10 +248,22 @@ def save_state_dict(
     path = output_path(path)
     wait_for_async_save()
     # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
-    # dcp.save would call them in each rank's dict order)
-    state_dict, _ = resolve_stateful(state_dict)
-    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
+    # dcp.save would call them in each rank's dict order), and what we save must load weights-only. Agreed on
+    # before anything is written: a value refused (or a state_dict() raising) on one rank must not leave the
+    # others waiting in DCP's first collective.
+    state_dict = on_every_rank(
+        partial(_resolved_and_checked, state_dict),
+        partial(CheckpointSaveError, path),
+        group=process_group,
+        distributed=_dist_info(process_group)[2],
+    )
     write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
+
+
+def _resolved_and_checked(state_dict: dict[str, Any]) -> dict[str, Any]:
+    resolved, _ = resolve_stateful(state_dict)
+    check_saved_values(resolved)
+    return resolved
 
 
 def write_state_dict(

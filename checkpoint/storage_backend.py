@@ -390,10 +390,11 @@ def _flock(lock: Path) -> int:
             # O_NOFOLLOW: a link at the lock name would make the save create or lock a file wherever it points
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as exc:
-            if exc.errno != errno.ELOOP:
+            kinds = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}
+            if exc.errno not in kinds:
                 raise
             raise FileExistsError(
-                f"{str(lock)!r} is a symbolic link, in the way of this save's lock file (not made by a save, "
+                f"{str(lock)!r} is {kinds[exc.errno]}, in the way of this save's lock file (not made by a save, "
                 "left alone); move it away"
             ) from None
         try:

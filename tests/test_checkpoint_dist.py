@@ -357,7 +357,8 @@ def test_checkpoints_move_between_fsdp2_flat_shards_and_world_sizes(tmp_path):
     assert all(r["resume_mismatches"] == [] for r in two)
 
     counts = two[0]["counts"]
-    assert counts["collective8"] == counts["collective200"] and sum(counts["collective8"].values()) <= 4
+    # DCP's fixed exchange (4) plus one gather agreeing every rank's values can be saved (issue 25.2)
+    assert counts["collective8"] == counts["collective200"] and sum(counts["collective8"].values()) <= 5
     # scale mode: agree on the prepared target, on every rank's writes, on rank 0's commit (errors reach every rank)
     assert counts["scale8"] == counts["scale200"] == Counter(all_gather_object=3)
     # a load: one small gather agreeing on success (a damaged file one rank read raises on every rank)
