@@ -155,7 +155,7 @@ def async_save_state_dict(
             raise_on_every_rank(error, path, group=group, distributed=distributed)
             future = submit(
                 path,
-                _write_staged,
+                write_state_dict,  # refused if the process group it was staged under is gone by then
                 staged,
                 path,
                 distributed=distributed,
@@ -169,16 +169,6 @@ def async_save_state_dict(
                 logger.debug("async save to %s staged with %d bytes of copies", path, gate.copied_bytes)
             _pool.end_staging()
             return future
-
-
-def _write_staged(staged: dict[str, Any], path: str | os.PathLike, *, distributed: bool, **options: Any) -> None:
-    """The writer thread's save; refused if the process group it was staged under is gone by now.
-
-    Without the group, ``write_state_dict`` would take this rank for a single process and commit its shard alone.
-    """
-    if distributed and not dist.is_initialized():
-        raise RuntimeError(f"the process group was destroyed before the async save to {str(path)!r} could start")
-    write_state_dict(staged, path, **options)
 
 
 def _stage_now(

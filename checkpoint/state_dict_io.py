@@ -284,6 +284,7 @@ def write_state_dict(
     process_group: dist.ProcessGroup | None = None,
     keep_last: int | None = None,
     check_values: bool = False,
+    distributed: bool | None = None,
 ) -> None:
     """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs).
 
@@ -291,12 +292,16 @@ def write_state_dict(
     resolve Stateful values and check that every value loads weights-only as the save's first step, whose
     failure on one rank the save's first collective already raises on every rank (no rank is left waiting,
     and no collective is added); without it the caller has done so (an async save, before staging).
+    ``distributed``: whether the save was started in a process group (``None``: whether one is initialised
+    now); a save started in one fails if the group is destroyed before it has prepared the target.
     """
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be None (keep everything) or at least 1, got {keep_last}")
-    rank, world_size, distributed = _dist_info(process_group)
+    rank, world_size, in_group = _dist_info(process_group)
+    distributed = in_group if distributed is None else distributed
+    _refuse_lost_group(path, distributed)
     convert = partial(
         convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
     )
@@ -307,6 +312,7 @@ def write_state_dict(
         prepared: list = []
 
         def prepare() -> PurePath:  # rank 0, before anything is written
+            _refuse_lost_group(path, distributed)
             staged = protocol.begin(held)
             prepared.append(staged)
             return staged
@@ -365,6 +371,21 @@ def _agree_on_staging(protocol, prepare, rank, process_group, distributed) -> Pu
         )
         name = box[0]
     return protocol.staged(name)
+
+
+def _refuse_lost_group(path: str | os.PathLike, distributed: bool) -> None:
+    """Raise if a save started in a process group has lost it (another thread destroyed it).
+
+    ``dcp.save`` decides whether it is distributed from ``dist.is_initialized()`` when it starts: without the
+    group, every rank would take itself for a single process, coordinator included, and commit its shard alone
+    (and report success). Checked again in ``prepare()``, which every coordinator runs before anything is
+    written, after ``dcp.save`` has decided: a rank that goes on past it meets the others in its collectives,
+    so it reports success only once the commit came back to it through them.
+    """
+    if distributed and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"the process group was destroyed before the save to {str(path)!r} could prepare it: not committed"
+        )
 
 
 def _save_collective(
