@@ -24,11 +24,13 @@ checkpoint and :mod:`checkpoint.layout` for how regions become chunks.
 
 from checkpoint.api import LoadResult, async_save, load, save
 from checkpoint.async_save import AsyncSaveError, release_staging_buffers, wait_for_async_save
-from checkpoint.atomic import resolve_for_load
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, merge_metadata, write_rank
+from checkpoint.dcp_storage import FsdpStorageReader, FsdpStorageWriter
 from checkpoint.durable import DiskFullError
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import FORMAT_VERSION, Manifest, NotACheckpointError, read_manifest
+from checkpoint.object_commit import ConcurrentSaveError, collect_garbage, resolve_for_load
+from checkpoint.retention import committed_checkpoints, latest, retain
 from checkpoint.save_errors import CheckpointLoadError, CheckpointSaveError
 from checkpoint.shard import CheckpointShard, shard
 from checkpoint.state_dict_io import (
@@ -39,6 +41,7 @@ from checkpoint.state_dict_io import (
     open_checkpoint,
     save_state_dict,
 )
+from checkpoint.storage_backend import SharedFileSystemStorage, Storage, locate, mount, unmount
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -48,25 +51,37 @@ __all__ = [
     "CheckpointLoadError",
     "CheckpointSaveError",
     "CheckpointShard",
+    "ConcurrentSaveError",
     "DiskFullError",
+    "FsdpStorageReader",
+    "FsdpStorageWriter",
     "LoadReport",
     "LoadResult",
     "LoadTargetError",
     "Manifest",
     "NotACheckpointError",
     "OpenCheckpoint",
+    "SharedFileSystemStorage",
+    "Storage",
     "async_save",
+    "collect_garbage",
     "commit",
+    "committed_checkpoints",
+    "latest",
     "load",
     "load_state_dict",
+    "locate",
     "merge_metadata",
+    "mount",
     "open_checkpoint",
     "read_manifest",
     "release_staging_buffers",
     "resolve_for_load",
+    "retain",
     "save",
     "save_state_dict",
     "shard",
+    "unmount",
     "wait_for_async_save",
     "write_rank",
 ]

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
 from checkpoint.errors import some_of
+from checkpoint.gc_pause import paused_gc
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import (
     DEFAULT_MAX_READ_BYTES,
@@ -32,6 +33,7 @@ from checkpoint.state_dict_io import (
     read_options,
     save_state_dict,
 )
+from checkpoint.storage_backend import locate
 from checkpoint.training_state import (
     LEGACY_MASTER_KEYS,
     MASTER_PARAM,
@@ -104,7 +106,8 @@ def save(
     """Save ``model``, ``optimizer`` and ``extra`` (step, RNG states, scheduler state...) at ``path``.
 
     Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
-    ``max_chunk_bytes``, ``process_group`` (see :func:`checkpoint.save_state_dict`).
+    ``max_chunk_bytes``, ``process_group``, ``storage_options`` (``path`` may be a URL such as
+    ``s3://bucket/prefix``), ``keep_last`` (retention) (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
     :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
     staging copies (see :mod:`checkpoint.async_save` for the trade-off), and
@@ -122,7 +125,8 @@ def save(
     for name in _ASYNC_ONLY:
         if not async_ and name in options:
             raise ValueError(f"{name} only applies to an async save: pass async_=True or call checkpoint.async_save")
-    state = _training_state(model, optimizer, extra)
+    with paused_gc():
+        state = _training_state(model, optimizer, extra)
     if async_:
         return async_save_state_dict(state, path, **options)
     save_state_dict(state, path, **options)
@@ -147,6 +151,7 @@ def load(
     extra: dict[str, Any] | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
     no_dist: bool = False,
+    storage_options: dict[str, Any] | None = None,
     max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
     read_once_per_replica: bool = True,
 ) -> LoadResult:
@@ -175,7 +180,9 @@ def load(
     a module) is given its saved state; the returned dict holds the object.
     ``max_read_bytes`` (host memory cap of the reads) and ``read_once_per_replica`` (HSDP / DDP replicas
     read once, receive the rest): see :func:`checkpoint.load_state_dict`.
+    ``path`` may be a URL (``s3://bucket/prefix``, any fsspec URL; ``storage_options`` go to its file system).
     """
+    path = locate(path, storage_options)
     options = read_options(
         process_group=process_group,
         no_dist=no_dist,
@@ -343,7 +350,7 @@ class _OptimizerLoad:
         numbers = _saved_group_numbers(opened, options)  # torch's unflattened layout: fqn -> its group's number
         known = _params_known_to_saved_optimizer(saved, numbers, fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        without_state = _saved_without_state(opened, options)  # None: not recorded (older / plain DCP)
+        without_state = _saved_without_state(opened, options)  # None: not recorded (older, another tool)
         self.lost: list[str] = []
         """trained here, in the saved groups, without saved state that the checkpoint says it had"""
         self.unrecorded: list[str] = []

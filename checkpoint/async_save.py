@@ -118,6 +118,8 @@ def async_save_state_dict(
     process_group: dist.ProcessGroup | None = None,
     max_staging_bytes: int | None = None,
     reuse_staging_buffers: bool = True,
+    storage_options: dict | None = None,
+    keep_last: int | None = None,
 ) -> Future:
     """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
 
@@ -129,12 +131,10 @@ def async_save_state_dict(
     async save unless ``reuse_staging_buffers=False`` (see
     :func:`release_staging_buffers`).
     """
-    path = output_path(path)
+    path = output_path(path, storage_options)  # here: a bad path or URL is the caller's error
     if max_staging_bytes is not None and max_staging_bytes < 0:
         raise ValueError(f"max_staging_bytes must be None (stage everything) or >= 0, got {max_staging_bytes}")
     with starting():  # the interpreter does not exit before this save is submitted, whichever thread stages it
-        state_dict, _ = resolve_stateful(state_dict)  # Stateful values' state_dict() once, in sorted key order
-        check_saved_values(state_dict)  # refused here, in the caller, not later in the background
         with lock:
             # Bound staging memory: one save in flight at a time; an unobserved failure of it is raised here.
             # Reusing staging buffers relies on this too: nothing reads the previous save's buffers any more.
@@ -144,6 +144,10 @@ def async_save_state_dict(
             distributed = dist.is_available() and dist.is_initialized()
             error: Exception | None = None
             try:
+                # Stateful values' state_dict() once, in sorted key order; a rank where one raises, or a value
+                # is refused, raises on every rank below (refused here, in the caller, not later in the background)
+                state_dict, _ = resolve_stateful(state_dict)
+                check_saved_values(state_dict)
                 staged, gate = _stage_now(state_dict, mode, max_chunk_bytes, max_staging_bytes)
             except Exception as exc:  # noqa: BLE001 - raised on every rank
                 error = exc
@@ -158,6 +162,7 @@ def async_save_state_dict(
                 mode=mode,
                 max_chunk_bytes=max_chunk_bytes,
                 process_group=group,
+                keep_last=keep_last,
             )
             if gate is not None:
                 gate.wait_staged(future)

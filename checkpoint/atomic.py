@@ -20,8 +20,9 @@ not list (a ``NOTES.md``, a folder) is refused as a target, naming them
 Staging and swap directories are recognisably ours: a name no user would
 pick, and the marker file :data:`MARKER_NAME` inside, written before anything
 else. A save removes only marked directories; anything unmarked sitting at
-one of these names is left alone and the save fails with
-``FileExistsError`` saying what is in the way. Whatever the user keeps next
+one of these names, and any symbolic link there (never followed, whatever it
+points to), is left alone and the save fails with ``FileExistsError`` saying
+what is in the way. Whatever the user keeps next
 to ``P`` (``P.old``, ``P.tmp``, backups) is never looked at.
 
 A ``kill -9`` at any moment leaves one of these states, each resolved without
@@ -49,7 +50,7 @@ from pathlib import Path
 
 from checkpoint.errors import some_of
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointError, read_manifest
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import FileStat, locate, storage_for
 
 __all__ = [
     "MARKER_NAME",
@@ -75,7 +76,7 @@ MARKER_NAME = ".fsdp-ckpt-owned"
 """The file inside every directory this library stages or swaps: it may remove such a directory, and no other."""
 
 
-def output_path(path: str | os.PathLike) -> Path:
+def output_path(path: str | os.PathLike, storage_options: dict | None = None) -> Path:
     """``path`` as a save or a tool's output names it, normalised once at the entry point.
 
     A path ending in ``..`` (``sub/..``) becomes the directory it resolves to: the
@@ -85,7 +86,10 @@ def output_path(path: str | os.PathLike) -> Path:
     refused with ``ValueError``: a save replaces its target by renaming it away.
     """
     given = path
-    path = Path(path)  # drops "." components and a trailing "/"
+    located = locate(path, storage_options)
+    if not isinstance(located, Path):
+        return located  # a URL: no current directory to protect, no ".." to resolve
+    path = Path(located)  # drops "." components and a trailing "/"
     if path.name in ("", ".."):
         path = Path(os.path.abspath(path))  # as the shell reads it (a link named at the target is refused later)
     cwd = Path.cwd()
@@ -95,11 +99,11 @@ def output_path(path: str | os.PathLike) -> Path:
             "or export replaces its target by renaming it; name a directory of its own, e.g. "
             f"{str(cwd / 'checkpoint')!r}"
         )
-    return path
+    return located if path == located else locate(path)  # bound to its storage, resolved once
 
 
 def _sibling(path: str | os.PathLike, suffix: str) -> Path:
-    path = Path(path)
+    path = locate(path)
     if path.name in ("", ".."):
         # never derived from such a name: it would nest inside the target (see output_path)
         raise ValueError(f"{str(path)!r} is not a path to save to; name the output directory itself")
@@ -141,17 +145,21 @@ def _is_empty_dir(path: Path) -> bool:
 
 
 def is_committed(path: str | os.PathLike) -> bool:
-    return _is(Path(path) / MANIFEST_NAME, "file")
+    return _is(locate(path) / MANIFEST_NAME, "file")
 
 
 def is_ours(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` carries this library's marker (see the module docstring)."""
-    return _is(Path(directory) / MARKER_NAME, "file")
+    """Whether ``directory`` is a directory (not a link to one) carrying this library's marker (see the module
+    docstring): a link at a name the library removes is never followed, so a save cannot empty what it points to."""
+    directory = locate(directory)
+    store = storage_for(directory)
+    found, marker = store.stat(directory), store.stat(directory / MARKER_NAME)
+    return found is not None and found.kind == "directory" and marker is not None and marker.kind == "file"
 
 
 def mark(directory: str | os.PathLike) -> None:
     """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
-    marker = Path(directory) / MARKER_NAME
+    marker = locate(directory) / MARKER_NAME
     if not _is(marker, "file"):
         store = storage_for(marker)
         stream = store.create(marker)
@@ -190,11 +198,29 @@ def _remove_marked(directory: Path) -> None:
     store.remove_dir(directory)
 
 
+def _link_in_the_way(path: Path, found: FileStat, role: str, target: Path) -> FileExistsError:
+    return FileExistsError(
+        f"{str(path)!r} is a symbolic link (to {found.link_target!r}), in the way of the save to {str(target)!r}: "
+        f"this name is kept for its {role}, which a save removes, and a save never follows a link there "
+        "(it would remove what the link points to); move the link away"
+    )
+
+
+def _refuse_links(path: Path) -> None:
+    """Refuse a link at the staging or swap name of ``path``: a save removes what sits there."""
+    for name, role in ((staging_path(path), "unfinished saves"), (old_path(path), "interrupted swaps")):
+        found = storage_for(name).stat(name)
+        if found is not None and found.kind == "symlink":
+            raise _link_in_the_way(name, found, role, path)
+
+
 def _remove_ours(directory: Path, role: str, target: Path) -> None:
     """Remove ``directory`` if it is ours (marked, or an empty dir left by a kill before the marker)."""
     found = storage_for(directory).stat(directory)
     if found is None:
         return
+    if found.kind == "symlink":
+        raise _link_in_the_way(directory, found, role, target)
     if found.kind == "directory":
         if is_ours(directory):
             _remove_marked(directory)
@@ -213,7 +239,7 @@ def make_staging(path: str | os.PathLike, *, fresh: bool = True) -> Path:
     Raises ``FileExistsError`` when something not made by a save sits at the staging name, or ``path``
     is a symbolic link (a save replaces what sits at ``path``: the link, not its target).
     """
-    path = Path(path)
+    path = locate(path)
     found = storage_for(path).stat(path)
     if found is not None and found.kind == "symlink":
         # The swap renames whatever sits at ``path``: it would move the link aside, not replace what it points to.
@@ -242,9 +268,11 @@ def check_target(path: str | os.PathLike) -> None:
 
     ``path`` may be absent, an empty directory or a committed checkpoint holding
     only its own files. Raises ``FileExistsError`` naming it (or the files the user
-    put inside it) otherwise: user data is never replaced.
+    put inside it) otherwise: user data is never replaced; or naming a symbolic link at the
+    staging or swap name.
     """
-    path = Path(path)
+    path = locate(path)
+    _refuse_links(path)
     if _absent(path):
         return
     if _is(path, "directory") and is_committed(path):
@@ -300,7 +328,7 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
     ``fcntl.flock``; on file systems where ``flock`` is not shared between
     hosts, only processes of one host are ordered).
     """
-    path = Path(path)
+    path = locate(path)
     key = os.path.abspath(path)
     with _registry_lock:
         entry = _thread_locks.setdefault(key, [threading.Lock(), 0])
@@ -332,7 +360,7 @@ def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Pat
 
     ``complete`` tells a finished output (default: a committed checkpoint), as in :func:`swap_into_place`.
     """
-    path, old = Path(path), old_path(path)
+    path, old = locate(path), old_path(path)
     if not _exists(path) and is_ours(old) and complete(old):
         logger.warning("recovering %s from %s left by an interrupted save", path, old)
         storage_for(path).rename(old, path)
@@ -351,7 +379,7 @@ def swap_into_place(
     when ``path`` exists but is not complete (and not empty), or an unmarked
     directory sits at the swap name: user data this function will not delete.
     """
-    staged, path, old = Path(staged), Path(path), old_path(path)
+    staged, path, old = locate(staged), locate(path), old_path(path)
     assert complete(staged) and is_ours(staged), f"{staged} must be committed and marked before it is swapped in"
     recover_interrupted_swap(path, complete=complete)
     store = storage_for(path)
@@ -385,7 +413,7 @@ def resolve_for_load(path: str | os.PathLike) -> Path:
     without a manifest raises :class:`~checkpoint.manifest.NotACheckpointError`
     later, from ``read_manifest``.
     """
-    path = Path(path)
+    path = locate(path)
     if _exists(path):
         return path
     old = old_path(path)

@@ -21,6 +21,7 @@ byte-identical archives.
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import pickle
@@ -97,7 +98,7 @@ class ArchiveLayout:
     """(name, local header offset, size, crc) of the records in ``head``; the data record's crc filled later"""
     _after: list[tuple[str, bytes]]
 
-    @property
+    @functools.cached_property
     def tail_size(self) -> int:
         return len(self.tail(0))  # the CRC changes bytes, never lengths
 
@@ -106,7 +107,48 @@ class ArchiveLayout:
         return _DESCRIPTOR.unpack_from(tail)[1]
 
     def tail(self, data_crc: int) -> bytes:
-        """Everything after the data: its descriptor, the small records, the central directory."""
+        """Everything after the data: its descriptor, the small records, the central directory.
+
+        The bytes that depend on ``data_crc`` are patched into a template built once per layout.
+        """
+        if self._tail_template is None:
+            return self._build_tail(data_crc)
+        template, patches = self._tail_template
+        out = bytearray(template)
+        serialization_id = f"{0:020d}{data_crc:020d}".encode()
+        id_crc = zlib.crc32(serialization_id)
+        for kind, pos in patches:
+            if kind == "id":
+                out[pos : pos + len(serialization_id)] = serialization_id
+            else:
+                struct.pack_into("<I", out, pos, data_crc if kind == "data_crc" else id_crc)
+        return bytes(out)
+
+    @functools.cached_property
+    def _tail_template(self) -> tuple[bytes, list[tuple[str, int]]] | None:
+        """:meth:`tail` for a sentinel CRC, and where the data's CRC, the serialization id and its CRC sit in it
+        (``None`` in the unlikely case the sentinel's bytes also occur elsewhere: then built each time)."""
+        sentinel = 0x9E3779B9  # any value: only its positions are used, found by building the tail around it
+        built = self._build_tail(sentinel)
+        serialization_id = f"{0:020d}{sentinel:020d}".encode()
+        id_crc = zlib.crc32(serialization_id)
+        patches: list[tuple[str, int]] = []
+        for kind, needle in (
+            ("data_crc", struct.pack("<I", sentinel)),
+            ("id", serialization_id),
+            ("id_crc", struct.pack("<I", id_crc)),
+        ):
+            pos = built.find(needle)
+            while pos != -1:
+                patches.append((kind, pos))
+                pos = built.find(needle, pos + 1)
+        # the data CRC sits in its descriptor and directory entry, the id once, its CRC in its descriptor and entry
+        kinds = [k for k, _ in patches]
+        if (kinds.count("data_crc"), kinds.count("id"), kinds.count("id_crc")) != (2, 1, 2):
+            return None
+        return built, patches
+
+    def _build_tail(self, data_crc: int) -> bytes:
         out = bytearray(_DESCRIPTOR.pack(0x08074B50, data_crc, self.data_size, self.data_size))
         records = list(self._records)
         name, offset, size, _ = records[-1]
@@ -159,11 +201,13 @@ def plan_archive(tensor: torch.Tensor) -> ArchiveLayout | None:
     return archive_layout(tensor.dtype, tuple(tensor.shape))
 
 
+@functools.lru_cache(maxsize=4096)
 def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout | None:
     """The archive this module writes for a tensor of ``dtype`` and ``shape`` (``None``: not one it writes).
 
     A reader uses it to find the data of an archive it recognises byte for byte
-    without parsing the zip directory first.
+    without parsing the zip directory first. Cached: thousands of tensors share a few shapes, and the
+    layout (never modified by its users) costs a pickle and a dozen zip records to build.
     """
     if sys.byteorder != "little":
         return None

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import uuid
-from pathlib import Path
+from pathlib import PurePath
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ from checkpoint.manifest import (
     verify_files,
     write_manifest,
 )
+from checkpoint.object_commit import SaveProtocol
 from checkpoint.opener import storage_problems
 from checkpoint.planner import FsdpSavePlanner, metadata_problems
 from checkpoint.save_errors import raise_unwrapped
@@ -97,6 +98,7 @@ def write_rank(
     path = output_path(path)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    _renames_only(path, "write_rank")
     converted = convert_tree(state_dict, rank=rank, replicas_on_rank0_only=True, max_chunk_bytes=max_chunk_bytes)
     # Ranks may be written by separate processes at once: the staging dir is shared, not made afresh.
     writer = FsdpWriter(make_staging(path, fresh=False), force_rank=rank, world_size=world_size, save_id=save_id)
@@ -119,16 +121,33 @@ def commit(
     ``FileExistsError`` when ``path`` holds something other than a checkpoint; nothing at ``path`` changes then.
     """
     path = output_path(path)
+    _renames_only(path, "commit")
     with write_lock(path):
         check_target(path)
         commit_ranks(path, world_size, extra_info=extra_info, save_id=save_id)
 
 
+def _renames_only(path: str | os.PathLike, what: str) -> None:
+    if not storage_for(path).renames_atomically:
+        raise ValueError(
+            f"checkpoint.{what}({str(path)!r}): ranks written by separate calls commit by renames, which this "
+            "storage (an object store / shared file system) lacks; save with "
+            "checkpoint.save_state_dict(..., mode='scale') from every rank instead"
+        )
+
+
 def commit_ranks(
-    path: str | os.PathLike, world_size: int, *, extra_info: dict | None = None, save_id: str | None = None
+    path: str | os.PathLike,
+    world_size: int,
+    *,
+    extra_info: dict | None = None,
+    save_id: str | None = None,
+    staged: PurePath | None = None,
+    protocol: SaveProtocol | None = None,
 ) -> None:
-    """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0)."""
-    staged = staging_path(path)
+    """:func:`commit` for a caller already holding ``path``'s write lock (a scale-mode save's rank 0);
+    ``staged`` / ``protocol``: the save's staging directory and commit protocol (default: renames)."""
+    staged = staging_path(path) if staged is None else staged
     records = [_read_rank_record(path, staged, rank, world_size) for rank in range(world_size)]
     ids = {record.get("save_id") for record in records}
     expected = save_id if save_id is not None else records[0].get("save_id")
@@ -146,26 +165,26 @@ def commit_ranks(
         raise ValueError(f"cannot commit {str(path)!r}: " + "; ".join(problems[:5]) + "; write those ranks again")
     files[METADATA_NAME] = write_metadata(staged, merged)
     info = {"mode": "scale", **(extra_info or {})}
-    commit_staged(path, merged, files, world_size, extra_info=info)
+    commit_staged(path, merged, files, world_size, extra_info=info, staged=staged, protocol=protocol)
 
 
-def new_save_id(path: str | os.PathLike) -> str:
-    """A fresh id for the save staged for ``path``, kept in its staging directory for the other ranks to read
+def new_save_id(staged: PurePath) -> str:
+    """A fresh id for the save staged in ``staged``, kept there for the other ranks to read
     (:func:`staged_save_id`). Rank 0 of a scale-mode save, after it made the staging directory afresh."""
     save_id = uuid.uuid4().hex
-    where = staging_path(path) / SAVE_ID_NAME
+    where = staged / SAVE_ID_NAME
     storage_for(where).write_file(where, save_id)
     return save_id
 
 
-def staged_save_id(path: str | os.PathLike) -> str:
-    """The id :func:`new_save_id` gave the save staged for ``path``."""
-    where = staging_path(path) / SAVE_ID_NAME
+def staged_save_id(staged: PurePath) -> str:
+    """The id :func:`new_save_id` gave the save staged in ``staged``."""
+    where = staged / SAVE_ID_NAME
     with storage_for(where).open_read(where) as f:
         return f.read(64).decode("ascii")
 
 
-def _read_rank_record(path: str | os.PathLike, staged: Path, rank: int, world_size: int) -> dict:
+def _read_rank_record(path: str | os.PathLike, staged: PurePath, rank: int, world_size: int) -> dict:
     """Rank ``rank``'s record in ``staged``, parsed and checked; ``ValueError`` naming the file otherwise."""
     record_path = staged / rank_record_name(rank)
     store = storage_for(record_path)
@@ -240,13 +259,17 @@ def commit_staged(
     world_size: int,
     *,
     extra_info: dict | None = None,
+    staged: PurePath | None = None,
+    protocol: SaveProtocol | None = None,
 ) -> None:
-    """Prune stray files from the staging dir, write the manifest (the commit point), swap into ``path``.
+    """Prune stray files from the staging dir, write the manifest, publish it at ``path`` (the commit point:
+    the swap by renames, or the head of the object-store protocol).
 
     Precondition: ``.metadata`` (written by :func:`~checkpoint.dcp_metadata.write_metadata`, whose
-    record ``files`` holds) and every file in ``files`` are durable in the staging directory.
+    record ``files`` holds) and every file in ``files`` are durable in the staging directory ``staged``
+    (default: the rename protocol's, :func:`~checkpoint.atomic.staging_path`).
     """
-    staged = staging_path(path)
+    staged = staging_path(path) if staged is None else staged
     referenced = {info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_NAME}
     keep = {name: rec for name, rec in files.items() if name in referenced}
     assert METADATA_NAME in keep, "write_metadata's record must be among the files committed"
@@ -256,5 +279,8 @@ def commit_staged(
             # Leftovers of an earlier, killed save (another world size) or per-rank files now merged.
             store.delete(staged / name)
     write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info))
-    swap_into_place(staged, path)
+    if protocol is None:
+        swap_into_place(staged, path)
+    else:
+        protocol.publish(staged)
     logger.info("committed checkpoint %s (%d files, %d keys)", path, len(keep), len(metadata.state_dict_metadata))

@@ -16,7 +16,6 @@ import os
 import pickle
 import zlib
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +31,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from checkpoint.data_file import StorageInfo
 from checkpoint.manifest import METADATA_NAME
-from checkpoint.storage_backend import CrcStream, FileRecord, storage_for
+from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
 __all__ = ["MetadataBuilder", "key_identities", "with_storage", "write_metadata"]
+
+
+_BYTES = BytesStorageMetadata()  # a field-less marker; one instance serves every key
 
 
 class MetadataBuilder:
@@ -86,7 +88,7 @@ class MetadataBuilder:
         """Add a pickled non-tensor value (the first one declared for ``key`` is kept)."""
         if key in self._state:
             return
-        self._state[key] = BytesStorageMetadata()
+        self._state[key] = _BYTES  # shared: pickled once, referenced by every byte key
         if where is not None:
             self._storage[MetadataIndex(key)] = where
 
@@ -103,13 +105,15 @@ class MetadataBuilder:
         """The keys declared so far, in order."""
         return list(self._state)
 
-    def build(self) -> Metadata:
-        missing = [
-            f"{key}{'' if index.offset is None else list(index.offset)}"
-            for key, index in self._indices()
-            if index not in self._storage
-        ]
-        assert not missing, f"no storage location for {missing[:3]}"
+    def build(self, *, require_storage: bool = True) -> Metadata:
+        """The ``Metadata``; ``require_storage=False``: a skeleton whose storage comes later (:func:`with_storage`)."""
+        if require_storage:
+            missing = [
+                f"{key}{'' if index.offset is None else list(index.offset)}"
+                for key, index in self._indices()
+                if index not in self._storage
+            ]
+            assert not missing, f"no storage location for {missing[:3]}"
         return Metadata(
             state_dict_metadata=self._state,
             planner_data=self._paths,
@@ -136,20 +140,24 @@ def with_storage(metadata: Metadata, storage: Mapping[MetadataIndex, StorageInfo
     return metadata
 
 
-def write_metadata(directory: str | os.PathLike, metadata: Metadata) -> FileRecord:
+def write_metadata(directory: str | os.PathLike, metadata: Metadata | bytes) -> FileRecord:
     """Pickle ``metadata`` into ``directory/.metadata``, replaced whole and durably; its size and CRC-32.
 
-    The record is computed from the bytes as they are written, for the manifest.
+    ``metadata`` may be given already pickled (a save that reuses the previous one's). The record is
+    computed from the bytes as they are written, for the manifest.
     """
     record: list[FileRecord] = []
 
     def dump(f) -> None:
         stream = CrcStream(f, owns_raw=False)  # write_file fsyncs and closes f
-        pickle.dump(metadata, stream)
+        if isinstance(metadata, bytes):
+            stream.write(metadata)
+        else:
+            pickle.dump(metadata, stream)
         stream.wait_for_hints()
         record.append(FileRecord(size=stream.size, crc32=stream.crc))
 
-    storage_for(directory).write_file(Path(directory) / METADATA_NAME, dump)
+    storage_for(directory).write_file(locate(directory) / METADATA_NAME, dump)
     return record[0]
 
 

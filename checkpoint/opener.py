@@ -22,7 +22,6 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from checkpoint.atomic import resolve_for_load
 from checkpoint.content_check import ContentCheck, crc32
 from checkpoint.dcp_metadata import key_identities
 from checkpoint.errors import LoadTargetError
@@ -34,13 +33,15 @@ from checkpoint.manifest import (
     Manifest,
     checksum_file,
     dtype_name,
+    read_capped,
     read_manifest,
     verify_files,
 )
+from checkpoint.object_commit import resolve_for_load
 from checkpoint.planner import metadata_problems
 from checkpoint.safe_unpickle import load_metadata
 from checkpoint.save_errors import first_failure
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = [
     "VERIFY_MODES",
@@ -104,7 +105,12 @@ class OpenCheckpoint:
 
 
 def open_checkpoint(
-    path: str | os.PathLike, *, verify: str = "crc", require_manifest: bool = True, quiet: bool = False
+    path: str | os.PathLike,
+    *,
+    verify: str = "crc",
+    require_manifest: bool = True,
+    quiet: bool = False,
+    storage_options: dict | None = None,
 ) -> OpenCheckpoint:
     """Find, validate and read the metadata of the checkpoint at ``path`` (no communication).
 
@@ -118,13 +124,14 @@ def open_checkpoint(
     manifest's keys) that every other mode checks. ``.metadata`` is always
     read with a restricted unpickler: nothing in a checkpoint runs code. ``require_manifest=False`` also opens a plain
     DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
-    without file checks (logged unless ``quiet``). Raises ``FileNotFoundError``,
+    without file checks (logged unless ``quiet``). ``path`` may be a URL (``storage_options`` go to its
+    fsspec file system). Raises ``FileNotFoundError``,
     :class:`~checkpoint.manifest.NotACheckpointError` or
     :class:`CheckpointCorruptError` naming the path / file.
     """
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-    src = resolve_for_load(path)
+    src = resolve_for_load(locate(path, storage_options))
     stamp = _stamp(src)  # before the manifest is read: a save swapping in meanwhile shows as a change
     try:
         manifest = None
@@ -178,18 +185,24 @@ def consistency_problems(metadata: Metadata, manifest: Manifest | None) -> list[
 def storage_problems(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[str]:
     """Byte ranges of ``metadata`` that ``files`` (name -> recorded size) cannot hold, one phrase each.
 
-    A range in a file not listed, shared by two entries, or past its file's recorded end.
+    A range in a file not listed, shared by two entries (but for equal pickled values stored once), or past
+    its file's recorded end.
     Also what a commit checks before it vouches for a merged ``.metadata``.
     """
     problems = [f"points into {name}, which is not listed" for name in unlisted_files(metadata, files)[:5]]
     ranges = sorted(
-        (info.relative_path, info.offset, info.offset + info.length, _entry(index))
+        (info.relative_path, info.offset, info.offset + info.length, index.offset is None, _entry(index))
         for index, info in (metadata.storage_data or {}).items()
     )
-    for (name, _, end, key), (next_name, next_start, _, next_key) in zip(ranges, ranges[1:]):
-        if name == next_name and next_start < end:
+    for (name, start, end, value, key), (next_name, next_start, next_end, next_value, next_key) in zip(
+        ranges, ranges[1:]
+    ):
+        # Pickled values may share one exact range: a save stores an equal value once (a param group's
+        # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
+        shared_value = value and next_value and (start, end) == (next_start, next_end)
+        if name == next_name and next_start < end and not shared_value:
             problems.append(f"{key} and {next_key} share bytes of {name}")
-    for name, _, end, key in ranges:
+    for name, _, end, _, key in ranges:
         if name in files and end > files[name].size:
             problems.append(f"{key} is stored past the end of {name} (byte {end})")
     return problems
@@ -268,8 +281,7 @@ def _read_metadata_bytes(src: Path, manifest: Manifest | None, verify: str) -> b
     """``.metadata``'s bytes, CRC-checked against the manifest (unless ``verify="none"``) before anything parses them."""
     path = src / METADATA_NAME
     try:
-        with storage_for(path).open_read(path) as f:
-            data = f.read(_MAX_METADATA_BYTES + 1)
+        data = read_capped(path, _MAX_METADATA_BYTES)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; restore it from a copy") from None
     if len(data) > _MAX_METADATA_BYTES:

@@ -10,9 +10,7 @@ be committed with a hole in it. Chunk metadata itself comes from
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Sequence
-from operator import mul
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
@@ -70,7 +68,7 @@ def chunk_problem(
 ) -> str | None:
     """What is wrong with ``chunks`` (``(offsets, sizes)`` each) as a cover of a tensor of ``shape``, or ``None``.
 
-    Linear in the number of chunks (times ``2**ndim``), whatever their layout.
+    Linear in the number of chunks whatever their number of dims (see :func:`_first_miscovered`).
     """
     volume = 0
     for offsets, sizes in chunks:
@@ -83,7 +81,13 @@ def chunk_problem(
         volume += math.prod(sizes)
     numel = math.prod(shape)
     if overlap:
-        element = _first_miscovered(shape, chunks)
+        try:
+            element = _first_miscovered(shape, chunks)
+        except _TooFragmented:
+            return (
+                f"{key}: its {len(chunks)} chunks (shape {list(shape)}) are too fragmented to check that they cover "
+                "it exactly once at a cost linear in their number; DCP and this library never write such a layout"
+            )
         if element is not None:
             return _miscover_sentence(key, shape, chunks, element, volume)
     if volume > numel:
@@ -95,51 +99,94 @@ def chunk_problem(
     return None
 
 
+_COVER_STEPS_PER_CHUNK_DIM = 32
+"""The (box, slab) visits the cover check of one tensor may make over non-contiguous chunks, per chunk and dim
+(plus :data:`_COVER_STEPS_MIN`): what a file can make a load spend is linear in its chunks. A grid of DTensor
+shards needs about one visit per chunk and dim; shards of different widths each cut by ``max_chunk_bytes``
+about one per chunk and rank sharing their rows."""
+_COVER_STEPS_MIN = 1 << 16
+
+
+class _TooFragmented(Exception):
+    pass
+
+
 def _first_miscovered(shape: tuple[int, ...], chunks) -> tuple[int, ...] | None:
     """The first element (row-major) not covered exactly once, or ``None``. Precondition: chunks inside ``shape``.
 
-    Each box counts ``+1`` or ``-1`` at each of its ``2**ndim`` corners (the
-    sign flips with every upper bound the corner takes), the tensor's own box
-    with the opposite signs. These signed corner counts are the discrete mixed
-    difference of the coverage count, which they determine completely: they
-    all cancel exactly when every element is covered once. Where they do not,
-    the row-major smallest corner left over has no other one at or below it in
-    every dim, so the coverage there is off by its count.
+    Linear in the chunks (plus a sort), whatever the number of dims. When every
+    chunk is one contiguous run of the row-major order (row blocks, flat
+    ranges: what FSDP writes), the runs sorted by start must follow each other
+    exactly. Otherwise :func:`_first_miscovered_box` cuts the tensor into slabs.
+    Raises :class:`_TooFragmented` past a budget linear in the chunks (:data:`_COVER_STEPS_PER_CHUNK_DIM`).
     """
-    # a corner (a point of the (size + 1)-grid) as one int, row-major: min() is the row-major first
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * (shape[d + 1] + 1)
-    plus: list[int] = []
-    minus: list[int] = []
-    for offsets, sizes in chunks:
-        if math.prod(sizes):  # an empty box's corners cancel anyway
-            even, odd = _corners(offsets, sizes, strides)
-            plus += even
-            minus += odd
-    if math.prod(shape):
-        even, odd = _corners((0,) * len(shape), shape, strides)
-        plus += odd
-        minus += even
-    plus_count, minus_count = Counter(plus), Counter(minus)  # counted in C: this is the hot loop at scale
-    if plus_count.items() == minus_count.items():  # (Counter's own == loops in Python)
-        return None
-    flat = min(k for k in plus_count.keys() | minus_count.keys() if plus_count[k] != minus_count[k])
+    if not math.prod(shape):
+        return None  # nothing to cover; every chunk inside it is empty too
+    boxes = [(tuple(offsets), tuple(sizes)) for offsets, sizes in chunks if math.prod(sizes)]
+    runs = [run for offsets, sizes in boxes if (run := _as_run(shape, offsets, sizes)) is not None]
+    if len(runs) == len(boxes):
+        flat = _first_miscovered_run(sorted(runs), math.prod(shape))
+        return None if flat is None else _unflatten(flat, shape)
+    budget = _COVER_STEPS_PER_CHUNK_DIM * len(boxes) * len(shape) + _COVER_STEPS_MIN
+    return _first_miscovered_box(shape, boxes, 0, (), [budget])
+
+
+def _as_run(shape, offsets, sizes) -> tuple[int, int] | None:
+    """``(first element, length)`` of a box that is one contiguous run of the row-major order, else ``None``."""
+    split = next((d for d, s in enumerate(sizes) if s != 1), len(sizes))  # leading dims of size 1 are one index
+    if any(offsets[d] or sizes[d] != shape[d] for d in range(split + 1, len(shape))):
+        return None  # a dim after the first wide one is not whole: the box has gaps in row-major order
+    start = 0
+    for offset, size in zip(offsets, shape):
+        start = start * size + offset
+    return start, math.prod(sizes)
+
+
+def _first_miscovered_run(runs: list[tuple[int, int]], numel: int) -> int | None:
+    """The first flat index not covered exactly once by ``runs`` (sorted by start), or ``None``."""
+    covered = 0  # [0, covered) is covered exactly once
+    for start, length in runs:
+        if start != covered:
+            return min(start, covered)  # a gap at ``covered``, or ``start`` held by this run and the one before
+        covered = start + length
+    return None if covered == numel else covered
+
+
+def _unflatten(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     element = []
-    for stride in strides:
-        i, flat = divmod(flat, stride)
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
         element.append(i)
-    return tuple(element)
+    return tuple(reversed(element))
 
 
-def _corners(offsets, sizes, strides) -> tuple[list[int], list[int]]:
-    """A box's corners as grid ints: those with an even, and those with an odd number of upper bounds."""
-    even: list[int] = [sum(map(mul, offsets, strides))]
-    odd: list[int] = []
-    for size, stride in zip(sizes, strides):
-        step = size * stride
-        even, odd = even + [k + step for k in odd], odd + [k + step for k in even]
-    return even, odd
+def _first_miscovered_box(shape, boxes, dim: int, prefix: tuple[int, ...], steps: list[int]):
+    """The first element not covered once by ``boxes``, which all hold the whole of dims ``dim`` on at ``prefix``.
+
+    Cuts dim ``dim`` at every box's bounds: within one slab each box holds all or
+    nothing, so the slab is covered once exactly when the boxes holding it cover
+    the remaining dims once (recursively); slabs in order give the row-major
+    first element. ``steps[0]``: the (box, slab) visits left.
+    """
+    if dim == len(shape):
+        return None if len(boxes) == 1 else prefix  # held by two or more boxes
+    steps[0] -= len(boxes)  # the cuts and the sort
+    cuts = sorted({0, shape[dim], *(o[dim] for o, _ in boxes), *(o[dim] + s[dim] for o, s in boxes)})
+    pending = sorted(boxes, key=lambda box: box[0][dim], reverse=True)  # popped in order of start
+    holding: list = []
+    for low in cuts[:-1]:
+        holding = [box for box in holding if box[0][dim] + box[1][dim] > low]
+        while pending and pending[-1][0][dim] == low:
+            holding.append(pending.pop())
+        steps[0] -= len(holding) + 1
+        if steps[0] < 0:
+            raise _TooFragmented
+        if not holding:
+            return (*prefix, low) + (0,) * (len(shape) - dim - 1)
+        found = _first_miscovered_box(shape, holding, dim + 1, (*prefix, low), steps)
+        if found is not None:
+            return found
+    return None
 
 
 def _miscover_sentence(key, shape, chunks, element, volume) -> str:

@@ -40,7 +40,8 @@ from checkpoint.chunk_archive import archive_layout
 from checkpoint.content_check import ContentCheck
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
-from checkpoint.storage_backend import storage_for
+from checkpoint.pickle_budget import value_problem
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = ["DEFAULT_MAX_READ_BYTES", "DirectReader", "ReadBudget"]
 
@@ -114,6 +115,7 @@ class DirectReader(FileSystemReader):
         max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
     ) -> None:
         super().__init__(path)
+        self.path = locate(path)  # DCP's init made a local Path of it; a URL's stays bound to its storage
         self._metadata = metadata
         self._direct = direct
         self._check = check
@@ -130,11 +132,16 @@ class DirectReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path in per_file:
             # a FIFO / device / link: a clear error, no hang
-            self._store.open_read(Path(self.path) / relative_path).close()
+            self._store.open_read(locate(self.path) / relative_path).close()
         if not self._direct:
+            if not isinstance(self.path, Path):  # a URL: DCP's reader would open a local path of that name
+                raise ValueError(
+                    f"{self.path}: a plain DCP directory (no manifest.json) is read by DCP's own reader, from "
+                    "local paths only; copy it to a local directory, or re-save it with checkpoint.save"
+                )
             return super().read_data(plan, planner)
         for relative_path, items in per_file.items():
-            path = Path(self.path) / relative_path
+            path = locate(self.path) / relative_path
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with self._store.open_read(path) as f:
                 tensor_locations: dict[int, tuple[int, int] | None] = {}
@@ -263,6 +270,9 @@ class DirectReader(FileSystemReader):
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
         summing = self._verified(info.relative_path, info.offset, data)
+        problem = value_problem(data)  # a plain DCP chunk is a torch.save archive: what it may cost, as values
+        if problem is not None:
+            raise CheckpointCorruptError(f"{path}: the chunk at byte {info.offset}: {problem}; restore the file")
         try:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), summing
         except Exception as exc:  # noqa: BLE001 - any failure to parse a damaged archive is the same error

@@ -6,7 +6,10 @@ import or call anything but what DCP itself writes:
 * ``.metadata`` (a pickled :class:`~torch.distributed.checkpoint.metadata.Metadata`)
   goes through :class:`MetadataUnpickler`, which admits only DCP's metadata
   dataclasses and the plain and torch types they hold (the idea of
-  ``torch.load(weights_only=True)``, for DCP's metadata), and is then checked
+  ``torch.load(weights_only=True)``, for DCP's metadata), hands the pickle
+  sealed stand-ins for classes and functions (so a BUILD opcode can change
+  only the fresh instances the file creates, never a class, function or
+  shared object of the loading process), and is then checked
   field by field (:func:`check_metadata`), so a crafted file is one
   ``CheckpointCorruptError`` naming it, not an ``AttributeError`` later;
 * non-tensor values (``extra`` entries, hyper-parameters) are ``torch.save``
@@ -43,6 +46,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from checkpoint.convert import resolve_stateful
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
+from checkpoint.pickle_budget import value_problem
 
 __all__ = [
     "MetadataUnpickler",
@@ -55,7 +59,14 @@ __all__ = [
 ]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED: dict[tuple[str, str], Any] = {
+try:
+    # where DCP's filesystem writer keeps each item's place (private, the name in DCP's pickles); absent in
+    # other storage layers
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+except ImportError:  # pragma: no cover - torch without the filesystem layer
+    _StorageInfo = None  # type: ignore[assignment,misc]
+
+_DATA_CLASSES: dict[tuple[str, str], type] = {
     (_DCP_METADATA, cls.__name__): cls
     for cls in (
         Metadata,
@@ -65,20 +76,91 @@ _ALLOWED: dict[tuple[str, str], Any] = {
         TensorProperties,
         MetadataIndex,
         StorageMeta,
-        _MEM_FORMAT_ENCODING,
     )
 }
-_ALLOWED[("torch", "Size")] = torch.Size
+if _StorageInfo is not None:
+    _DATA_CLASSES[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+
+
+class _Sealed(type):
+    """The type of every class or function stand-in :class:`MetadataUnpickler` hands a pickle.
+
+    A pickle's BUILD opcode on a global runs ``setattr`` on it (or its
+    ``__setstate__``): on a real class, ``PosixPath.exists = frozenset`` would
+    change the loading program. A stand-in refuses both, so the only objects a
+    BUILD can change are the fresh instances a pickle creates.
+    """
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"refused to set {name!r} on {cls.__name__}: .metadata holds data, not code")
+
+    def __delattr__(cls, name: str) -> None:
+        raise pickle.UnpicklingError(f"refused to delete {name!r} of {cls.__name__}: .metadata holds data, not code")
+
+    def __setstate__(cls, state: Any) -> None:
+        raise pickle.UnpicklingError(f"refused to change {cls.__name__}: .metadata holds data, not code")
+
+
+def _stand_in(name: str, make: Any) -> type:
+    """A sealed class standing for ``name``: calling it (REDUCE) or creating through it (NEWOBJ) gives ``make(*args)``.
+
+    A class, because NEWOBJ accepts nothing else; ``make``'s result is not an
+    instance of it, so Python returns that result as it is.
+    """
+    return _Sealed(name, (), {"__slots__": (), "__new__": staticmethod(lambda _cls, *args: make(*args))})
+
+
+def _new_instance(cls: type) -> Any:
+    """How the unpickler makes a DCP data class: a bare instance (NEWOBJ, then BUILD fills it), or a constructor call."""
+    return lambda *args: cls(*args) if args else object.__new__(cls)
+
+
+class _MemoryFormatCode:
+    """DCP's pickled memory-format code, as a fresh object instead of the shared enum member.
+
+    ``TensorProperties.__setstate__`` only compares it with the members; the
+    member itself, handed to the pickle, could be changed by a BUILD on it
+    (its ``__dict__`` holds its value) for every later save of this process.
+    """
+
+    __slots__ = ("member",)
+    member: _MEM_FORMAT_ENCODING
+
+    def __init__(self, member: _MEM_FORMAT_ENCODING) -> None:
+        object.__setattr__(self, "member", member)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.member
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise pickle.UnpicklingError(f"refused to set {name!r} on a memory-format code: .metadata holds data")
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("refused to change a memory-format code: .metadata holds data")
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    key: _stand_in(cls.__name__, _new_instance(cls)) for key, cls in _DATA_CLASSES.items()
+}
+_ALLOWED[(_DCP_METADATA, "_MEM_FORMAT_ENCODING")] = _stand_in(
+    "_MEM_FORMAT_ENCODING", lambda value: _MemoryFormatCode(_MEM_FORMAT_ENCODING(value))
+)
 # DCP pickles a layout as a call of this function on its name (it only looks the name up);
 # private, but the name DCP's own pickles carry: renamed -> old metadata fails the allow-list
-_ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
-# plain dcp.save records the checkpoint id, often a Path (constructing one only stores a string)
+_ALLOWED[("torch.serialization", "_get_layout")] = _stand_in("_get_layout", torch.serialization._get_layout)
+# plain dcp.save records the checkpoint id, often a Path (constructing one only stores a string; a BUILD
+# on the new Path changes only that object)
 _ALLOWED.update(
     {
-        ("pathlib", c.__name__): c
+        ("pathlib", c.__name__): _stand_in(c.__name__, c)
         for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath)
     }
 )
+# The objects below are handed out as they are: immutable built-in types and torch's dtype / layout /
+# memory-format constants have no __dict__ and refuse setattr, so a BUILD on them fails.
+_ALLOWED[("torch", "Size")] = torch.Size
 _ALLOWED.update(
     {("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 )
@@ -91,14 +173,6 @@ _ALLOWED.update(
 )
 _ALLOWED[("builtins", "set")] = set
 _ALLOWED[("builtins", "frozenset")] = frozenset
-# where DCP's filesystem writer keeps each item's place (private, the name in DCP's pickles); absent in other
-# storage layers
-try:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    _ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
-except ImportError:  # pragma: no cover - torch without the filesystem layer
-    _StorageInfo = None  # type: ignore[assignment,misc]
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -130,7 +204,10 @@ def load_metadata(path: pathlib.Path, data: bytes) -> Metadata:
             f"{path}: cannot be read as DCP metadata ({type(exc).__name__}: {_one_line(exc)}); "
             "nothing from it was run; restore the file from a copy or re-save the checkpoint"
         ) from None
-    problem = check_metadata(metadata)
+    try:
+        problem = check_metadata(metadata)
+    except AttributeError as exc:  # a record created without its fields (NEWOBJ with no BUILD after it)
+        problem = f"a record lacks a field ({_one_line(exc)})"
     if problem is not None:
         raise CheckpointCorruptError(f"{path}: {problem}; restore the file from a copy or re-save the checkpoint")
     return metadata
@@ -209,6 +286,12 @@ def _storage_problem(info: Any) -> str | None:
 def load_value(data: io.BytesIO | bytes, *, where: str) -> Any:
     """A non-tensor value stored by DCP (a ``torch.save`` archive), read weights-only."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    problem = value_problem(stream.getvalue())
+    if problem is not None:
+        raise CheckpointCorruptError(
+            f"{where}: refused to load: {problem}; nothing was built from it; a value checkpoint.save wrote never "
+            "does this: restore the file from a copy or re-save the checkpoint"
+        )
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - a refused global or a damaged archive: one clear error
@@ -281,21 +364,29 @@ def _weights_only_reason(exc: BaseException) -> str:
 
 
 def check_weights_only(key: str, value: Any) -> None:
-    """Raise ``ValueError`` naming ``key`` when ``value`` would not load back with ``torch.load(weights_only=True)``.
+    """Raise ``ValueError`` naming ``key`` when ``value`` would not load back with ``torch.load(weights_only=True)``,
+    or a load would refuse it as too costly to read (:func:`~checkpoint.pickle_budget.value_problem`).
 
     Called by ``save`` for every non-tensor value, so a checkpoint it writes always loads safely.
     """
     buffer = io.BytesIO()
     try:
         torch.save(value, buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=True)
+        problem = value_problem(buffer.getvalue())  # first: the round trip below would pay that cost
+        if problem is None:
+            buffer.seek(0)
+            torch.load(buffer, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever torch.save / weights-only loading refuses
         raise ValueError(
             f"{key!r} holds a {type(value).__name__}, which torch.load(weights_only=True) cannot read back "
             f"({_weights_only_reason(exc)}); save plain values (numbers, strings, lists, dicts, tensors) instead, "
             "e.g. an object's state_dict()"
         ) from None
+    if problem is not None:
+        raise ValueError(
+            f"{key!r} holds a {type(value).__name__} that a load would refuse to read back ({problem}); "
+            "save a flatter value (e.g. an object's state_dict())"
+        )
 
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
@@ -317,8 +408,16 @@ def _check_leaves(tree: Any, prefix: str = "") -> None:
     elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
         for i, v in enumerate(tree):
             _check_leaves(v, f"{prefix}{i}.")
-    elif not isinstance(tree, _PLAIN):  # plain scalars and tensors always load weights-only
+    elif not _is_plain(tree):  # plain scalars and tensors always load weights-only
         check_weights_only(prefix.rstrip("."), tree)
+
+
+def _is_plain(value: Any) -> bool:
+    """A plain scalar or tensor, or a tuple / list of them (a param group's ``betas``): loads weights-only
+    without the torch.save + torch.load round trip per value."""
+    if type(value) in (tuple, list):
+        return all(_is_plain(v) for v in value)
+    return isinstance(value, _PLAIN)
 
 
 def _one_line(exc: BaseException) -> str:

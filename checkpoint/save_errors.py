@@ -15,6 +15,8 @@ exception into this rank's own error or a :class:`CheckpointSaveError`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -24,7 +26,9 @@ __all__ = [
     "CheckpointSaveError",
     "agree_on_failure",
     "dcp_failures",
+    "describe_error",
     "first_failure",
+    "on_every_rank",
     "raise_on_every_rank",
     "raise_unwrapped",
     "unwrap_dcp_error",
@@ -77,7 +81,8 @@ def first_failure(exc: BaseException) -> BaseException:
     return next(iter(dcp_failures(exc).values()), exc)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
+    """One rank's error as the others report it: ``"<type>: <message>"``."""
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -95,10 +100,38 @@ def agree_on_failure(
             raise error
         return {}
     everyone: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, None if error is None else _describe(error), group=group)
+    dist.all_gather_object(everyone, None if error is None else describe_error(error), group=group)
     if error is not None:
         raise error
     return {rank: message for rank, message in enumerate(everyone) if message is not None}
+
+
+T = TypeVar("T")
+
+
+def on_every_rank(
+    step: Callable[[], T],
+    failed: Callable[[dict[int, str]], Exception],
+    *,
+    group: dist.ProcessGroup | None,
+    distributed: bool,
+) -> T:
+    """``step()`` (rank-local work), then one collective agreeing on its success (:func:`agree_on_failure`).
+
+    A rank whose step raised raises its own error (it names the key or file
+    and the fix); every other rank raises ``failed({rank: message})``, so no
+    rank goes on alone into a collective the failed one never joins. Every
+    rank of ``group`` calls it at the same point.
+    """
+    result = error = None
+    try:
+        result = step()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
+        error = exc
+    failures = agree_on_failure(error, group=group, distributed=distributed)
+    if failures:
+        raise failed(failures)
+    return cast(T, result)  # no rank failed: step() returned
 
 
 def raise_on_every_rank(
@@ -121,7 +154,7 @@ def unwrap_dcp_error(exc: CheckpointException, path: str | os.PathLike, rank: in
     failures = dcp_failures(exc)
     if rank in failures:
         return failures[rank]
-    return CheckpointSaveError(path, {r: _describe(f) for r, f in failures.items()} or {0: str(exc)})
+    return CheckpointSaveError(path, {r: describe_error(f) for r, f in failures.items()} or {0: str(exc)})
 
 
 def raise_unwrapped(exc: CheckpointException, path: str | os.PathLike, rank: int = 0) -> None:

@@ -39,7 +39,6 @@ import torch
 # renamed -> import fails, changed key format -> staged buffers no longer match write items
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItem
 
 from checkpoint.shard import CheckpointShard
 from checkpoint.staging_pool import StagingPool
@@ -83,11 +82,11 @@ class StagingGate:
 
     # --- writer thread ---
 
-    def begin(self, items: list[WriteItem]) -> None:
+    def begin(self, items: list[MetadataIndex]) -> None:
         """The writer's plan for this rank: which keys it will write, and how many items each."""
         pending: dict[str, int] = {}
         for item in items:
-            pending[item.index.fqn] = pending.get(item.index.fqn, 0) + 1
+            pending[item.fqn] = pending.get(item.fqn, 0) + 1
         with self._cond:
             self._pending = pending
             self._cond.notify_all()

@@ -5,11 +5,13 @@
 of tensors, DTensors, flat-shard tensors (with a ``fsdp_shard_spec``),
 :func:`checkpoint.shard` objects and picklable values.
 
-Communication: a save in the default ``mode="collective"`` costs DCP's fixed
+Communication: every save starts with one small gather agreeing that every
+rank's values can be saved (weights-only loadable, Stateful ``state_dict()``
+calls that returned). Then a save in the default ``mode="collective"`` costs DCP's fixed
 plan exchange (a gather and a scatter) and its final gather + broadcast,
 whatever the number of tensors (errors of any rank, the conversion of the
 state dict included, are gathered there and raised on every rank);
-``mode="scale"`` costs three small gathers, each agreeing on whether a step
+``mode="scale"`` costs three more small gathers, each agreeing on whether a step
 failed anywhere (rank 0 prepared the target; every rank wrote; rank 0 merged
 the per-rank metadata and committed, :func:`checkpoint.commit.commit`). A load
 reads no more than each rank's own chunks and the merged ``.metadata``; under
@@ -29,6 +31,7 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import PurePath
 from typing import Any, TypeVar, cast
 
 import torch
@@ -43,12 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from checkpoint.atomic import (
-    check_target,
-    make_staging,
     output_path,
-    remove_staging,
-    staging_path,
-    write_lock,
 )
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged, new_save_id, staged_save_id
 from checkpoint.convert import (
@@ -60,6 +58,8 @@ from checkpoint.convert import (
     to_checkpointable,
 )
 from checkpoint.errors import some_of
+from checkpoint.gc_pause import paused_gc
+from checkpoint.object_commit import protocol_for
 from checkpoint.opener import (
     CheckpointCorruptError,
     OpenCheckpoint,
@@ -69,16 +69,21 @@ from checkpoint.opener import (
 from checkpoint.planner import FsdpSavePlanner
 from checkpoint.reader import DEFAULT_MAX_READ_BYTES, DirectReader, ReadBudget
 from checkpoint.replicas import ReplicaDims, ReplicaShare, replica_dims
+from checkpoint.retention import retain
 from checkpoint.safe_unpickle import SafeLoadPlanner, check_saved_values
 from checkpoint.save_errors import (
     CheckpointLoadError,
+    CheckpointSaveError,
     agree_on_failure,
+    on_every_rank,
     raise_on_every_rank,
     raise_unwrapped,
     unwrap_dcp_error,
 )
+from checkpoint.save_plan import PlannedSave
 from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
+from checkpoint.storage_backend import locate
 
 __all__ = [
     "DEFAULT_MAX_READ_BYTES",
@@ -209,7 +214,8 @@ def load_on_every_rank(
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
     result = error = None
     try:
-        result = load()
+        with paused_gc():
+            result = load()
     except _AgreedFailure as agreed:
         raise agreed.error from None
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
@@ -227,6 +233,8 @@ def save_state_dict(
     mode: str = "collective",
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
+    storage_options: dict | None = None,
+    keep_last: int | None = None,
 ) -> None:
     """Save ``state_dict`` (this rank's part) as a committed checkpoint at ``path``; all ranks call it.
 
@@ -240,14 +248,40 @@ def save_state_dict(
     on the others); a failed save leaves no staging behind. ``mode="scale"``
     trades DCP's plan exchange for three small gathers; in it, plain tensors are
     taken from rank 0 and the checkpoint is committed by rank 0.
+
+    ``path`` may be a URL (``s3://bucket/prefix``, any fsspec URL; ``storage_options`` go to its
+    file system): it is saved by the object-store protocol (:mod:`checkpoint.object_commit`; there a
+    second save racing on the same path fails with :class:`~checkpoint.object_commit.ConcurrentSaveError`
+    instead of waiting). ``keep_last=N``: once committed, only the ``N`` newest committed checkpoints
+    beside ``path`` are kept (:func:`checkpoint.retention.retain`).
     """
-    path = output_path(path)
+    path = output_path(path, storage_options)  # resolved once: a local path or a URL, bound to its storage
     wait_for_async_save()
-    # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
-    # dcp.save would call them in each rank's dict order)
-    state_dict, _ = resolve_stateful(state_dict)
-    check_saved_values(state_dict)  # before anything is written: what we save must load weights-only
-    write_state_dict(state_dict, path, mode=mode, max_chunk_bytes=max_chunk_bytes, process_group=process_group)
+    with paused_gc():
+        # Stateful values' state_dict() once, here, in sorted key order on every rank (they may run collectives;
+        # dcp.save would call them in each rank's dict order), and what we save must load weights-only. Agreed on
+        # before anything is written: a value refused (or a state_dict() raising) on one rank must not leave the
+        # others waiting in DCP's first collective.
+        state_dict = on_every_rank(
+            partial(_resolved_and_checked, state_dict),
+            partial(CheckpointSaveError, path),
+            group=process_group,
+            distributed=_dist_info(process_group)[2],
+        )
+        write_state_dict(
+            state_dict,
+            path,
+            mode=mode,
+            max_chunk_bytes=max_chunk_bytes,
+            process_group=process_group,
+            keep_last=keep_last,
+        )
+
+
+def _resolved_and_checked(state_dict: dict[str, Any]) -> dict[str, Any]:
+    resolved, _ = resolve_stateful(state_dict)
+    check_saved_values(resolved)
+    return resolved
 
 
 def write_state_dict(
@@ -257,80 +291,123 @@ def write_state_dict(
     mode: str = "collective",
     max_chunk_bytes: int | None = DEFAULT_MAX_CHUNK_BYTES,
     process_group: dist.ProcessGroup | None = None,
+    keep_last: int | None = None,
 ) -> None:
     """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs).
 
     The caller has checked the values with :func:`~checkpoint.safe_unpickle.check_saved_values`
-    (an async save does so before staging, so its writer thread does not repeat it).
+    (an async save does so before staging, so its writer thread does not repeat it), and resolved
+    ``path`` with :func:`~checkpoint.storage_backend.locate`.
     """
     if mode not in ("collective", "scale"):
         raise ValueError(f"mode must be 'collective' or 'scale', got {mode!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be None (keep everything) or at least 1, got {keep_last}")
     rank, world_size, distributed = _dist_info(process_group)
     convert = partial(
         convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
     )
+    protocol = protocol_for(path)  # the storage, resolved once: renames and a lock, or the object-store commit
     with contextlib.ExitStack() as held:
-        prepared = []
+        prepared: list = []
 
-        def prepare() -> None:  # rank 0, before anything is written
-            held.enter_context(write_lock(path))  # held until committed: one writer per path
-            check_target(path)
-            make_staging(path)
-            prepared.append(True)
+        def prepare() -> PurePath:  # rank 0, before anything is written
+            staged = protocol.begin(held)
+            prepared.append(staged)
+            return staged
 
         try:
+            if protocol.needs_agreement:
+                # A fresh save id per save: rank 0 makes the staging directory, the others learn its name.
+                staged = _agree_on_staging(protocol, prepare, rank, process_group, distributed)
+                prepare = None  # type: ignore[assignment]  # done
+            else:
+                staged = protocol.staged()
             if mode == "scale" and distributed:
-                _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group)
+                _save_scale(
+                    state_dict, protocol, rank, world_size, max_chunk_bytes, convert, prepare, process_group, staged
+                )
             else:
                 _save_collective(
-                    state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed
+                    state_dict,
+                    protocol,
+                    world_size,
+                    max_chunk_bytes,
+                    convert,
+                    prepare,
+                    process_group,
+                    distributed,
+                    staged,
                 )
         except BaseException as exc:
             if prepared:
-                remove_staging(path)  # every rank has stopped writing: DCP / agree() raised on all of them
+                protocol.abandon(prepared[0])  # every rank has stopped writing: DCP / agree() raised on all of them
             if not isinstance(exc, CheckpointException):
                 raise
             raise_unwrapped(exc, path, rank if distributed else 0)
+    if keep_last is not None and rank == 0:
+        retain(path, keep_last=keep_last, wait=False)  # this very save (maybe async) has committed
+
+
+def _agree_on_staging(protocol, prepare, rank, process_group, distributed) -> PurePath:
+    """Rank 0 begins the save; every rank learns the staging directory's name, or rank 0's error."""
+    error: Exception | None = None
+    name = None
+    if rank == 0:
+        try:
+            name = prepare().name
+        except Exception as exc:  # noqa: BLE001 - raised on every rank
+            error = exc
+    raise_on_every_rank(error, protocol.path, group=process_group, distributed=distributed)
+    if distributed:
+        box = [name]
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group
+        )
+        name = box[0]
+    return protocol.staged(name)
 
 
 def _save_collective(
-    state_dict, path, world_size, max_chunk_bytes, convert, prepare, process_group, distributed
+    state_dict, protocol, world_size, max_chunk_bytes, convert, prepare, process_group, distributed, staged
 ) -> None:
-    """DCP's collective save; conversion and rank 0's preparation run in its local-plan step, where it gathers errors."""
+    """The collective save (:mod:`checkpoint.save_plan`: DCP's layout, its plan made once per layout)."""
     info = {"mode": "collective", "max_chunk_bytes": max_chunk_bytes}
-    writer = FsdpWriter(
-        staging_path(path), prepare=prepare, on_commit=partial(_commit_collective, path, world_size, info)
-    )
-    with quiet_single_process():
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=FsdpSavePlanner(convert=convert),
-            process_group=process_group,
-            no_dist=not distributed,
-        )
+    PlannedSave(
+        staged,
+        convert=convert,
+        prepare=prepare or (lambda: None),  # None: the object-store protocol prepared the staging already
+        commit=partial(_commit_collective, protocol, staged, world_size, info),
+        group=process_group,
+        distributed=distributed,
+        path=protocol.path,
+    ).run(state_dict)
 
 
-def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, prepare, process_group) -> None:
+def _save_scale(
+    state_dict, protocol, rank, world_size, max_chunk_bytes, convert, prepare, process_group, staged
+) -> None:
     """Each rank writes its files and record alone; rank 0 commits once every rank succeeded.
 
     Three small gathers (:func:`~checkpoint.save_errors.raise_on_every_rank`): after rank 0
     prepared the target and every rank converted its state; after the writes; after rank 0's commit.
     """
+    path = protocol.path
     agree = partial(raise_on_every_rank, path=path, group=process_group, distributed=True)
     error: BaseException | None = None
     try:
         converted = convert(state_dict)
         if rank == 0:
-            prepare()
-            new_save_id(path)  # in the records of this save only: commit refuses a straggler of another
+            if prepare is not None:
+                prepare()
+            new_save_id(staged)  # in the records of this save only: commit refuses a straggler of another
     except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = exc
     agree(error)
     save_id = None
     try:
-        save_id = staged_save_id(path)
-        writer = FsdpWriter(staging_path(path), force_rank=rank, world_size=world_size, save_id=save_id)
+        save_id = staged_save_id(staged)
+        writer = FsdpWriter(staged, force_rank=rank, world_size=world_size, save_id=save_id)
         with quiet_single_process():
             # no_dist: DCP's own closing barrier would leave the other ranks waiting if this one failed
             dcp.save(converted, storage_writer=writer, planner=FsdpSavePlanner(validate_cover=False), no_dist=True)
@@ -342,14 +419,15 @@ def _save_scale(state_dict, path, rank, world_size, max_chunk_bytes, convert, pr
     error = None
     if rank == 0:
         try:
-            commit_ranks(path, world_size, extra_info={"max_chunk_bytes": max_chunk_bytes}, save_id=save_id)
+            info = {"max_chunk_bytes": max_chunk_bytes}
+            commit_ranks(path, world_size, extra_info=info, save_id=save_id, staged=staged, protocol=protocol)
         except Exception as exc:  # noqa: BLE001
             error = exc
     agree(error)
 
 
-def _commit_collective(path, world_size, info, metadata: Metadata, files) -> None:
-    commit_staged(path, metadata, files, world_size, extra_info=info)
+def _commit_collective(protocol, staged, world_size, info, metadata: Metadata, files) -> None:
+    commit_staged(protocol.path, metadata, files, world_size, extra_info=info, staged=staged, protocol=protocol)
 
 
 def load_flat(
@@ -496,6 +574,7 @@ def load_state_dict(
     require_manifest: bool = True,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
+    storage_options: dict | None = None,
     max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
     read_once_per_replica: bool = True,
 ) -> LoadReport:
@@ -529,7 +608,9 @@ def load_state_dict(
     ``peak_read_buffer_bytes``. ``read_once_per_replica`` (collective loads): a DTensor replicated over mesh
     dimensions (HSDP, DDP) is read from storage by the replica at coordinate 0 only and broadcast along
     them to the others, in buckets of at most ``max_read_bytes``; ``False``: every rank reads its own.
+    ``path`` may be a URL (``s3://bucket/prefix``; ``storage_options`` go to its fsspec file system).
     """
+    path = locate(path, storage_options)
     device = meta_device_target(process_group)
     options = read_options(
         process_group=process_group,

@@ -44,7 +44,7 @@ import io
 import json
 import os
 import warnings
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,11 +57,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint.data_file import DataFile, data_file_name, write_tensor
+from checkpoint.data_file import DataFile, StorageInfo, data_file_name, write_tensor
 from checkpoint.dcp_metadata import with_storage, write_metadata
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, FileRecord, check_relative_name, dtype_name
 from checkpoint.staging import StagedShard
-from checkpoint.storage_backend import storage_for
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = [
     "RANK_RECORD_SUFFIX",
@@ -70,6 +70,7 @@ __all__ = [
     "rank_record",
     "rank_record_name",
     "rank_record_problem",
+    "write_items",
 ]
 
 RANK_RECORD_SUFFIX = ".rank.json"
@@ -101,6 +102,7 @@ class FsdpWriter(FileSystemWriter):
         save_id: str | None = None,
     ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self.path = locate(path)  # DCP's init made a local Path of it; a URL's stays bound to its storage
         self._files: dict[str, FileRecord] = {}  # this rank's data files, for the manifest
         self.on_commit = on_commit
         self.prepare = prepare
@@ -125,12 +127,12 @@ class FsdpWriter(FileSystemWriter):
             self.prepare()  # the coordinator's plan is gathered before any rank writes: it runs first
         if self.rank in (None, 0):
             # A manifest left in the staging dir by a killed save must not outlive this one's files.
-            storage_for(self.path).delete(Path(self.path) / MANIFEST_NAME, missing_ok=True)
+            storage_for(self.path).delete(locate(self.path) / MANIFEST_NAME, missing_ok=True)
         if not self.use_collectives:
             # This rank's record from an earlier, uncommitted save must not vouch for the file rewritten now:
             # if this write fails or is killed, commit finds no record and names the rank.
             assert self.rank is not None  # set up by DCP (or force_rank) before any plan
-            storage_for(self.path).delete(Path(self.path) / rank_record_name(self.rank), missing_ok=True)
+            storage_for(self.path).delete(locate(self.path) / rank_record_name(self.rank), missing_ok=True)
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
         return plan
 
@@ -144,40 +146,21 @@ class FsdpWriter(FileSystemWriter):
         return _done(results)
 
     def _write_rank_file(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """This rank's one data file, laid out as DCP's writer lays it out, then fsync'd.
-
-        Same order as ``FileSystemWriter`` (non-tensor values, then tensors in
-        plan order), each tensor a ``torch.save`` archive of exactly the chunk
-        (so plain DCP reads it), but written from the tensor's own bytes
-        (:mod:`checkpoint.chunk_archive`) with their CRC-32 computed alongside.
-        """
-        results: list[WriteResult] = []
+        """This rank's one data file, laid out as DCP's writer lays it out, then fsync'd (:func:`write_items`)."""
         # An async save with bounded staging waits for each item to be in the OS's hands (checkpoint.staging).
         gates = {v.gate for v in getattr(planner, "state_dict", {}).values() if isinstance(v, StagedShard)}
-        for gate in gates:
-            gate.begin(plan.items)
-        out = DataFile(self.path, data_file_name(plan.storage_data.prefix))
-        try:
-            items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
-            items += [wi for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
-            for item in items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    assert isinstance(data, io.BytesIO)  # what DCP resolves a byte item to
-                    where = out.add_bytes(data.getbuffer())
-                else:
-                    assert isinstance(data, torch.Tensor)
-                    # write_tensor named here, not inside DataFile: tests slow or break this very call
-                    # by replacing checkpoint.storage.write_tensor
-                    where = out.add_tensor(data, write_tensor)
-                results.append(WriteResult(index=item.index, size_in_bytes=where.length, storage_data=where))
-                for gate in gates:
-                    gate.written(item.index.fqn)
-        except BaseException:
-            out.abort()
-            raise
-        self._files[out.name] = out.finish()
-        return results
+        byte_items = [wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO]
+        items = [(wi.index, True) for wi in byte_items]
+        items += [(wi.index, False) for wi in plan.items if wi.type != WriteItemType.BYTE_IO]
+        by_index = {wi.index: wi for wi in plan.items}
+
+        def resolve(index: MetadataIndex):
+            data = planner.resolve_data(by_index[index])
+            return data.getbuffer() if isinstance(data, io.BytesIO) else data  # what DCP resolves a byte item to
+
+        where, record = write_items(self.path, data_file_name(plan.storage_data.prefix), items, resolve, gates=gates)
+        self._files[record[0]] = record[1]
+        return [WriteResult(index=index, size_in_bytes=w.length, storage_data=w) for (index, _), w in zip(items, where)]
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, FileRecord] = {}
@@ -196,7 +179,7 @@ class FsdpWriter(FileSystemWriter):
             record["world_size"] = self.world_size
             record["save_id"] = self._save_id  # commit merges only the records of one save
             assert self.rank is not None  # set up by DCP (or force_rank) before any write
-            where = Path(self.path) / rank_record_name(self.rank)
+            where = locate(self.path) / rank_record_name(self.rank)
             storage_for(where).write_file(where, json.dumps(record, sort_keys=True))
             return
         # What FileSystemWriter.finish does, but through the one .metadata writer and the storage
@@ -205,6 +188,51 @@ class FsdpWriter(FileSystemWriter):
         files[METADATA_NAME] = write_metadata(self.path, with_storage(metadata, stored))
         if self.on_commit is not None:
             self.on_commit(metadata, files)
+
+
+def write_items(
+    directory: str | os.PathLike,
+    name: str,
+    items: list[tuple[MetadataIndex, bool]],
+    resolve: Callable[[MetadataIndex], Any],
+    *,
+    gates=(),
+) -> tuple[list[StorageInfo], tuple[str, FileRecord]]:
+    """Write one rank's data file ``directory/name``: each ``(index, is_bytes)`` item in order; where each landed.
+
+    The layout of DCP's ``FileSystemWriter``: a byte item is its pickled bytes,
+    a tensor chunk a ``torch.save`` archive of exactly the chunk (so plain DCP
+    reads it), written from the tensor's own bytes (:mod:`checkpoint.chunk_archive`)
+    with their CRC-32 computed alongside. ``resolve(index)`` gives the bytes or the
+    tensor. Equal byte values are stored once and every key points at that range
+    (a param group's options, keyed per parameter in torch's flattened layout).
+    ``gates`` (:class:`~checkpoint.staging.StagingGate`) learn the plan and each item once written.
+    Returns the storage of each item and the file's ``(name, record)``; the file is fsync'd.
+    """
+    for gate in gates:
+        gate.begin([index for index, _ in items])
+    out = DataFile(directory, name)
+    where: list[StorageInfo] = []
+    stored: dict[bytes, StorageInfo] = {}
+    try:
+        for index, is_bytes in items:
+            data = resolve(index)
+            if is_bytes:
+                key = bytes(data)
+                info = stored.get(key)
+                if info is None:
+                    info = stored[key] = out.add_bytes(data)
+            else:
+                # write_tensor named here, not inside DataFile: tests slow or break this very call
+                # by replacing checkpoint.storage.write_tensor
+                info = out.add_tensor(data, write_tensor)
+            where.append(info)
+            for gate in gates:
+                gate.written(index.fqn)
+    except BaseException:
+        out.abort()
+        raise
+    return where, (out.name, out.finish())
 
 
 @contextlib.contextmanager

@@ -41,11 +41,12 @@ import os
 import shutil
 import stat
 import sys
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Literal, Protocol
+from typing import BinaryIO, Literal, Protocol, cast
 
 from checkpoint.content_check import crc32, crc32_combine
 from checkpoint.durable import disk_full_is_clear, durable_write, fsync_dir
@@ -57,7 +58,10 @@ __all__ = [
     "FileRecord",
     "FileStat",
     "LocalStorage",
+    "SharedFileSystemStorage",
     "Storage",
+    "VersionConflict",
+    "locate",
     "mount",
     "storage_for",
     "unmount",
@@ -87,10 +91,18 @@ class FileStat:
     link_target: str | None = None
     """for a symbolic link: what it points to, as written, and (``real_path``) where that resolves"""
     real_path: str | None = None
+    modified: float | None = None
+    """when the object was last written (seconds since the epoch), where the storage says"""
 
 
 class Storage(Protocol):
     """The operations the format library performs on stored checkpoints; paths name objects and directories."""
+
+    renames_atomically: bool
+    """``True``: directory renames are atomic and :meth:`lock` orders writers (a local POSIX file system),
+    so a save is staged and renamed into place (:mod:`checkpoint.atomic`); ``False`` (an object store, a
+    shared file system without trustworthy ``flock`` / rename): the object-store protocol
+    (:mod:`checkpoint.object_commit`), which needs only whole-object writes and :meth:`put_if`."""
 
     def create(self, path: str | os.PathLike) -> CrcStream:
         """A new object at ``path`` (replacing any), written sequentially; its ``finish`` makes it durable."""
@@ -145,6 +157,15 @@ class Storage(Protocol):
     def lock(self, path: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
         """Hold the lock object ``path`` against other processes (created if needed, removed on release)."""
         ...
+
+    def put_if(self, path: str | os.PathLike, data: bytes, *, version: Hashable | None) -> None:
+        """Write the small object ``path`` whole, only if its :meth:`version` is still ``version``
+        (``None``: only if absent); raise :class:`VersionConflict` otherwise, writing nothing."""
+        ...
+
+
+class VersionConflict(FileExistsError):
+    """:meth:`Storage.put_if` found another version of the object than the one it was told to replace."""
 
 
 class CrcStream(io.RawIOBase):
@@ -274,6 +295,8 @@ def _start_writeback(raw, offset: int, length: int) -> None:
 class LocalStorage:
     """:class:`Storage` on the local (POSIX) file system."""
 
+    renames_atomically = True
+
     def create(self, path: str | os.PathLike) -> CrcStream:
         # unbuffered: writes go straight to the OS, and the CRC sees every byte once
         return CrcStream(open(path, "wb", buffering=0))
@@ -341,7 +364,7 @@ class LocalStorage:
         kind: Literal["file", "directory", "other"] = (
             "file" if stat.S_ISREG(mode) else "directory" if stat.S_ISDIR(mode) else "other"
         )
-        return FileStat(kind, st.st_size, _kind(mode))
+        return FileStat(kind, st.st_size, _kind(mode), modified=st.st_mtime)
 
     def version(self, path: str | os.PathLike) -> Hashable | None:
         try:
@@ -382,6 +405,37 @@ class LocalStorage:
                 os.unlink(path)
             os.close(fd)  # releases the flock
 
+    def put_if(self, path: str | os.PathLike, data: bytes, *, version: Hashable | None) -> None:
+        """An absent ``path`` is created exclusively (``link``, atomic on NFS too); replacing one is a check of
+        its version, then the durable rename: two steps, so on a local path two writers are ordered by
+        :meth:`lock`, and on a shared file system (:class:`SharedFileSystemStorage`) only best effort."""
+        path = Path(path)
+        if version is None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.new")
+            durable_write(tmp, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise VersionConflict(f"{str(path)!r} was written by another save meanwhile") from None
+            finally:
+                os.unlink(tmp)
+            fsync_dir(path.parent)
+            return
+        if self.version(path) != version:
+            raise VersionConflict(f"{str(path)!r} was replaced by another save meanwhile")
+        durable_write(path, data, sync_dir=True)
+
+
+class SharedFileSystemStorage(LocalStorage):
+    """A shared file system (NFS and the like) where ``flock`` or directory renames cannot be trusted.
+
+    Mount it on the directory that holds checkpoints (``checkpoint.mount("/nfs/ckpt", SharedFileSystemStorage())``):
+    saves there use the object-store protocol (:mod:`checkpoint.object_commit`: data under a unique save
+    id, a commit record written last, no directory rename, no lock), the same as on ``s3://``.
+    """
+
+    renames_atomically = False
+
 
 def _flock(lock: Path) -> int:
     """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed)."""
@@ -390,10 +444,11 @@ def _flock(lock: Path) -> int:
             # O_NOFOLLOW: a link at the lock name would make the save create or lock a file wherever it points
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as exc:
-            if exc.errno != errno.ELOOP:
+            kinds = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}
+            if exc.errno not in kinds:
                 raise
             raise FileExistsError(
-                f"{str(lock)!r} is a symbolic link, in the way of this save's lock file (not made by a save, "
+                f"{str(lock)!r} is {kinds[exc.errno]}, in the way of this save's lock file (not made by a save, "
                 "left alone); move it away"
             ) from None
         try:
@@ -453,8 +508,69 @@ def unmount(root: str | os.PathLike) -> None:
     _mounts.pop(os.path.abspath(root), None)
 
 
+def locate(path: str | os.PathLike, storage_options: dict | None = None) -> Path:
+    """``path`` resolved once, at an entry point, into a path bound to its storage: a URL (``s3://bucket/prefix``,
+    any fsspec URL) to its :mod:`checkpoint.fsspec_storage` storage, a local path (a ``Path`` still) to the
+    :func:`mount` above it or :data:`LOCAL`. Every helper then reads the storage from the path
+    (:func:`storage_for`) instead of resolving it again; joins, ``parent`` and siblings keep it.
+
+    Raises ``ValueError`` for an unsupported URL scheme or a URL mangled by ``pathlib`` (``s3:/bucket``),
+    ``ImportError`` naming the extra to install (``pip install offload-fsdp[s3]``) when its package is missing.
+    """
+    if getattr(path, "storage", None) is not None:
+        return path  # type: ignore[return-value]  # already bound
+    text = os.fspath(path)
+    if "://" in text or _looks_like_mangled_url(text):
+        from checkpoint.fsspec_storage import url_path  # fsspec is an optional extra: imported only for URLs
+
+        # Typed as a Path: the library uses only pure path operations (joins, name, parent) on paths, and
+        # reaches what they name through storage_for (tests/test_storage_backend.py checks it).
+        return cast(Path, url_path(text, storage_options))
+    if storage_options:
+        raise ValueError(f"storage_options apply to URLs (s3://...), not to the local path {text!r}")
+    local = Path(path)
+    return _bound_type(_lookup(local))(local)
+
+
+_bound_types: dict[int, type] = {}  # id(storage) -> its Path subclass (storages live as long as the process)
+
+
+def _bound_type(storage: Storage) -> type[Path]:
+    """A ``Path`` subclass whose instances (and their joins, parents, siblings) carry ``storage``."""
+    cls = _bound_types.get(id(storage))
+    if cls is None:
+        base = type(Path())
+        cls = _bound_types[id(storage)] = type(
+            f"{type(storage).__name__}Path", (base,), {"storage": storage, "__reduce__": _reduce_to_path}
+        )
+    return cls
+
+
+def _reduce_to_path(self: Path) -> tuple:
+    return Path, (str(self),)  # pickled as a plain path: the storage is found again where it is used
+
+
+def _looks_like_mangled_url(text: str) -> bool:
+    """``Path("s3://b/x")`` is ``s3:/b/x``: a URL that pathlib took for a local directory named ``s3:``."""
+    head = text.split("/", 1)[0]
+    return head.endswith(":") and head[:-1].lower() in _URL_SCHEMES
+
+
+_URL_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "memory", "file", "http", "https"}
+
+
 def storage_for(path: str | os.PathLike) -> Storage:
-    """The storage that holds ``path``: the innermost :func:`mount` above it, else :data:`LOCAL`."""
+    """The storage that holds ``path``: the one a URL path was bound to by :func:`locate`, else the innermost
+    :func:`mount` above it, else :data:`LOCAL`."""
+    bound = getattr(path, "storage", None)
+    if bound is not None:
+        return bound  # resolved once, by locate() at the entry point
+    if isinstance(path, str) and "://" in path:
+        return storage_for(locate(path))
+    return _lookup(path)
+
+
+def _lookup(path: str | os.PathLike) -> Storage:
     if not _mounts:
         return LOCAL
     path = os.path.abspath(path)

@@ -22,11 +22,14 @@ Parts (``--parts`` picks a subset):
   per-tensor metadata ``all_gather_object`` (what Megatron-LM's flat-buffer
   checkpointing does today).
 * ``ranks``: save wall time of the same global state at 1, 2 and 4 ranks (2 cores here).
-* ``scaling``: save / load time and bytes per parameter for the same
-  ``--scaling-mib`` MiB of fp32 parameters cut into 100, 1,000 and 10,000
-  (``--scaling-params``; 100 and 1,000 by default), with AdamW over ``named_parameters()``: ours
-  (``checkpoint.save`` / ``load``) vs plain ``get_state_dict`` + ``dcp.save`` /
-  ``dcp.load``. Flat per-parameter cost means the state grows linearly.
+* ``scaling``: save / load time (wall and process CPU) and bytes per parameter for the same
+  ``--scaling-mib`` MiB of fp32 parameters cut into 100, 1,000, 10,000 and 30,000
+  (``--scaling-params``), AdamW over ``named_parameters()``, plain and wrapped by
+  ``HybridDeviceOptimizer`` (``--scaling-optimizers``): ours (``checkpoint.save`` / ``load``) vs plain
+  ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` vs a floor writer (one file of concatenated
+  bytes, a compact JSON index with CRC-32s computed inline, ``os.writev`` / ``os.preadv`` in
+  batches), in interleaved rounds. Then, on 2 gloo ranks, the collective calls and the bytes they
+  carry on the first and the second save of one layout.
 * ``verify``: ``checkpoint.load_state_dict`` of the ``--mib`` state with the
   default content check (``verify="crc"``: each file's CRC-32 computed as it
   is read) vs without (``verify="sizes"``), cold and warm page cache, as a ratio.
@@ -41,6 +44,12 @@ Parts (``--parts`` picks a subset):
   ``--capped-mib`` MiB fp32 checkpoint into bf16 tensors (every byte goes
   through the reader's buffers), with ``max_read_bytes`` of 64 MiB and with no
   cap, against the bound cap + largest tensor + 256 MiB.
+* ``remote``: save / load of the ``--remote-mib`` state to ``s3://`` on a local
+  S3-compatible server (``moto_server`` on 127.0.0.1, started here; the test
+  extra installs it), vs ``s3fs`` writing / reading the same bytes as one
+  object in the same run (interleaved rounds, wall and process CPU time); and
+  the peak RSS a save adds (a child process) for a state larger than the
+  upload part budget (``checkpoint.fsspec_storage.PART_BYTES``).
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -58,7 +67,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -388,34 +396,10 @@ def bench_capped(root: Path, mib: int) -> None:
     shutil.rmtree(path)
 
 
-_COUNTED = (
-    "all_gather_object",
-    "gather_object",
-    "broadcast_object_list",
-    "scatter_object_list",
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "barrier",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-)
-
-
 def _count(fn) -> int:
-    counts: Counter = Counter()
-    originals = {n: getattr(dist, n) for n in _COUNTED}
-    for n, orig in originals.items():
-        setattr(dist, n, (lambda n, orig: lambda *a, **k: (counts.update([n]), orig(*a, **k))[1])(n, orig))
-    try:
-        fn()
-    finally:
-        for n, orig in originals.items():
-            setattr(dist, n, orig)
-    return sum(counts.values())
+    from tests.distributed import count_collectives
+
+    return sum(count_collectives(fn).calls.values())
 
 
 def _collectives_body(rank: int, world_size: int, root: str) -> dict:
@@ -572,13 +556,20 @@ def bench_merge(ranks_list: list[int], tensors: int, *, with_dcp: bool = True) -
         )
 
 
-def _params_model(count: int, total_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """``count`` fp32 parameters of equal size, AdamW over ``named_parameters()`` with its state created."""
+def _params_model(
+    count: int, total_bytes: int, optimizer: str = "adamw"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``count`` fp32 parameters of equal size, AdamW over ``named_parameters()`` with its state created
+    (``optimizer="hybrid"``: the same AdamW wrapped by ``HybridDeviceOptimizer``)."""
     torch.manual_seed(0)
     model = torch.nn.ParameterDict(
         {f"p{i}": torch.nn.Parameter(torch.randn(max(total_bytes // 4 // count, 1))) for i in range(count)}
     )
-    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3, foreach=True)
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.named_parameters(), lr=1e-3, foreach=True)
+    if optimizer == "hybrid":
+        from offload_fsdp import HybridDeviceOptimizer
+
+        opt = HybridDeviceOptimizer(opt, offload_fraction=1.0, model=model)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
@@ -612,29 +603,242 @@ def _dcp_load(model, opt, path) -> None:
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
 
-def bench_scaling(root: Path, mib: int, counts: list[int]) -> None:
-    """Per-parameter save / load cost as the same bytes are cut into more parameters (model + AdamW state)."""
+def _floor_tensors(model, opt) -> dict[str, torch.Tensor]:
+    """The same tensors a save writes (params and optimizer state, by name), with no format around them."""
+    out = {f"model.{k}": v for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in opt.state.items():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optimizer.{names[id(p)]}.{k}"] = v
+    return out
+
+
+_FLOOR_BATCH = 512  # iovecs per system call (IOV_MAX is 1024 on Linux)
+
+
+def _floor_save(model, opt, path) -> None:
+    """The floor: one file of concatenated bytes + a compact JSON index (CRC-32 inline), ``os.writev`` in batches."""
+    import zlib
+
+    path.mkdir(parents=True)
+    index, views, offset = {}, [], 0
+    for key, t in _floor_tensors(model, opt).items():
+        view = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        index[key] = [str(t.dtype), list(t.shape), offset, len(view), zlib.crc32(view)]
+        views.append(view)
+        offset += len(view)
+    fd = os.open(path / "data", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(0, len(views), _FLOOR_BATCH):
+            batch = views[i : i + _FLOOR_BATCH]
+            want, done = sum(len(v) for v in batch), os.writev(fd, batch)
+            assert done == want, "short writev"
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    (path / "index.json").write_text(json.dumps(index, separators=(",", ":")))
+
+
+def _floor_load(model, opt, path) -> None:
+    """The floor's load: the index, then ``os.preadv`` straight into the tensors in batches, CRC-32 checked."""
+    import zlib
+
+    index = json.loads((path / "index.json").read_text())
+    tensors = _floor_tensors(model, opt)
+    fd = os.open(path / "data", os.O_RDONLY)
+    try:
+        keys = list(index)
+        for i in range(0, len(keys), _FLOOR_BATCH):
+            batch = keys[i : i + _FLOOR_BATCH]
+            views = [memoryview(tensors[k].reshape(-1).view(torch.uint8).numpy()) for k in batch]
+            assert os.preadv(fd, views, index[batch[0]][2]) == sum(len(v) for v in views), "short preadv"
+            for k, v in zip(batch, views):
+                assert zlib.crc32(v) == index[k][4], f"{k}: CRC-32 mismatch"
+    finally:
+        os.close(fd)
+
+
+def _timed_cpu(fn) -> tuple[float, float]:
+    """(wall, process CPU) seconds of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+_WRITERS = {
+    "ours": (_ours_save, _ours_load),
+    "dcp": (_dcp_save, _dcp_load),
+    "floor": (_floor_save, _floor_load),
+}
+
+
+def bench_scaling(root: Path, mib: int, counts: list[int], rounds: int, optimizers: list[str]) -> None:
+    """Per-parameter save / load cost as the same bytes are cut into more parameters (model + AdamW state).
+
+    Rounds interleave the writers (ours, plain DCP, the floor), so a machine busy with other work slows
+    them alike; each figure is the best round, wall and process CPU time.
+    """
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    print(f"\n== scaling: {mib} MiB of fp32 params + AdamW state, named_parameters(), one process, best of 2")
     print(
-        f"{'params':>7s} {'who':5s} {'save s':>7s} {'load s':>7s} {'save us/param':>14s} {'load us/param':>14s} {'bytes/param':>12s}"
+        f"\n== scaling: {mib} MiB of fp32 params + AdamW state, one process, best of {rounds} interleaved rounds"
+        f" (load: {os.getloadavg()[0]:.1f})"
     )
+    print(
+        f"{'optimizer':9s} {'params':>6s} {'who':5s} {'save us/p':>9s} {'cpu':>6s} {'load us/p':>9s} {'cpu':>6s}"
+        f" {'bytes/p':>8s} {'save/dcp':>8s} {'load/dcp':>8s} {'save/floor':>10s} {'load/floor':>10s}"
+    )
+    for optimizer in optimizers:
+        for count in counts:
+            model, opt = _params_model(count, mib << 20, optimizer)
+            best: dict[str, list] = {who: [None, None, None, None, 0] for who in _WRITERS}
+            for round_ in range(rounds):
+                for who, (save, load) in _WRITERS.items():
+                    path = root / f"scale_{who}_{count}_{round_}"
+                    saved = _timed_cpu(partial(save, model, opt, path))
+                    loaded = _timed_cpu(partial(load, model, opt, path))
+                    entry = best[who]
+                    for slot, value in ((0, saved[0]), (1, saved[1]), (2, loaded[0]), (3, loaded[1])):
+                        entry[slot] = value if entry[slot] is None else min(entry[slot], value)
+                    entry[4] = _dir_bytes(path)
+                    shutil.rmtree(path, ignore_errors=True)
+            dcp_, floor = best["dcp"], best["floor"]
+            for who, (sw, sc, lw, lc, size) in best.items():
+                per = 1e6 / count
+                print(
+                    f"{optimizer:9s} {count:6d} {who:5s} {sw * per:9.0f} {sc * per:6.0f} {lw * per:9.0f} {lc * per:6.0f}"
+                    f" {size / count:8.0f} {sw / dcp_[0]:8.2f} {lw / dcp_[2]:8.2f} {sw / floor[0]:10.2f} {lw / floor[2]:10.2f}"
+                )
+            del model, opt
+
+
+def _plan_collectives_body(rank: int, world_size: int, root: str, count: int) -> dict:
+    """Calls into torch.distributed and the bytes they carry, on the first and the second save of a layout."""
+    state = {
+        f"t{i}": checkpoint.shard(torch.full((4, 8), float(i)), (4 * world_size, 8), offsets=(4 * rank, 0))
+        for i in range(count)
+    }
+    return {
+        which: _count_with_bytes(
+            lambda which=which: checkpoint.save_state_dict(state, Path(root) / f"p{count}_{which}")
+        )
+        for which in ("first", "second")
+    }
+
+
+def _count_with_bytes(fn) -> tuple[int, int]:
+    """(calls, pickled bytes sent by this rank) of the collectives while ``fn`` runs."""
+    from tests.distributed import count_collectives
+
+    count = count_collectives(fn)
+    return sum(count.calls.values()), count.sent
+
+
+def bench_plan_collectives(root: Path, counts: list[int]) -> None:
+    from tests.distributed import run_ranks
+
+    print("\n== collectives of a save on 2 gloo ranks, first vs second save of a layout (calls, bytes rank 1 sends)")
+    print(f"{'tensors':>7s} {'first':>16s} {'second':>16s}")
     for count in counts:
-        model, opt = _params_model(count, mib << 20)
-        for who, save, load in (("ours", _ours_save, _ours_load), ("dcp", _dcp_save, _dcp_load)):
-            saves, loads, size = [], [], 0
-            for round_ in range(2):
-                path = root / f"scale_{who}_{count}_{round_}"
-                saves.append(_timed(partial(save, model, opt, path)))
-                loads.append(_timed(partial(load, model, opt, path)))
-                size = _dir_bytes(path)
-                shutil.rmtree(path, ignore_errors=True)
-            s, ld = min(saves), min(loads)
+        result = run_ranks(_plan_collectives_body, 2, args=(str(root), count))[1]
+        (c1, b1), (c2, b2) = result["first"], result["second"]
+        print(f"{count:7d} {c1:5d} {b1:10d} {c2:5d} {b2:10d}")
+
+
+_RSS_CHILD = """
+import sys, threading, time, torch, checkpoint
+sys.path.insert(0, sys.argv[3])
+from scripts.bench_checkpoint import _state
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+state = _state(int(sys.argv[2]) << 20)
+before, peak, done = rss(), [0], threading.Event()
+def sample():  # the resident set while the save runs, every 2 ms
+    while not done.is_set():
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample)
+sampler.start()
+checkpoint.save_state_dict({"model": state}, sys.argv[1])
+done.set()
+sampler.join()
+print(before, peak[0])
+"""
+
+
+def bench_remote(mib: int) -> None:
+    import subprocess
+    import sys
+
+    import fsspec
+
+    from checkpoint.fsspec_storage import PART_BYTES
+    from tests.s3_server import MotoServer, environment, make_bucket
+
+    server = MotoServer()
+    try:
+        os.environ.update(environment(server.endpoint))
+        bucket = make_bucket(server.endpoint)
+        state = _state(mib << 20)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        fs = fsspec.filesystem("s3", endpoint_url=server.endpoint, use_listings_cache=False, skip_instance_cache=True)
+
+        def s3fs_put(key: str) -> None:
+            with fs.open(f"{bucket}/{key}", "wb", block_size=PART_BYTES) as f:
+                for t in state.values():
+                    f.write(memoryview(t.numpy()).cast("B"))
+
+        def s3fs_get(key: str) -> None:
+            with fs.open(f"{bucket}/{key}", "rb", cache_type="none") as f:
+                for t in state.values():
+                    f.readinto(memoryview(torch.empty_like(t).numpy()).cast("B"))
+
+        def ours_save(key: str) -> None:
+            checkpoint.save_state_dict({"model": state}, f"s3://{bucket}/{key}")
+
+        def ours_load(key: str) -> None:
+            target = {"model": {k: torch.empty_like(v) for k, v in state.items()}}
+            checkpoint.load_state_dict(target, f"s3://{bucket}/{key}")
+
+        times: dict[str, list[tuple[float, float]]] = {}
+        for round_ in range(3):  # interleaved; round 0 is a warm-up
+            for name, fn in (
+                ("s3fs put", s3fs_put),
+                ("ours save", ours_save),
+                ("s3fs get", s3fs_get),
+                ("ours load", ours_load),
+            ):
+                key = f"{name.split()[0]}{round_}"  # a load reads what the save of its round wrote
+                wall, cpu = time.perf_counter(), time.process_time()
+                fn(key)
+                times.setdefault(name, []).append((time.perf_counter() - wall, time.process_time() - cpu))
+        print(f"\n== remote: {nbytes / 2**20:.0f} MiB to s3:// on moto_server (127.0.0.1), best of 2 after a warm-up")
+        best = {name: min(t[1:]) for name, t in times.items()}
+        for name, (wall, cpu) in best.items():
+            print(f"{name:10s} {wall:6.2f} s ({nbytes / wall / 2**20:6.1f} MiB/s), process CPU {cpu:6.2f} s")
+        print(
+            f"ours / s3fs: save {best['s3fs put'][0] / best['ours save'][0]:.2f}x the MB/s, "
+            f"load {best['s3fs get'][0] / best['ours load'][0]:.2f}x"
+        )
+        repo = str(Path(__file__).resolve().parents[1])
+        for who in ("ours",):
+            out = subprocess.run(
+                [sys.executable, "-c", _RSS_CHILD, f"s3://{bucket}/rss-{who}", str(mib), repo],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ, "PYTHONPATH": repo},
+            ).stdout.split()
+            before, after = int(out[-2]), int(out[-1])
             print(
-                f"{count:7d} {who:5s} {s:7.2f} {ld:7.2f} {s / count * 1e6:14.0f} {ld / count * 1e6:14.0f} {size / count:12.0f}"
+                f"peak RSS while writing the {nbytes / 2**20:.0f} MiB state ({who}): +{(after - before) / 2**20:.0f} MiB "
+                f"over the process before (upload part {PART_BYTES >> 20} MiB; {nbytes // PART_BYTES} parts)"
             )
+    finally:
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -653,14 +857,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--saves", type=int, default=5, help="consecutive async saves for the staging part (>= 2)")
     parser.add_argument("--replica-mib", type=int, default=48, help="model + AdamW state for the replicas part (MiB)")
     parser.add_argument("--capped-mib", type=int, default=512, help="checkpoint size for the capped part (MiB)")
+    parser.add_argument("--remote-mib", type=int, default=128, help="state size for the remote (s3://) part (MiB)")
     parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
     parser.add_argument(
         "--scaling-params",
         type=int,
         nargs="+",
-        default=[100, 1000],
-        help="parameter counts the scaling part cuts that state into (the issue's row: 100 1000 10000)",
+        default=[100, 1000, 10000, 30000],
+        help="parameter counts the scaling part cuts that state into",
     )
+    parser.add_argument("--scaling-rounds", type=int, default=2, help="interleaved rounds of the scaling part")
+    parser.add_argument("--scaling-optimizers", nargs="+", default=["adamw", "hybrid"], choices=["adamw", "hybrid"])
     parser.add_argument(
         "--parts",
         nargs="+",
@@ -705,7 +912,10 @@ def main(argv: list[str] | None = None) -> None:
         if "merge" in args.parts:
             bench_merge(args.merge_ranks, args.merge_tensors, with_dcp=not args.merge_ours_only)
         if "scaling" in args.parts:
-            bench_scaling(root, args.scaling_mib, args.scaling_params)
+            bench_scaling(root, args.scaling_mib, args.scaling_params, args.scaling_rounds, args.scaling_optimizers)
+            bench_plan_collectives(root, [c for c in args.scaling_params if c <= 1000] or [100])
+        if "remote" in args.parts:
+            bench_remote(args.remote_mib)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

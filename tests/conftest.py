@@ -29,3 +29,24 @@ def pytest_collection_modifyitems(config, items):
 def cli(capsys):
     """``cli(*args, check=0)``: run ``fsdp-ckpt`` in this process (tests/cli.py) -> CompletedProcess."""
     return functools.partial(run_in_process, capsys)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-compatible server (moto_server) on 127.0.0.1 for the session: its endpoint URL."""
+    pytest.importorskip("s3fs", reason="needs the test extra (s3fs, moto[server])")
+    from tests.s3_server import MotoServer
+
+    server = MotoServer()
+    yield server.endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch):
+    """``s3://<a new bucket>`` on the session's server, with AWS_ENDPOINT_URL and credentials set."""
+    from tests.s3_server import environment, make_bucket
+
+    for name, value in environment(s3_server).items():
+        monkeypatch.setenv(name, value)
+    return f"s3://{make_bucket(s3_server)}"

@@ -27,10 +27,12 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PROCESSES", "RankFailed", "run_ranks"]
+__all__ = ["PROCESSES", "CollectiveCount", "RankFailed", "count_collectives", "run_ranks"]
 
 DEFAULT_TIMEOUT_S = 180.0
 _POLL_S = 0.5
@@ -154,3 +156,63 @@ def run_ranks(
     if failures:
         raise RankFailed("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+_OBJECT_PAYLOAD = {  # where each object collective takes what this rank sends: (position, keyword)
+    "all_gather_object": (1, "obj"),
+    "gather_object": (0, "obj"),
+    "broadcast_object_list": (0, "object_list"),
+    "scatter_object_list": (1, "scatter_object_input_list"),
+}
+_TENSOR_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "send",
+    "recv",
+    "monitored_barrier",
+)
+
+
+@dataclass
+class CollectiveCount:
+    calls: Counter = field(default_factory=Counter)
+    """calls per torch.distributed function"""
+    sent: int = 0
+    """pickled bytes this rank handed the object collectives"""
+
+
+def count_collectives(fn: Callable[[], Any]) -> CollectiveCount:
+    """Calls to torch.distributed's collectives while ``fn`` runs, through the public functions
+    (patched only here, restored after), and the bytes this rank hands the object collectives."""
+    import torch.distributed as dist
+
+    count = CollectiveCount()
+    names = (*_OBJECT_PAYLOAD, *_TENSOR_COLLECTIVES)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            count.calls[name] += 1
+            if name in _OBJECT_PAYLOAD:
+                position, keyword = _OBJECT_PAYLOAD[name]
+                count.sent += len(pickle.dumps(args[position] if len(args) > position else kwargs.get(keyword)))
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(name, original))
+    try:
+        fn()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return count

@@ -64,8 +64,39 @@ def a_tiling_maybe_disturbed(draw):
     return shape, chunks
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.one_of(boxes_in_a_shape(), a_tiling_maybe_disturbed()))
+@st.composite
+def a_grid_maybe_disturbed(draw):
+    """Every dim cut at random points, each box of a cell then perhaps cut once more along its own dim (as DTensor
+    shards split by a chunk-size limit are): an exact cover of boxes that are mostly not contiguous runs, then
+    perhaps one box dropped, repeated or shifted."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=5)))
+    cells = [((), ())]
+    for g in shape:
+        bounds = sorted({0, g, *draw(st.lists(st.integers(0, g), max_size=2))})
+        cells = [(o + (lo,), s + (hi - lo,)) for o, s in cells for lo, hi in zip(bounds, bounds[1:])]
+    chunks = []
+    for offsets, sizes in cells:
+        d = draw(st.integers(0, len(shape) - 1))
+        cut = draw(st.integers(0, sizes[d]))
+        for lo, n in ((0, cut), (cut, sizes[d] - cut)):
+            if n:
+                chunks.append((offsets[:d] + (offsets[d] + lo,) + offsets[d + 1 :], sizes[:d] + (n,) + sizes[d + 1 :]))
+    change = draw(st.sampled_from(["none", "drop", "repeat", "shift"]))
+    i = draw(st.integers(0, len(chunks) - 1))
+    if change == "drop":
+        del chunks[i]
+    elif change == "repeat":
+        chunks.append(chunks[i])
+    elif change == "shift":
+        offsets, sizes = chunks[i]
+        d = draw(st.integers(0, len(shape) - 1))
+        if offsets[d] + sizes[d] < shape[d]:
+            chunks[i] = (offsets[:d] + (offsets[d] + 1,) + offsets[d + 1 :], sizes)
+    return shape, chunks
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(boxes_in_a_shape(), a_tiling_maybe_disturbed(), a_grid_maybe_disturbed()))
 def test_cover_check_passes_exactly_when_every_element_is_in_one_chunk_and_names_the_first_bad_one(case):
     shape, chunks = case
     counts = _counts(shape, chunks)

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import checkpoint
 from offload_fsdp import HybridDeviceOptimizer
 from offload_fsdp.shard_spec import ShardSpec, attach_shard_spec, shard_spec_of
-from tests.distributed import run_ranks
+from tests.distributed import count_collectives, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -104,47 +104,9 @@ def _mismatches(model, opt, ref: dict[str, torch.Tensor]) -> list[str]:
     return bad + [f"{m} (missing)" for m in missing]
 
 
-_COUNTED = (
-    "all_gather_object",
-    "gather_object",
-    "broadcast_object_list",
-    "scatter_object_list",
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "broadcast",
-    "barrier",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "send",
-    "recv",
-    "monitored_barrier",
-)
-
-
 def _count_collectives(fn) -> Counter:
-    """Calls to torch.distributed's collectives while ``fn`` runs (patched only here, restored after)."""
-    counts: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in _COUNTED}
-
-    def counting(name, original):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return counts
+    """Calls to torch.distributed's collectives while ``fn`` runs."""
+    return count_collectives(fn).calls
 
 
 def _many_tensors_state(rank: int, world_size: int, n: int) -> dict:
@@ -357,7 +319,8 @@ def test_checkpoints_move_between_fsdp2_flat_shards_and_world_sizes(tmp_path):
     assert all(r["resume_mismatches"] == [] for r in two)
 
     counts = two[0]["counts"]
-    assert counts["collective8"] == counts["collective200"] and sum(counts["collective8"].values()) <= 4
+    # DCP's fixed exchange (4) plus one gather agreeing every rank's values can be saved (issue 25.2)
+    assert counts["collective8"] == counts["collective200"] and sum(counts["collective8"].values()) <= 5
     # scale mode: agree on the prepared target, on every rank's writes, on rank 0's commit (errors reach every rank)
     assert counts["scale8"] == counts["scale200"] == Counter(all_gather_object=3)
     # a load: one small gather agreeing on success (a damaged file one rank read raises on every rank)

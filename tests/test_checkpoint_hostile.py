@@ -125,10 +125,30 @@ def manifest_checked_before_metadata(good: Path, root: Path, marker: Path) -> tu
     return ck, "manifest.json"
 
 
-def _value_payload(root: Path, marker: Path, name: str, committed: bool) -> tuple[Path, str]:
+class _HugeBytearray:
+    """Pickles as ``bytearray(2**32)``: a value of a few dozen bytes asking a load for 4 GiB (allocating nothing here)."""
+
+    def __reduce__(self):
+        return (bytearray, (1 << 32,))
+
+
+def billion_laughs() -> tuple:
+    """Nine levels of tuples of ten references to the level below: ~1.5 KB on disk, 10**9 elements to a walk.
+
+    Tuples, not lists: saving walks lists of a state dict (looking for tensors and Stateful objects), DCP's
+    own save too, so a list of lists like this one could not even be written.
+    """
+    laughs: tuple = (0,)
+    for _ in range(9):
+        laughs = (laughs,) * 10
+    return laughs
+
+
+def _value_payload(root: Path, marker: Path, name: str, committed: bool, value=None) -> tuple[Path, str]:
     ck = root / name
+    value = _Payload(marker) if value is None else value
     # written by plain DCP: checkpoint.save refuses such a value
-    dcp.save({"model.0.weight": torch.ones(3, 4), "extra.x": _Payload(marker)}, checkpoint_id=str(ck), no_dist=True)
+    dcp.save({"model.0.weight": torch.ones(3, 4), "extra.x": value}, checkpoint_id=str(ck), no_dist=True)
     if committed:
         from checkpoint.manifest import (
             KeyRecord,
@@ -149,6 +169,14 @@ def value_payload(good: Path, root: Path, marker: Path) -> tuple[Path, str]:
 
 def value_payload_plain(good: Path, root: Path, marker: Path) -> tuple[Path, str]:
     return _value_payload(root, marker, "value_plain", committed=False)
+
+
+def value_billion_laughs(good: Path, root: Path, marker: Path) -> tuple[Path, str]:
+    return _value_payload(root, marker, "value_laughs", committed=True, value=billion_laughs())
+
+
+def value_huge_bytearray(good: Path, root: Path, marker: Path) -> tuple[Path, str]:
+    return _value_payload(root, marker, "value_bytearray", committed=True, value=_HugeBytearray())
 
 
 def _manifest_edit(name: str, edit, fragment: str = "manifest.json"):
@@ -201,6 +229,8 @@ CHECKPOINT_PAYLOADS = [
     manifest_checked_before_metadata,
     value_payload,
     value_payload_plain,
+    value_billion_laughs,
+    value_huge_bytearray,
     _manifest_edit("manifest_dotdot", lambda d: _relist(d, "../secret.txt")),
     _manifest_edit("manifest_absolute", _abs_secret),
     _manifest_edit("manifest_subdir", lambda d: _relist(d, "sub/x.distcp")),
@@ -447,3 +477,25 @@ def test_the_cli_process_exits_2_on_a_metadata_payload_and_on_a_fifo(good, tmp_p
     fifo, _ = _special_data_file("data_fifo", os.mkfifo)(good, tmp_path, marker)
     proc = _cli("verify", str(fifo))
     assert proc.returncode in (1, 2) and "FIFO" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("build", [value_billion_laughs, value_huge_bytearray], ids=lambda b: b.__name__)
+def test_a_value_that_would_cost_more_than_its_file_is_refused_by_a_load_within_a_counted_budget(build, tmp_path):
+    from tests.bounded import WorkBudgetExceeded, run_counted
+
+    ck, _ = build(None, tmp_path, tmp_path / "MARKER")
+    _, raised, lines, peak = run_counted(
+        lambda: checkpoint.load_state_dict({"extra": {"x": None}}, ck, strict=False),
+        max_lines=1_000_000,
+        max_bytes=64 << 20,
+    )
+    print(f"{lines} Python lines, {peak} bytes at peak")
+    assert not isinstance(raised, WorkBudgetExceeded), f"{raised} ({lines} lines, {peak} bytes at peak)"
+    assert isinstance(raised, checkpoint.CheckpointCorruptError) and "extra.x" in str(raised), raised
+
+
+@pytest.mark.parametrize("value", [billion_laughs(), _HugeBytearray()], ids=["billion laughs", "bytearray(2**32)"])
+def test_save_refuses_a_value_a_load_would_refuse_as_too_costly(tmp_path, value):
+    with pytest.raises(ValueError, match=r"'extra\.x'.*a load would refuse"):
+        checkpoint.save(tmp_path / "ck", extra={"x": value})
+    assert not (tmp_path / "ck").exists()

@@ -282,3 +282,177 @@ def test_verify_without_checksums_still_checks_metadata_as_a_load_without_them_d
         checkpoint.load_state_dict(_target(), ck, verify="sizes", no_dist=True)
     assert cli_main(["verify", str(ck), "-q", "--no-checksums"]) == 1
     assert ".metadata: CRC-32 does not match the manifest" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- a .metadata that would change the loader
+# Each poison is a few pickle opcodes run before DCP's own (then popped): plain pickle.loads of the file
+# applies it and returns the usual Metadata, so the checkpoint would load normally with the process changed.
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
+
+
+def _str(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+_FROZENSET = _global("builtins", "frozenset")
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+class _Probe:
+    """One global a poison would change: ``unchanged()`` checks it, ``restore()`` undoes a poison that got through."""
+
+    def __init__(self, poison: bytes, target, name: str) -> None:
+        self.poison, self.target, self.name = poison, target, name
+        self.before = vars(target).get(name, _Probe)
+
+    def unchanged(self) -> bool:
+        return vars(self.target).get(self.name, _Probe) is self.before
+
+    def restore(self) -> None:
+        if self.before is _Probe:
+            if self.name in vars(self.target):
+                delattr(self.target, self.name)
+        elif not self.unchanged():
+            setattr(self.target, self.name, self.before)
+
+
+def _path_exists() -> _Probe:
+    """BUILD with slot state on a class: setattr(PosixPath, "exists", frozenset)."""
+    import pathlib
+
+    return _Probe(
+        _global("pathlib", "PosixPath") + b"N}" + _str("exists") + _FROZENSET + b"s\x86b0", pathlib.PosixPath, "exists"
+    )
+
+
+def _layout_cache() -> _Probe:
+    """BUILD with dict state on a function: _get_layout.cache = {"torch.strided": torch.sparse_coo}."""
+    poison = _global("torch.serialization", "_get_layout") + b"}" + _str("cache") + b"}" + _str("torch.strided")
+    poison += _global("torch", "sparse_coo") + b"ssb0"
+    return _Probe(poison, torch.serialization._get_layout, "cache")
+
+
+def _metadata_class_method() -> _Probe:
+    """BUILD with slot state on one of DCP's own metadata classes: MetadataIndex.__eq__ = frozenset."""
+    poison = _global(_DCP, "MetadataIndex") + b"N}" + _str("__eq__") + _FROZENSET + b"s\x86b0"
+    return _Probe(poison, MetadataIndex, "__eq__")
+
+
+def _enum_member_value() -> _Probe:
+    """BUILD on the shared enum member a call returns: _MEM_FORMAT_ENCODING(0)._value_ = 7 (every later save)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    poison = _global(_DCP, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}" + _str("_value_") + b"K\x07sb0"
+    return _Probe(poison, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, "_value_")
+
+
+@pytest.mark.parametrize("probe", [_path_exists, _layout_cache, _metadata_class_method, _enum_member_value])
+def test_a_metadata_that_would_change_the_loading_program_is_refused_and_changes_nothing(good, tmp_path, probe):
+    import pathlib
+
+    probe = probe()
+    ck = tmp_path / "ck"
+    shutil.copytree(good, ck)
+    original = (ck / METADATA_NAME).read_bytes()
+    (ck / METADATA_NAME).write_bytes(original[:2] + probe.poison + original[2:])  # after PROTO: the poison, popped
+    manifest = read_manifest(ck)
+    from checkpoint.manifest import checksum_file
+
+    manifest.files[METADATA_NAME] = checksum_file(ck / METADATA_NAME)  # the manifest vouches for the poisoned bytes
+    write_manifest(ck, manifest)
+    target = {"w": torch.zeros(64, 8), "b": torch.zeros(10), "n": None}
+    try:
+        with pytest.raises(checkpoint.CheckpointCorruptError, match=r"\.metadata: cannot be read.*refused"):
+            checkpoint.load_state_dict(target, ck, no_dist=True)
+        assert probe.unchanged(), f"loading changed {probe.target!r}.{probe.name}"
+        assert pathlib.Path("/").exists() is True
+        assert torch.serialization._get_layout("torch.strided") is torch.strided
+    finally:
+        probe.restore()  # a regression must fail this test, not every later one
+
+
+# --------------------------------------------------------------------------- bounded cost of a load: counted, not timed
+# A load of a small checkpoint runs about 10-20k Python lines and allocates well under 1 MiB (the destination
+# tensors aside); the check that chunks cover their tensor used to cost 2**ndim per chunk (a 22-dim tensor:
+# 8M corners, 58 s; 30 dims: out of memory).
+_LINES = 300_000
+_BYTES = 64 << 20
+
+
+def _counted(fn, max_lines: int = _LINES):
+    from tests.bounded import WorkBudgetExceeded, run_counted
+
+    returned, raised, lines, peak = run_counted(fn, max_lines=max_lines, max_bytes=_BYTES)
+    assert not isinstance(raised, WorkBudgetExceeded), f"{raised} ({lines} lines, {peak} bytes at peak)"
+    print(f"{lines} Python lines, {peak} bytes at peak")
+    return returned, raised
+
+
+def test_a_saved_22_dim_tensor_loads_exactly_within_a_counted_budget(tmp_path):
+    saved = torch.randint(0, 255, (2,) * 22, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    checkpoint.save_state_dict({"t": saved}, tmp_path / "ck")
+    back = {"t": torch.zeros_like(saved)}
+    _, raised = _counted(lambda: checkpoint.load_state_dict(back, tmp_path / "ck", no_dist=True))
+    assert raised is None and torch.equal(back["t"], saved)
+
+
+def _reshape_in_metadata(ck: Path, key: str, shape: tuple[int, ...], boxes: list[tuple[tuple, tuple]]) -> None:
+    """Give ``key`` another shape and chunks in ``.metadata`` and the manifest, every chunk on the bytes of the first."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = load_metadata(ck / METADATA_NAME, (ck / METADATA_NAME).read_bytes())
+    item = metadata.state_dict_metadata[key]
+    (index,) = [i for i in metadata.storage_data if i.fqn == key]
+    info = metadata.storage_data.pop(index)
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in boxes]
+    metadata.state_dict_metadata[key] = TensorStorageMetadata(item.properties, torch.Size(shape), chunks)
+    for chunk in chunks:
+        metadata.storage_data[MetadataIndex(key, chunk.offsets)] = info
+    manifest = read_manifest(ck)
+    manifest.files[METADATA_NAME] = write_metadata(ck, metadata)
+    manifest.keys[key] = dataclasses.replace(manifest.keys[key], shape=tuple(shape))
+    write_manifest(ck, manifest)
+
+
+def test_a_tampered_24_dim_tensor_loads_exactly_or_is_refused_within_a_counted_budget(tmp_path):
+    ck = tmp_path / "ck"
+    checkpoint.save_state_dict({"t": torch.tensor([5.0])}, ck)
+    _reshape_in_metadata(ck, "t", (1,) * 24, [((0,) * 24, (1,) * 24)])  # the same one element, 24 dims deep
+    back = {"t": torch.zeros((1,) * 24)}
+    _, raised = _counted(lambda: checkpoint.load_state_dict(back, ck, no_dist=True))
+    # the manifest pins each chunk's place, so the relabelling is refused; either way, exact or clear, and cheap
+    if raised is None:
+        assert back["t"].item() == 5.0
+    else:
+        assert isinstance(raised, checkpoint.CheckpointCorruptError) and ".metadata" in str(raised), raised
+
+
+@pytest.mark.parametrize(
+    "boxes",
+    [
+        [((0,) * 30, (2,) * 29 + (1,)), ((0,) * 29 + (1,), (2,) * 29 + (1,))],  # halves of the last dim
+        [((0,) * 30, (2,) * 29 + (1,)), ((0,) * 30, (2,) * 29 + (1,))],  # one half twice, the other in none
+    ],
+    ids=["exact cover", "overlap and hole"],
+)
+def test_a_tampered_30_dim_tensor_is_refused_clearly_within_a_counted_budget(tmp_path, boxes, capsys):
+    ck = tmp_path / "ck"
+    checkpoint.save_state_dict({"t": torch.tensor([5.0])}, ck)
+    _reshape_in_metadata(ck, "t", (2,) * 30, boxes)  # 2**30 elements claimed, 1 stored
+    _, raised = _counted(lambda: checkpoint.open_checkpoint(ck))
+    assert isinstance(raised, checkpoint.CheckpointCorruptError) and ".metadata" in str(raised), raised
+    code, raised = _counted(lambda: cli_main(["verify", str(ck)]))
+    assert raised is None and code != 0, capsys.readouterr()
+
+
+def test_chunks_too_fragmented_to_check_are_a_clear_error_not_an_unbounded_cost():
+    """An exact cover no writer produces: k column boxes beside k row boxes cut dim 0 into k slabs of k + 1."""
+    from checkpoint.planner import chunk_problem
+
+    k = 1500  # checked slab by slab: over 4M box visits; the budget (linear in chunks): about 0.25M
+    boxes = [((0, j), (k, 1)) for j in range(k)] + [((i, k), (1, k)) for i in range(k)]
+    problem, raised = _counted(lambda: chunk_problem("w", (k, 2 * k), boxes), max_lines=3_000_000)
+    assert raised is None and problem is not None and "w: " in problem and "too fragmented" in problem, problem

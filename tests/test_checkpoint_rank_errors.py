@@ -145,3 +145,63 @@ def test_a_damaged_file_one_rank_of_three_reads_fails_the_load_on_every_rank(tmp
                 and f"__{BAD_RANK}_0.distcp" in result["load"]["message"]
             )
     assert "mis-shaped" in results[0]["rank-local"]
+
+
+class _Opaque:
+    """A value torch.load(weights_only=True) refuses: save checks every value before writing anything."""
+
+
+class _BrokenLoader:
+    """A Stateful whose state_dict() raises (a dataloader that lost its worker)."""
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("loader state is gone")
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+_BEFORE_ANY_COLLECTIVE = {
+    "refused value": (_Opaque, "ValueError", "weights_only"),
+    "stateful raises": (_BrokenLoader, "RuntimeError", "loader state is gone"),
+}
+_HOWS = ("blocking", "scale", "async")
+
+
+def _save_failing_before_any_collective(rank: int, world_size: int, root: str) -> dict:
+    from datetime import timedelta
+
+    # A short timeout: a rank left waiting in a collective fails the test in seconds instead of hanging it.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=20))
+    outcomes = {}
+    for case, (make, _, _) in _BEFORE_ANY_COLLECTIVE.items():
+        for how in _HOWS:
+            extra = {"step": 3, "loader": make() if rank == BAD_RANK else [1, 2]}
+            path = f"{root}/{case}-{how}"
+            try:
+                if how == "async":
+                    checkpoint.async_save(path, extra=extra, process_group=group).result(timeout=60)
+                else:
+                    checkpoint.save(
+                        path, extra=extra, mode="collective" if how == "blocking" else how, process_group=group
+                    )
+                outcomes[(case, how)] = {"raised": None}
+            except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+                outcomes[(case, how)] = {"raised": type(exc).__name__, "message": str(exc)}
+            dist.barrier(group=group)  # every rank is out of the save: none is stuck in it
+    return outcomes
+
+
+def test_a_save_failing_on_one_rank_before_any_collective_raises_on_every_rank(tmp_path):
+    results = run_ranks(_save_failing_before_any_collective, 4, args=(str(tmp_path),), timeout_s=150)
+    for case, (_, error, fragment) in _BEFORE_ANY_COLLECTIVE.items():
+        for how in _HOWS:
+            print(case, how, {rank: r[(case, how)]["raised"] for rank, r in enumerate(results)})
+            bad = results[BAD_RANK][(case, how)]
+            assert bad["raised"] == error and fragment in bad["message"], (case, how, bad)
+            for rank, result in enumerate(results):
+                if rank != BAD_RANK:
+                    got = result[(case, how)]
+                    assert got["raised"] == "CheckpointSaveError", (case, how, rank, got)
+                    assert f"rank {BAD_RANK}" in got["message"] and error in got["message"], (case, how, got)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written: no output, no staging, no lock file

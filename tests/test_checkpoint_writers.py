@@ -338,3 +338,41 @@ def test_a_save_or_export_to_a_symbolic_link_is_refused_and_leaves_link_and_targ
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "runs"]  # no staging, no swap dir, no lock
     assert (tmp_path / "latest").is_symlink() and sorted(p.name for p in real.iterdir()) == before  # no marker inside
     assert _which_state(tmp_path / "latest") == 1
+
+
+@pytest.mark.parametrize("name", [".ck.fsdp-ckpt-old", ".ck.fsdp-ckpt-staging"])
+@pytest.mark.parametrize("previous", [False, True], ids=["fresh path", "over a checkpoint"])
+def test_a_link_at_a_name_a_save_removes_is_refused_naming_it_and_its_target_is_left_intact(tmp_path, name, previous):
+    from checkpoint.atomic import MARKER_NAME
+
+    if previous:
+        checkpoint.save_state_dict(_state(1), tmp_path / "ck")
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    (user / MARKER_NAME).write_text("copied along with a directory a save once staged")  # the worst case
+    (tmp_path / name).symlink_to(user)
+    for attempt in range(2):  # the first refusal leaves nothing that changes the second
+        with pytest.raises(FileExistsError, match="symbolic link") as raised:
+            checkpoint.save_state_dict(_state(2 + attempt), tmp_path / "ck")
+        assert str(tmp_path / name) in str(raised.value)
+    assert sorted(p.name for p in user.iterdir()) == sorted(["notes.txt", MARKER_NAME])
+    assert (tmp_path / name).is_symlink()
+    if previous:
+        assert _which_state(tmp_path / "ck") == 1
+    else:
+        assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("kind", ["directory", "symbolic link"])
+def test_something_at_the_lock_name_is_refused_naming_it_and_left_alone(tmp_path, kind):
+    lock = tmp_path / ".ck.fsdp-ckpt-lock"
+    if kind == "directory":
+        lock.mkdir()
+        (lock / "notes.txt").write_text("mine")
+    else:
+        lock.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileExistsError, match=f"is a {kind}, in the way of this save's lock file") as raised:
+        checkpoint.save_state_dict(_state(1), tmp_path / "ck")
+    assert str(lock) in str(raised.value)
+    assert not (tmp_path / "ck").exists() and (lock.is_dir() if kind == "directory" else lock.is_symlink())

@@ -52,7 +52,7 @@ def test_the_installed_console_script_runs_and_reports_a_bad_size_in_one_line(tm
     )
     proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "{inspect,verify,reshard,export,import,diff}" in proc.stdout
+    assert "{inspect,verify,reshard,export,import,diff,gc}" in proc.stdout
     proc = subprocess.run(
         [exe, "export", str(tmp_path / "a"), str(tmp_path / "b"), "--format", "torch", "--max-shard-size", "5XB"],
         capture_output=True,

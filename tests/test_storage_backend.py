@@ -21,6 +21,7 @@ from checkpoint.storage_backend import (
     FileStat,
     LocalStorage,
     Storage,
+    VersionConflict,
     mount,
     storage_for,
     unmount,
@@ -29,9 +30,21 @@ from checkpoint.storage_backend import (
 REPO = Path(__file__).resolve().parents[1]
 
 # The library modules whose file-system use goes through checkpoint.storage_backend.
-ROUTED = ["atomic", "commit", "content_check", "data_file", "dcp_metadata", "manifest", "opener", "reader", "storage"]
-# The local implementation itself: LocalStorage and its durable small-file replace.
-IMPLEMENTATION = ["storage_backend", "durable"]
+ROUTED = [
+    "atomic",
+    "commit",
+    "content_check",
+    "data_file",
+    "dcp_metadata",
+    "manifest",
+    "object_commit",
+    "opener",
+    "reader",
+    "retention",
+    "storage",
+]
+# The implementations: LocalStorage and its durable small-file replace; FsspecStorage (URLs).
+IMPLEMENTATION = ["storage_backend", "durable", "fsspec_storage"]
 
 FILE_SYSTEM_CALLS = re.compile(
     r"\bos\.(open|fdopen|fsync|replace|rename|stat|lstat|fstat|unlink|remove|rmdir|mkdir|makedirs|listdir|scandir"
@@ -192,6 +205,8 @@ class _MemoryStorage:
     through it show that the library needs no other file-system access.
     """
 
+    renames_atomically = True
+
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.dirs: set[str] = set()
@@ -303,11 +318,17 @@ class _MemoryStorage:
         with self._locks.setdefault(os.path.abspath(path), threading.Lock()):
             yield
 
+    def put_if(self, path, data: bytes, *, version) -> None:
+        if self.version(path) != version:
+            raise VersionConflict(path)
+        self._put(path, data)
+
 
 def test_a_checkpoint_saved_replaced_and_committed_by_rank_through_an_in_memory_backend_loads_back(tmp_path):
     backend = _MemoryStorage()
     root = tmp_path / "bucket"
-    assert sorted(name for name in vars(_MemoryStorage) if not name.startswith("_")) == sorted(_protocol_methods())
+    protocol = [*_protocol_methods(), *Storage.__annotations__]  # methods and the one attribute
+    assert sorted(name for name in vars(_MemoryStorage) if not name.startswith("_")) == sorted(protocol)
     mount(root, backend)
     try:
         first = {"w": torch.arange(12.0).reshape(3, 4), "extra": {"step": 1}}
@@ -332,3 +353,18 @@ def test_a_checkpoint_saved_replaced_and_committed_by_rank_through_an_in_memory_
     names = {os.path.relpath(k, root) for k in backend.objects}
     assert {"ck/manifest.json", "ck/.metadata", "ranks/manifest.json"} <= names
     assert not any(".fsdp-ckpt" in name for name in names)  # no staging, swap dir or lock left behind
+
+
+def test_a_save_and_a_load_resolve_the_storage_of_their_path_once(tmp_path, monkeypatch):
+    import checkpoint.storage_backend as backend_module
+
+    # The mount table is consulted by a private function; counting its calls is the only way to see that
+    # helpers receive the resolved storage instead of looking it up again (STYLE.md habit 14).
+    calls = []
+    real = backend_module._lookup
+    monkeypatch.setattr(backend_module, "_lookup", lambda path: calls.append(path) or real(path))
+    checkpoint.save_state_dict({"w": torch.ones(3), "extra": {"step": 1}}, tmp_path / "ck")
+    checkpoint.save_state_dict({"w": torch.ones(3), "extra": {"step": 2}}, tmp_path / "ck")  # the swap too
+    assert len(calls) == 2, calls
+    checkpoint.load_state_dict({"w": torch.zeros(3), "extra": {"step": None}}, tmp_path / "ck")
+    assert len(calls) == 3, calls

@@ -1,4 +1,4 @@
-"""``fsdp-ckpt``: inspect, verify, reshard, export, import and diff checkpoints.
+"""``fsdp-ckpt``: inspect, verify, reshard, export, import and diff checkpoints; gc unfinished saves.
 
 Installed as the console script ``fsdp-ckpt``; also ``python -m checkpoint.tool.cli``.
 Works in one process without ``torchrun``. Every command streams tensor by
@@ -33,6 +33,7 @@ from checkpoint.atomic import output_path
 from checkpoint.manifest import NotACheckpointError
 from checkpoint.tool.cli_convert import cmd_export, cmd_import, cmd_reshard
 from checkpoint.tool.cli_diff import cmd_diff
+from checkpoint.tool.cli_gc import cmd_gc
 from checkpoint.tool.cli_inspect import cmd_inspect, cmd_verify
 from checkpoint.tool.cli_parallel import SOLO, PeerFailed, join_group, leave_group
 from checkpoint.tool.cli_report import EXIT_CANNOT_RUN, PROG, CliError, process_rank
@@ -159,6 +160,9 @@ _EXAMPLES = {
     "diff": """examples:
   fsdp-ckpt diff ckpt/a ckpt/b                 # exact; exit 1 on any difference
   fsdp-ckpt diff ckpt/a ckpt/b --atol 1e-6 --rtol 1e-5""",
+    "gc": """examples:
+  fsdp-ckpt gc s3://bucket/run/step_500      # only while no save to that path runs
+  fsdp-ckpt gc ckpt/step_500""",
 }
 
 
@@ -173,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="run `fsdp-ckpt <command> --help` for the options and examples of each command",
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{inspect,verify,reshard,export,import,diff}", parser_class=_Parser
+        dest="command", metavar="{inspect,verify,reshard,export,import,diff,gc}", parser_class=_Parser
     )
     sub.required = True
 
@@ -192,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reshard_and_import(add)
     _add_export(add)
     _add_diff(add)
+    p = add("gc", "remove what killed or failed saves left at a checkpoint path (never the committed checkpoint)")
+    p.add_argument("ckpt")
+    p.set_defaults(func=cmd_gc)
     return parser
 
 

@@ -31,8 +31,9 @@ from checkpoint.atomic import (
 )
 from checkpoint.durable import durable_replace
 from checkpoint.manifest import open_regular
+from checkpoint.storage_backend import locate
 from checkpoint.tool.cli_report import CliError, Progress, human_bytes
-from checkpoint.tool.cli_source import open_source
+from checkpoint.tool.cli_source import local_path, open_source
 from checkpoint.tool.rewrite import write_checkpoint
 from checkpoint.tool.safetensors_io import (
     SafetensorsSource,
@@ -143,7 +144,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         reader.finish()  # their bytes' CRC-32, before they reach the output
     specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
-    dst = Path(args.dst)
+    dst = local_path(args.dst, "an export's output (safetensors / torch files)")
     start = time.perf_counter()
     with contextlib.ExitStack() as held:
         # one writer per output path, held by process 0 until the output is committed
@@ -326,7 +327,7 @@ def _json_objects(objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    src = Path(args.src)
+    src = local_path(args.src, "an import source (a Hugging Face directory or file)")
     if not src.exists():
         raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
     if not src.is_dir():
@@ -347,7 +348,7 @@ def _write_from(source: Any, args: argparse.Namespace, *, verb: str) -> int:
         raise CliError(f"--world-size {args.world_size} must be at least 1")
     targets = plan(source.entries, _rules(args))
     logger.info("planned %d keys from %d; writing for %d rank(s)", len(targets), len(source.entries), args.world_size)
-    dst = Path(args.dst)
+    dst = locate(args.dst)  # a local path, or a URL (s3://...)
     total = sum(t.nbytes for t in targets)
     bar = Progress(verb.removesuffix("ed"), total, not args.quiet)
     start = time.perf_counter()

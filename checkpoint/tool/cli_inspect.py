@@ -9,6 +9,7 @@ from typing import Any
 
 from checkpoint.manifest import dtype_name
 from checkpoint.opener import consistency_problems, file_problems
+from checkpoint.storage_backend import storage_for
 from checkpoint.tool.cli_report import EXIT_FOUND_PROBLEMS, CliError, Progress, human_bytes
 from checkpoint.tool.cli_source import open_source
 from checkpoint.tool.stream import CheckpointReader, Entry
@@ -107,12 +108,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         problems += file_problems(reader.path, reader.manifest, checksums=not args.no_checksums)
     else:
         print(f"note: {reader.note}")
-    reported = {p.split(":", 1)[0] for p in problems}
+    reported = {p.split(": ", 1)[0] for p in problems}  # ": ": a URL's "://" is not the end of its name
     # .metadata's own view of the data files: catches a file the manifest does not list
-    problems += [p for p in _data_file_problems(reader) if p.split(":", 1)[0] not in reported]
+    problems += [p for p in _data_file_problems(reader) if p.split(": ", 1)[0] not in reported]
     # what a load checks when it opens the checkpoint, the same function: verify refuses all a load refuses
     problems += consistency_problems(reader.metadata, reader.manifest)
-    broken_files = {p.split(":", 1)[0] for p in problems}
+    broken_files = {p.split(": ", 1)[0] for p in problems}
     problems += _readability_problems(reader, skip_files=broken_files, progress=not args.quiet)
     if problems:
         for p in problems:
@@ -138,10 +139,11 @@ def _data_file_problems(reader: CheckpointReader) -> list[str]:
     problems = []
     for name, end in sorted(needed.items()):
         path = reader.path / name
-        if not path.exists():
+        found = storage_for(path).stat(path, follow_symlinks=True)
+        if found is None:
             problems.append(f"{path}: missing (.metadata points into it)")
-        elif path.stat().st_size < end:
-            problems.append(f"{path}: {path.stat().st_size} bytes but .metadata needs {end} (truncated)")
+        elif found.size < end:
+            problems.append(f"{path}: {found.size} bytes but .metadata needs {end} (truncated)")
     return problems
 
 

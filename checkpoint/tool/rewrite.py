@@ -41,6 +41,8 @@ from checkpoint.data_file import DataFile, StorageInfo, data_file_name
 from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
 from checkpoint.layout import Box, row_block, split_box
 from checkpoint.manifest import METADATA_NAME, FileRecord
+from checkpoint.object_commit import is_checkpoint, protocol_for
+from checkpoint.storage_backend import locate
 from checkpoint.tool.cli_parallel import SOLO, Group
 from checkpoint.tool.transforms import Target
 from checkpoint.training_state import key_path
@@ -103,7 +105,13 @@ def write_checkpoint(
         raise ValueError(
             f"max chunk size {max_chunk_bytes} B is smaller than one element ({itemsize} B); pass a larger one"
         )
-    dst = Path(dst)
+    dst = locate(dst)
+    protocol = protocol_for(dst)
+    if protocol.needs_agreement:  # a URL / shared file system: the object-store protocol
+        _write_by_objects(
+            dst, protocol, world_size, targets, values, max_chunk_bytes, on_bytes, replace, extra_info, group, paths
+        )
+        return
     staging = staging_path(dst)
     with contextlib.ExitStack() as held:
         error = None
@@ -124,8 +132,27 @@ def write_checkpoint(
             raise
 
 
+def _write_by_objects(
+    dst, protocol, world_size, targets, values, max_chunk_bytes, on_bytes, replace, extra_info, group, paths
+) -> None:
+    """:func:`write_checkpoint` to a storage without renames (:mod:`checkpoint.object_commit`): one process."""
+    if group.size != 1:
+        raise ValueError(f"writing to {str(dst)!r} (an object store) runs in one process: run it without torchrun")
+    if not replace and is_checkpoint(dst):
+        raise FileExistsError(f"output {str(dst)!r} exists and is not empty; choose a new path or pass --force")
+    with contextlib.ExitStack() as held:
+        staged = protocol.begin(held)  # refuses a path holding anything but a checkpoint
+        try:
+            _write_and_commit(
+                dst, staged, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths, protocol
+            )
+        except BaseException:
+            protocol.abandon(staged)
+            raise
+
+
 def _write_and_commit(
-    dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths
+    dst, staging, world_size, targets, values, max_chunk_bytes, on_bytes, extra_info, group, paths, protocol=None
 ) -> None:
     files = {r: DataFile(staging, _file_name(r)) for r in range(world_size) if group.mine(r)}
     builder = MetadataBuilder()  # every process declares every chunk; each records where its own landed
@@ -162,7 +189,7 @@ def _write_and_commit(
     if group.rank == 0:
         try:
             kept = {t.name: (paths or {}).get(t.name) for t in targets if t.op == "copy" and t.name == t.sources[0]}
-            _commit(dst, staging, world_size, builder, parts, max_chunk_bytes, extra_info, kept)
+            _commit(dst, staging, world_size, builder, parts, max_chunk_bytes, extra_info, kept, protocol)
         except BaseException as exc:  # noqa: BLE001
             error = exc
     group.agree(error)
@@ -176,7 +203,9 @@ def _prepare(dst: Path, replace: bool) -> None:
     make_staging(dst)  # an unfinished save of this path (marked as ours) is removed; anything else is refused
 
 
-def _commit(dst, staging, world_size, builder: MetadataBuilder, parts, max_chunk_bytes, extra_info, paths) -> None:
+def _commit(
+    dst, staging, world_size, builder: MetadataBuilder, parts, max_chunk_bytes, extra_info, paths, protocol=None
+) -> None:
     """Merge every process's storage records, write ``.metadata``, then the format's own commit."""
     records: dict[str, FileRecord] = {}
     for part_storage, part_records in parts:
@@ -188,7 +217,8 @@ def _commit(dst, staging, world_size, builder: MetadataBuilder, parts, max_chunk
     metadata = builder.build()
     records[METADATA_NAME] = write_metadata(staging, metadata)
     info = {"writer": "fsdp-ckpt", "layout": "dim-0 row blocks", "max_chunk_bytes": max_chunk_bytes}
-    commit_staged(dst, metadata, records, world_size, extra_info={**info, **(extra_info or {})})
+    extra_info = {**info, **(extra_info or {})}
+    commit_staged(dst, metadata, records, world_size, extra_info=extra_info, staged=staging, protocol=protocol)
 
 
 def _check(target: Target, value: torch.Tensor) -> None:

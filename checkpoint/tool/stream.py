@@ -44,6 +44,7 @@ from checkpoint.opener import open_checkpoint
 from checkpoint.reader import DirectReader
 from checkpoint.safe_unpickle import SafeLoadPlanner
 from checkpoint.save_errors import first_failure
+from checkpoint.storage_backend import locate, storage_for
 
 __all__ = ["CheckpointReader", "Entry", "Source", "parse_dtype", "prefetch"]
 
@@ -124,14 +125,16 @@ class CheckpointReader:
     """
 
     def __init__(self, path: str | Path, *, verify: str = "crc") -> None:
-        self.path = Path(path)
-        if not self.path.exists():
+        self.path = locate(path)  # a URL stays bound to its storage
+        store = storage_for(self.path)
+        found = store.stat(self.path, follow_symlinks=True)
+        if found is None:
             raise FileNotFoundError(f"checkpoint path {str(self.path)!r} does not exist; check the path")
-        if not self.path.is_dir():
+        if found.kind != "directory":
             raise ValueError(
                 f"{str(self.path)!r} is a file, not a checkpoint directory; pass the directory that holds .metadata"
             )
-        if not (self.path / METADATA_NAME).exists():
+        if store.stat(self.path / METADATA_NAME, follow_symlinks=True) is None:
             raise ValueError(
                 f"{str(self.path)!r} has no {METADATA_NAME}: not a DCP checkpoint "
                 "(an unfinished save, or the wrong directory); pass a directory written by "

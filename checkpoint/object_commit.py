@@ -1,0 +1,307 @@
+"""How a save commits where nothing can be renamed or locked: object stores and shared file systems.
+
+A storage whose ``renames_atomically`` is ``False`` (every URL,
+:class:`~checkpoint.fsspec_storage.FsspecStorage`; a shared file system mounted
+with :class:`~checkpoint.storage_backend.SharedFileSystemStorage`) gets this
+protocol instead of :mod:`checkpoint.atomic`'s staging + rename. A checkpoint
+at ``P`` is then:
+
+* ``P/fsdp-save-<sequence>-<random>/``: one save, an ordinary checkpoint
+  directory (the marker :data:`~checkpoint.atomic.MARKER_NAME` first, data
+  objects, ``.metadata``, its ``manifest.json`` last). Every save writes a new
+  one: nothing a reader may be reading is ever overwritten;
+* ``P/`` :data:`HEAD_NAME`: the commit record, one small JSON object naming
+  the committed save (``{"format", "save", "sequence"}``). Writing it is the
+  commit: a reader finds the checkpoint through it and never sees a save whose
+  head was not written; the previous save stays loadable until then.
+
+One writer per URL, without a lock: a save reads the head first, and writes
+the new one only if the head is still the one it read
+(:meth:`~checkpoint.storage_backend.Storage.put_if`: S3's conditional PUT,
+``If-Match`` / ``If-None-Match: *``). Of two saves racing on one URL the first
+to commit wins; the other fails with :class:`ConcurrentSaveError` and removes
+its own objects. Nothing ever mixes: each save's objects are under its own id.
+
+After its commit a save removes the saves it replaced: every save directory
+of ``P`` whose sequence is at most its own, but for itself. A save still
+writing with such a sequence started before this commit, read the old head,
+and can no longer commit. A killed save leaves only its own save directory,
+which the next committed save (or ``fsdp-ckpt gc``) removes. Nothing else
+under ``P`` is ever touched: only names of the save pattern that carry the marker
+(``gc``, run while no save runs, also those of the pattern without one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import uuid
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+from checkpoint.atomic import (
+    MARKER_NAME,
+    check_target,
+    is_committed,
+    is_ours,
+    make_staging,
+    mark,
+    remove_staging,
+    staging_path,
+    swap_into_place,
+    write_lock,
+)
+from checkpoint.atomic import resolve_for_load as resolve_renamed
+from checkpoint.errors import CheckpointCorruptError
+from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.storage_backend import Storage, VersionConflict, locate, storage_for
+
+__all__ = [
+    "HEAD_NAME",
+    "ConcurrentSaveError",
+    "Head",
+    "SaveProtocol",
+    "collect_garbage",
+    "is_checkpoint",
+    "protocol_for",
+    "read_head",
+    "resolve_for_load",
+]
+
+logger = logging.getLogger(__name__)
+
+HEAD_NAME = "fsdp-ckpt-head.json"
+"""The commit record of a checkpoint saved by the object-store protocol."""
+_SAVE = re.compile(r"fsdp-save-(\d{8,})-[0-9a-f]{12}\Z")
+_HEAD_BYTES = 1 << 16
+
+
+class ConcurrentSaveError(FileExistsError):
+    """Another save committed the same path while this one was writing; this one's objects were removed."""
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a checkpoint's head says, and the version of the head object it was read from."""
+
+    save: str
+    sequence: int
+    version: Hashable
+
+
+def read_head(path: PurePath) -> Head | None:
+    """The head of the checkpoint at ``path``, or ``None`` when it has none (absent, or saved by renames)."""
+    store = storage_for(path)
+    where = path / HEAD_NAME
+    version = store.version(where)
+    if version is None:
+        return None
+    with store.open_read(where) as f:
+        raw = f.read(_HEAD_BYTES + 1)
+    try:
+        data = json.loads(raw)
+        save, sequence = data["save"], data["sequence"]
+        ok = data.get("format") == "fsdp_dtensor" and isinstance(save, str) and _SAVE.match(save)
+        if not ok or not isinstance(sequence, int) or int(_SAVE.match(save).group(1)) != sequence:  # type: ignore[union-attr]
+            raise ValueError("unexpected fields")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointCorruptError(
+            f"{where}: not a valid commit record ({exc}); restore it from a copy, or remove it and the "
+            "checkpoint at this path"
+        ) from None
+    return Head(save, sequence, version)
+
+
+def resolve_for_load(path: str | os.PathLike) -> Path:
+    """The directory to read for the checkpoint at ``path``: the committed save its head names, else
+    what :func:`checkpoint.atomic.resolve_for_load` finds (a checkpoint saved by renames)."""
+    path = locate(path)
+    head = read_head(path)
+    if head is not None:
+        return path / head.save
+    return resolve_renamed(path)
+
+
+def is_checkpoint(path: PurePath) -> bool:
+    """Whether ``path`` holds a committed checkpoint, by either protocol."""
+    return storage_for(path).stat(path / HEAD_NAME) is not None or is_committed(path)
+
+
+def protocol_for(path: str | os.PathLike) -> SaveProtocol:
+    """How a save to ``path`` commits: renames where the storage has atomic ones, else the object-store protocol."""
+    path = locate(path)
+    store = storage_for(path)
+    return RenameCommit(path, store) if store.renames_atomically else ObjectCommit(path, store)
+
+
+class SaveProtocol:
+    """One save's commit protocol; see :class:`RenameCommit` and :class:`ObjectCommit`."""
+
+    needs_agreement = False
+    """whether the ranks must learn the staging directory from the preparing rank (a fresh save id)"""
+
+    def __init__(self, path: PurePath, store: Storage) -> None:
+        self.path = path
+        self.store = store
+
+    def begin(self, held: contextlib.ExitStack) -> PurePath:
+        """Hold the right to write, refuse a target that is not a checkpoint, make the staging directory."""
+        raise NotImplementedError
+
+    def staged(self, name: str | None = None) -> PurePath:
+        """The staging directory, from its ``name`` (what :meth:`begin` returned) where it is per save."""
+        raise NotImplementedError
+
+    def publish(self, staged: PurePath) -> None:
+        """Make the committed staging directory the checkpoint at the path (precondition: its manifest is written)."""
+        raise NotImplementedError
+
+    def abandon(self, staged: PurePath | None) -> None:
+        """Remove what a failed save wrote. Never raises."""
+        raise NotImplementedError
+
+
+class RenameCommit(SaveProtocol):
+    """:mod:`checkpoint.atomic`: a staging directory beside the path, the swap by renames, an ``flock``."""
+
+    def begin(self, held: contextlib.ExitStack) -> PurePath:
+        held.enter_context(write_lock(self.path))  # held until committed: one writer per path
+        check_target(self.path)
+        return make_staging(self.path)
+
+    def staged(self, name: str | None = None) -> PurePath:
+        return staging_path(self.path)
+
+    def publish(self, staged: PurePath) -> None:
+        swap_into_place(staged, self.path)
+
+    def abandon(self, staged: PurePath | None) -> None:
+        remove_staging(self.path)
+
+
+class ObjectCommit(SaveProtocol):
+    """The object-store protocol (see the module docstring)."""
+
+    needs_agreement = True
+
+    def __init__(self, path: PurePath, store: Storage) -> None:
+        super().__init__(path, store)
+        self.head: Head | None = None
+        self.save: str | None = None
+
+    def begin(self, held: contextlib.ExitStack) -> PurePath:
+        self.store.make_dir(self.path)  # on an object store: a missing bucket is a clear error now
+        self.head = read_head(self.path)
+        if self.head is None:
+            self._check_target()
+        sequence = (self.head.sequence if self.head else 0) + 1
+        self.save = f"fsdp-save-{sequence:08d}-{uuid.uuid4().hex[:12]}"
+        staged = self.path / self.save
+        self.store.make_dir(staged)
+        mark(staged)
+        return staged
+
+    def _check_target(self) -> None:
+        """Without a head, ``path`` may hold nothing, or only save directories left by killed saves."""
+        found = self.store.stat(self.path)
+        if found is None:
+            return
+        if found.kind != "directory":
+            raise FileExistsError(f"cannot save to {str(self.path)!r}: it is a file; save to another path")
+        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name))
+        if not others:
+            return
+        what = (
+            "a checkpoint in the directory layout (copied there, not saved by the object-store protocol)"
+            if MANIFEST_NAME in others
+            else f"objects that are not a checkpoint ({', '.join(others[:5])})"
+        )
+        raise FileExistsError(f"cannot save to {str(self.path)!r}: it holds {what}; save to another path")
+
+    def staged(self, name: str | None = None) -> PurePath:
+        assert name is not None, "an object-store save's staging directory is named by the rank that began it"
+        return self.path / name
+
+    def publish(self, staged: PurePath) -> None:
+        sequence = int(_SAVE.match(staged.name).group(1))  # type: ignore[union-attr]  # named by begin()
+        record = json.dumps({"format": "fsdp_dtensor", "save": staged.name, "sequence": sequence}, sort_keys=True)
+        assert self.save == staged.name, "published by the protocol object that began the save"
+        version = self.head.version if self.head is not None else None
+        try:
+            self.store.put_if(self.path / HEAD_NAME, record.encode(), version=version)
+        except VersionConflict:
+            self.abandon(staged)
+            raise ConcurrentSaveError(
+                f"another save committed {str(self.path)!r} while this one was writing; the checkpoint there is "
+                "that save's, this one's objects were removed (one writer per path: save elsewhere, or again)"
+            ) from None
+        remove_replaced(self.path, sequence, keep=staged.name)
+
+    def abandon(self, staged: PurePath | None) -> None:
+        # Its own save directory, by its unique name: removed even when a racing save's cleanup already took
+        # the marker (and then objects this save went on writing) from it.
+        if staged is not None and staged.name == self.save:
+            with contextlib.suppress(OSError):
+                self.store.remove_tree(staged)
+
+
+def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
+    """Remove the save directories of ``path`` up to ``sequence`` but ``keep`` (see the module docstring).
+    Never raises: what is left is removed by a later save or ``fsdp-ckpt gc``."""
+    try:
+        for name in _saves(path):
+            if name != keep and int(_SAVE.match(name).group(1)) <= sequence:  # type: ignore[union-attr]
+                _remove_save(path / name)
+    except OSError as exc:
+        logger.warning("could not remove replaced saves under %s (%s); `fsdp-ckpt gc %s` removes them", path, exc, path)
+
+
+def collect_garbage(path: str | os.PathLike) -> list[str]:
+    """Remove what killed or failed saves left at ``path``: every save directory its head does not name
+    (object-store protocol), or the staging directory (renames). Only while no save to ``path`` runs.
+    Returns the names removed."""
+    path = locate(path)
+    store = storage_for(path)
+    if store.stat(path) is None:
+        raise FileNotFoundError(f"{str(path)!r} does not exist")
+    if store.renames_atomically:
+        staged = staging_path(path)
+        if is_ours(staged):
+            remove_staging(path)
+            return [staged.name]
+        return []
+    head = read_head(path)
+    removed = [name for name in _saves(path) if head is None or name != head.save]
+    for name in removed:
+        _remove_save(path / name, marked_only=False)
+    return removed
+
+
+def _saves(path: PurePath) -> list[str]:
+    store = storage_for(path)
+    if store.stat(path) is None:
+        return []
+    return sorted(name for name in store.list(path) if _SAVE.match(name))
+
+
+def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:
+    """Remove one save directory: its manifest first (a kill midway leaves it uncommitted, never half-read).
+
+    ``marked_only``: only with the marker (what a save removes by itself); ``fsdp-ckpt gc``, run by the
+    user while no save runs, also removes one of the save name pattern that lost its marker (a save killed
+    after a racing save's cleanup took it).
+    """
+    store = storage_for(directory)
+    if marked_only and not is_ours(directory):
+        return  # no marker: left alone
+    store.delete(directory / MANIFEST_NAME, missing_ok=True)
+    for name in store.list(directory):
+        if name != MARKER_NAME:
+            store.delete(directory / name, missing_ok=True)
+    store.delete(directory / MARKER_NAME, missing_ok=True)
+    with contextlib.suppress(OSError):
+        store.remove_dir(directory)

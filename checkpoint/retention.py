@@ -1,0 +1,99 @@
+"""Which checkpoints under a root are committed, which is newest, and keeping only the last few.
+
+For local paths and URLs alike, whichever protocol saved them (:mod:`checkpoint.atomic` renames, or
+the object-store protocol of :mod:`checkpoint.object_commit`). A checkpoint counts once committed
+(its ``manifest.json``, or its head): a save that did not finish is never "latest" and never counted
+as kept. Its age is the time its commit record was written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import PurePath
+
+from checkpoint.atomic import is_committed
+from checkpoint.manifest import MANIFEST_NAME, read_manifest
+from checkpoint.object_commit import HEAD_NAME, collect_garbage, read_head, resolve_for_load
+from checkpoint.save_queue import wait_for_async_save
+from checkpoint.storage_backend import locate, storage_for
+
+__all__ = ["committed_checkpoints", "latest", "retain"]
+
+logger = logging.getLogger(__name__)
+
+
+def committed_checkpoints(root: str | os.PathLike, *, storage_options: dict | None = None) -> list[PurePath]:
+    """The committed checkpoints directly under ``root``, oldest commit first (ties by name)."""
+    root = locate(root, storage_options)
+    store = storage_for(root)
+    if store.stat(root) is None:
+        return []
+    found = []
+    for name in store.list(root):
+        child = root / name
+        when = _committed_at(child)
+        if when is not None:
+            found.append((when, name, child))
+    return [child for _, _, child in sorted(found)]
+
+
+def _committed_at(path: PurePath) -> float | None:
+    """When the checkpoint at ``path`` was committed, or ``None`` when it holds none."""
+    store = storage_for(path)
+    record = store.stat(path / HEAD_NAME) or (store.stat(path / MANIFEST_NAME) if is_committed(path) else None)
+    if record is None or record.kind != "file":
+        return None
+    return record.modified if record.modified is not None else 0.0
+
+
+def latest(root: str | os.PathLike, *, storage_options: dict | None = None) -> PurePath | None:
+    """The newest committed checkpoint under ``root`` (a local directory or a URL), or ``None``.
+
+    A save still running, killed or failed is never returned: only what a load would accept.
+    """
+    found = committed_checkpoints(root, storage_options=storage_options)
+    return found[-1] if found else None
+
+
+def retain(
+    root_or_path: str | os.PathLike, *, keep_last: int, storage_options: dict | None = None, wait: bool = True
+) -> list[PurePath]:
+    """Delete all but the ``keep_last`` newest committed checkpoints beside ``root_or_path`` (a checkpoint:
+    its siblings; a directory holding checkpoints: its children). Returns what was deleted.
+
+    Never deletes the newest one, anything not committed (a save in progress), nor anything that is
+    not a checkpoint; inside a deleted checkpoint only what the save wrote is removed (files a user put
+    there stay). ``wait``: first wait for an async save in flight (it may be about to commit one).
+    """
+    if keep_last < 1:
+        raise ValueError(
+            f"keep_last must be at least 1 (the newest committed checkpoint is never deleted), got {keep_last}"
+        )
+    if wait:
+        wait_for_async_save()
+    path = locate(root_or_path, storage_options)
+    root = path.parent if _committed_at(path) is not None else path
+    found = committed_checkpoints(root)
+    doomed = found[: max(len(found) - keep_last, 0)]
+    for checkpoint in doomed:
+        _delete(checkpoint)
+        logger.info("retention: deleted %s (keeping the %d newest)", checkpoint, keep_last)
+    return doomed
+
+
+def _delete(path: PurePath) -> None:
+    """Remove one committed checkpoint, its commit record first (a kill midway leaves it uncommitted)."""
+    store = storage_for(path)
+    head = read_head(path)
+    if head is not None:
+        store.delete(path / HEAD_NAME)
+        collect_garbage(path)  # every save directory, now that none is committed
+        return
+    directory = resolve_for_load(path)
+    listed = sorted(read_manifest(directory).files)
+    store.delete(directory / MANIFEST_NAME)
+    for name in listed:
+        store.delete(directory / name, missing_ok=True)
+    if not store.list(directory):
+        store.remove_dir(directory)

@@ -1,0 +1,369 @@
+"""Checkpoints at s3:// URLs, against a real S3-compatible server (moto_server on 127.0.0.1, reached through s3fs)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint.object_commit import HEAD_NAME
+from tests.distributed import PROCESSES, run_ranks
+from tests.s3_server import apply, environment
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
+
+
+def _objects(url: str) -> list[str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+def test_a_state_dict_saved_to_s3_loads_back_bit_exact_and_nothing_is_written_locally(s3_bucket, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = {"w": torch.randn(5, 7), "b": torch.arange(6, dtype=torch.bfloat16), "extra": {"step": 3, "name": "x"}}
+    url = f"{s3_bucket}/run/step3"
+    checkpoint.save_state_dict(state, url)
+    target = {"w": torch.zeros(5, 7), "b": torch.zeros(6, dtype=torch.bfloat16), "extra": {"step": None, "name": None}}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+    assert target["extra"] == {"step": 3, "name": "x"}
+    assert os.listdir(tmp_path) == []  # no local directory named "s3:"
+    names = _objects(url)
+    assert HEAD_NAME in names and any(n.endswith("/manifest.json") for n in names)
+
+
+def test_an_unsupported_scheme_and_a_mangled_url_are_clear_errors_and_write_nothing(tmp_path, monkeypatch):
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="unsupported URL scheme 'nosuch://'"):
+        checkpoint.save_state_dict({"w": torch.ones(2)}, "nosuch://bucket/x")
+    with pytest.raises(ValueError, match="pass the URL as a string"):
+        checkpoint.save_state_dict({"w": torch.ones(2)}, Path("s3://bucket/x"))
+    with pytest.raises(ValueError, match="pass the URL as a string"):
+        checkpoint.load_state_dict({"w": torch.ones(2)}, Path("s3://bucket/x"))
+    assert os.listdir(tmp_path) == []
+
+
+def _flat_state(rank: int, world_size: int, numel: int = 23) -> dict:
+    """Rank ``rank``'s flat range of two global tensors (uneven ranges; a rank may hold nothing)."""
+    full = {"a": torch.arange(numel, dtype=torch.float32).reshape(-1), "b": torch.arange(3 * 5).reshape(3, 5) * 0.5}
+    state = {}
+    for key, tensor in full.items():
+        n = tensor.numel()
+        start, end = n * rank // world_size, n * (rank + 1) // world_size
+        state[key] = checkpoint.shard(tensor.reshape(-1)[start:end].clone(), tuple(tensor.shape), flat_start=start)
+    return state, full
+
+
+def _save_ranks(rank: int, world_size: int, env: dict, url: str) -> None:
+    apply(env)
+    state, _ = _flat_state(rank, world_size)
+    checkpoint.save_state_dict({**state, "extra": {"step": 7}}, url)
+    checkpoint.save_state_dict({**state, "extra": {"step": 7}}, f"{url}-scale", mode="scale")
+
+
+def _load_ranks(rank: int, world_size: int, env: dict, url: str) -> bool:
+    apply(env)
+    state, full = _flat_state(rank, world_size)
+    target = {
+        k: checkpoint.shard(torch.zeros_like(v.local), v.shape, flat_start=v.spec.flat_start) for k, v in state.items()
+    }
+    target["extra"] = {"step": None}
+    checkpoint.load_state_dict(target, url)
+    return all(torch.equal(target[k].local, state[k].local) for k in state) and target["extra"]["step"] == 7
+
+
+def test_two_gloo_ranks_save_to_s3_and_three_load_it_resharded(s3_bucket, s3_server):
+    url = f"{s3_bucket}/dist/step7"
+    env = environment(s3_server)
+    run_ranks(_save_ranks, world_size=2, args=(env, url))
+    assert all(run_ranks(_load_ranks, world_size=3, args=(env, url)))
+    assert all(run_ranks(_load_ranks, world_size=1, args=(env, f"{url}-scale")))
+    target = {"a": torch.zeros(23), "b": torch.zeros(3, 5), "extra": {"step": None}}
+    checkpoint.load_state_dict(target, url)  # one process, the whole tensors
+    _, full = _flat_state(0, 1)
+    assert torch.equal(target["a"], full["a"]) and torch.equal(target["b"], full["b"])
+
+
+def _model_and_optimizer(seed: int, hybrid: bool):
+    from offload_fsdp import HybridDeviceOptimizer
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    if hybrid:
+        opt = HybridDeviceOptimizer(opt, offload_fraction=1.0)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["AdamW", "HybridDeviceOptimizer"])
+def test_a_model_and_optimizer_saved_async_to_s3_resume_bit_exact(s3_bucket, hybrid):
+    model, opt = _model_and_optimizer(0, hybrid)
+    url = f"{s3_bucket}/train/step1"
+    checkpoint.async_save(url, model=model, optimizer=opt, extra={"step": 1}).result(timeout=120)
+    model2, opt2 = _model_and_optimizer(1, hybrid)
+    extra = checkpoint.load(url, model=model2, optimizer=opt2)
+    assert extra["step"] == 1
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    # one more identical step on both: the resumed optimizer state is the saved one, bit for bit
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        m(torch.ones(4, 6)).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_flipped_byte_or_a_truncated_object_is_an_error_naming_the_object(s3_bucket):
+    import fsspec
+
+    url = f"{s3_bucket}/flip/ck"
+    checkpoint.save_state_dict({"w": torch.randn(64)}, url)
+    fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    data_file = next(p for p in fs.find(root) if p.endswith(".distcp"))
+    raw = bytearray(fs.cat_file(data_file))
+    raw[-100] ^= 0xFF  # inside the tensor's bytes
+    fs.pipe_file(data_file, bytes(raw))
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=f"s3://{data_file}.*CRC-32"):
+        checkpoint.load_state_dict({"w": torch.zeros(64)}, url)
+    fs.pipe_file(data_file, bytes(raw[:-10]))  # truncated
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=f"s3://{data_file}.*truncated"):
+        checkpoint.load_state_dict({"w": torch.zeros(64)}, url)
+
+
+def test_a_missing_bucket_is_a_clear_error_and_storage_options_win_over_the_variables(
+    s3_bucket, s3_server, monkeypatch
+):
+    with pytest.raises(FileNotFoundError, match="bucket 'no-such-bucket-x' .* does not exist"):
+        checkpoint.save_state_dict({"w": torch.ones(2)}, "s3://no-such-bucket-x/ck")
+    url = f"{s3_bucket}/creds/ck"
+    checkpoint.save_state_dict({"w": torch.ones(2)}, url)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        checkpoint.load_state_dict({"w": torch.ones(2)}, f"{s3_bucket}/creds/absent")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    target = {"w": torch.zeros(2)}
+    checkpoint.load_state_dict(target, url, storage_options={"endpoint_url": s3_server})
+    assert torch.equal(target["w"], torch.ones(2))
+
+
+def test_wrong_credentials_are_a_clear_permission_error(monkeypatch):
+    from tests.s3_server import authenticating_server, make_bucket
+
+    server, env = authenticating_server()
+    try:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        url = f"s3://{make_bucket(server.endpoint, env)}/ck"
+        checkpoint.save_state_dict({"w": torch.ones(2)}, url)  # the right keys work
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        with pytest.raises(PermissionError, match=f"{url}.*AWS_SECRET_ACCESS_KEY"):
+            checkpoint.load_state_dict({"w": torch.zeros(2)}, url)
+        with pytest.raises(PermissionError, match="AWS_ACCESS_KEY_ID"):
+            checkpoint.save_state_dict({"w": torch.ones(2)}, url)
+    finally:
+        server.stop()
+
+
+def test_a_second_save_committing_first_wins_and_the_other_fails_clearly_without_mixing(s3_bucket, monkeypatch):
+    import threading
+
+    import checkpoint.storage as storage_module
+    from checkpoint.object_commit import ConcurrentSaveError
+
+    url = f"{s3_bucket}/race/ck"
+    checkpoint.save_state_dict({"w": torch.zeros(8), "x": torch.zeros(3)}, url)
+    real_write = storage_module.write_tensor
+    started = []
+
+    def write_then_let_another_save_commit(stream, tensor):
+        if not started:  # once, while the first save is writing its data
+            started.append(True)
+            other = threading.Thread(
+                target=checkpoint.save_state_dict, args=({"w": torch.full((8,), 2.0), "x": torch.full((3,), 2.0)}, url)
+            )
+            other.start()
+            other.join()
+        real_write(stream, tensor)
+
+    monkeypatch.setattr(storage_module, "write_tensor", write_then_let_another_save_commit)
+    with pytest.raises(ConcurrentSaveError, match="another save committed"):
+        checkpoint.save_state_dict({"w": torch.ones(8), "x": torch.ones(3)}, url)
+    monkeypatch.setattr(storage_module, "write_tensor", real_write)
+    target = {"w": torch.zeros(8), "x": torch.zeros(3)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((8,), 2.0)) and torch.equal(target["x"], torch.full((3,), 2.0))
+    assert len([n for n in _objects(url) if n.endswith("manifest.json")]) == 1  # the loser's objects are gone
+
+
+def _stop_here(ready) -> None:
+    ready.put("ready")
+    time.sleep(600)  # killed here
+
+
+def _killed_saver(point: str, url: str, env: dict, ready) -> None:
+    """Save to ``url``, stopping for good at ``point`` (the test kills this process there)."""
+    import checkpoint.object_commit as object_commit
+    import checkpoint.storage as storage_module
+
+    apply(env)
+    if point == "data":
+        real = storage_module.write_tensor
+
+        def write(stream, tensor):
+            real(stream, tensor)
+            _stop_here(ready)
+
+        storage_module.write_tensor = write
+    elif point == "head":
+        object_commit.ObjectCommit.publish = lambda self, staged: _stop_here(ready)
+    elif point == "cleanup":
+        object_commit.remove_replaced = lambda *args, **kwargs: _stop_here(ready)
+    checkpoint.save_state_dict({"w": torch.full((16,), 2.0)}, url)
+
+
+@pytest.mark.parametrize("point", ["data", "head", "cleanup"])
+def test_a_save_killed_at_any_point_leaves_the_old_or_the_new_checkpoint_whole_and_the_next_save_cleans_up(
+    s3_bucket, s3_server, point
+):
+    url = f"{s3_bucket}/kill/ck"
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, url)
+    ready = PROCESSES.Queue()
+    proc = PROCESSES.Process(target=_killed_saver, args=(point, url, environment(s3_server), ready))
+    proc.start()
+    try:
+        assert ready.get(timeout=120) == "ready"
+    finally:
+        proc.kill()  # SIGKILL: no cleanup runs in the saver
+        proc.join()
+    target = {"w": torch.zeros(16)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 2.0 if point == "cleanup" else 1.0))
+    assert checkpoint.latest(f"{s3_bucket}/kill") is not None
+    checkpoint.save_state_dict({"w": torch.full((16,), 3.0)}, url)
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 3.0))
+    saves = {n.split("/")[0] for n in _objects(url) if n.startswith("fsdp-save-")}
+    assert len(saves) == 1  # the killed save's objects and the replaced save are gone
+
+
+def test_a_server_that_goes_away_mid_save_is_a_clear_error_and_no_hang(tmp_path, monkeypatch):
+    import time
+
+    import checkpoint.storage as storage_module
+    from tests.s3_server import MotoServer, make_bucket
+
+    server = MotoServer()
+    try:
+        for name, value in environment(server.endpoint).items():
+            monkeypatch.setenv(name, value)
+        url = f"s3://{make_bucket(server.endpoint)}/gone/ck"
+        real_write = storage_module.write_tensor
+
+        def write_then_lose_the_server(stream, tensor):
+            server.stop()
+            real_write(stream, tensor)
+
+        monkeypatch.setattr(storage_module, "write_tensor", write_then_lose_the_server)
+        start = time.monotonic()
+        with pytest.raises(OSError, match="did not answer|Connect|connect"):
+            checkpoint.save_state_dict({"w": torch.randn(1 << 20)}, url)  # 4 MiB: at least one part goes out
+        assert time.monotonic() - start < 120
+    finally:
+        server.stop()
+
+
+def test_latest_and_keep_last_see_only_committed_checkpoints_and_leave_user_objects(s3_bucket):
+    import fsspec
+
+    root = f"{s3_bucket}/ret"
+    fs, key = fsspec.core.url_to_fs(root, use_listings_cache=False)
+    fs.pipe_file(f"{key}/notes.txt", b"mine")
+    fs.pipe_file(f"{key}/step9/fsdp-save-00000001-0123456789ab/.fsdp-ckpt-owned", b"partial")  # a killed save
+    assert checkpoint.latest(root) is None
+    for step in range(1, 4):
+        checkpoint.save_state_dict({"w": torch.full((4,), float(step))}, f"{root}/step{step}", keep_last=2)
+    assert str(checkpoint.latest(root)) == f"{root}/step3"
+    assert [p.name for p in checkpoint.committed_checkpoints(root)] == ["step2", "step3"]
+    assert fs.cat_file(f"{key}/notes.txt") == b"mine"
+    assert fs.exists(f"{key}/step9/fsdp-save-00000001-0123456789ab/.fsdp-ckpt-owned")  # not committed: not counted
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load_state_dict({"w": torch.zeros(4)}, f"{root}/step1")
+
+
+def test_latest_and_keep_last_on_local_paths(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for step in range(1, 4):
+        checkpoint.save_state_dict({"w": torch.full((4,), float(step))}, tmp_path / f"step{step}", keep_last=1)
+    assert checkpoint.latest(tmp_path) == tmp_path / "step3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step3"]
+    with pytest.raises(ValueError, match="keep_last"):
+        checkpoint.retain(tmp_path, keep_last=0)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_dcp_save_and_load_through_our_storage_classes_write_a_checkpoint_checkpoint_load_reads(
+    where, tmp_path, request
+):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "ck") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/dcp/ck"
+    state = {"w": torch.randn(4, 3), "b": torch.arange(5), "step": 9}
+    dcp.save(state, storage_writer=checkpoint.FsdpStorageWriter(path), no_dist=True)
+    dcp.save({**state, "w": state["w"] * 2}, storage_writer=checkpoint.FsdpStorageWriter(path), no_dist=True)
+    target = {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64), "step": None}
+    checkpoint.load_state_dict(target, path)  # our reader, all checks
+    assert torch.equal(target["w"], state["w"] * 2) and torch.equal(target["b"], state["b"]) and target["step"] == 9
+    again = {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}
+    dcp.load(again, storage_reader=checkpoint.FsdpStorageReader(path), no_dist=True)
+    assert torch.equal(again["w"], state["w"] * 2)
+
+
+def test_every_cli_command_reads_s3_and_writes_local_and_reshard_writes_s3(s3_bucket, tmp_path, cli):
+    state = {"model": {"w": torch.randn(6, 4), "b": torch.randn(4)}, "extra": {"step": 5}}
+    url = f"{s3_bucket}/cli/ck"
+    checkpoint.save_state_dict(state, url)
+    assert "model.w" in cli("inspect", url).stdout
+    cli("verify", url)
+    cli("reshard", url, str(tmp_path / "local"), "--world-size", "3")
+    cli("diff", url, str(tmp_path / "local"))
+    cli("export", url, str(tmp_path / "hf"), "--format", "safetensors")
+    assert any(p.suffix == ".safetensors" for p in (tmp_path / "hf").iterdir())
+    cli("reshard", str(tmp_path / "local"), f"{s3_bucket}/cli/back", "--world-size", "2")  # local -> s3
+    cli("diff", url, f"{s3_bucket}/cli/back")
+    target = {"model": {"w": torch.zeros(6, 4), "b": torch.zeros(4)}, "extra": {"step": None}}
+    checkpoint.load_state_dict(target, f"{s3_bucket}/cli/back")
+    assert torch.equal(target["model"]["w"], state["model"]["w"]) and target["extra"]["step"] == 5
+    assert "0 unfinished" in cli("gc", url).stdout
+    bad = cli("inspect", "nosuch://bucket/ck", check=2)
+    assert "unsupported URL scheme" in bad.stderr
+    # export writes local files only: a URL output is refused, not written to a directory named "s3:"
+    assert "is a local path" in cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", check=2).stderr
+    assert not (Path.cwd() / "s3:").exists()
+
+
+def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_renames(tmp_path):
+    root = tmp_path / "nfs"
+    checkpoint.mount(root, checkpoint.SharedFileSystemStorage())
+    try:
+        for step in (1, 2):
+            checkpoint.save_state_dict({"w": torch.full((3,), float(step))}, root / "ck")
+        target = {"w": torch.zeros(3)}
+        checkpoint.load_state_dict(target, root / "ck")
+    finally:
+        checkpoint.unmount(root)
+    assert torch.equal(target["w"], torch.full((3,), 2.0))
+    names = sorted(p.name for p in (root / "ck").iterdir())
+    assert names[0] == HEAD_NAME and len(names) == 2 and names[1].startswith("fsdp-save-00000002-")
+    assert sorted(p.name for p in root.iterdir()) == ["ck"]  # no staging, swap or lock names beside it
