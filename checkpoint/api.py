@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.convert import StatefulPath, load_stateful, resolve_stateful
+from checkpoint.errors import some_of
 from checkpoint.gc_pause import paused_gc
 from checkpoint.shard import CheckpointShard
 from checkpoint.state_dict_io import (
@@ -36,6 +37,7 @@ from checkpoint.storage_backend import locate
 from checkpoint.training_state import (
     LEGACY_MASTER_KEYS,
     MASTER_PARAM,
+    SAVED_WITHOUT_STATE,
     TIED_SECTION,
     key_path,
     model_entries,
@@ -84,6 +86,8 @@ def _training_state(model, optimizer, extra) -> dict[str, Any]:
         state["optimizer"] = {
             "state": entries.state,
             "param_groups": {**entries.param_groups, **entries.indexed_groups},
+            # lets a strict load tell "saved before the first step" from "state lost"
+            SAVED_WITHOUT_STATE: entries.without_state(),
         }
     if extra:
         state["extra"] = dict(extra)
@@ -215,6 +219,8 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra, optio
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
     try:
+        if opt_plan is not None:
+            opt_plan.check_saved_state(strict)
         report, values = load_flat(
             opened, targets, strict=strict, optional=optional, scope=tuple(scope), ignored=ignored, options=options
         )
@@ -344,11 +350,18 @@ class _OptimizerLoad:
         numbers = _saved_group_numbers(opened, options)  # torch's unflattened layout: fqn -> its group's number
         known = _params_known_to_saved_optimizer(saved, numbers, fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        without_state = _saved_without_state(opened, options)  # None: not recorded (older, another tool)
+        self.lost: list[str] = []
+        """trained here, in the saved groups, without saved state that the checkpoint says it had"""
+        self.unrecorded: list[str] = []
+        """trained here, without saved state, in a checkpoint that does not say why (the old behaviour)"""
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
-                if fqn not in known and fqn in trainable:
-                    # Not even in the saved optimizer's groups (e.g. a model-only checkpoint): resuming
-                    # would restart its moments from zero. Asked for, so strict load names it as missing.
+                if fqn in trainable and fqn in known and fqn not in (without_state or ()):
+                    (self.unrecorded if without_state is None else self.lost).append(fqn)
+                if fqn in trainable and (fqn not in known or fqn in self.lost):
+                    # Not in the saved optimizer's groups (e.g. a model-only checkpoint), or its state was
+                    # lost: resuming would restart its moments from zero. Asked for, so reported missing.
                     self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
@@ -380,6 +393,25 @@ class _OptimizerLoad:
                         self.optional.add(key)
                         self.group_keys.append((g_index, hyper, key))
                         break
+
+    def check_saved_state(self, strict: bool) -> None:
+        """Refuse (strict) state lost from the checkpoint; warn of state a checkpoint does not account for."""
+        if self.lost and strict:
+            raise ValueError(
+                f"the checkpoint's optimizer section holds no state for {len(self.lost)} parameter(s) this "
+                f"optimizer trains ({some_of(self.lost)}), though they had state when saved (they are not in "
+                f"optimizer.{SAVED_WITHOUT_STATE}): it was removed, resuming would restart it from zero; "
+                "load a checkpoint that has it, or pass strict=False to start their state fresh"
+            )
+        if self.unrecorded:
+            logger.warning(
+                "the checkpoint holds no optimizer state for %d parameter(s) this optimizer trains (%s) and does "
+                "not record whether they were saved before their first step (optimizer.%s: written before "
+                "2026-11, or by another tool): their state starts fresh",
+                len(self.unrecorded),
+                some_of(self.unrecorded),
+                SAVED_WITHOUT_STATE,
+            )
 
     def abort(self) -> None:
         """Undo the lazy state created for the load: a failed load leaves the optimizer as it was."""
@@ -448,6 +480,15 @@ def _saved_group_numbers(opened: OpenCheckpoint, options: ReadOptions) -> dict[s
         return {}
     _, values = load_flat(opened, dict.fromkeys(numbers), strict=False, scope=(), options=options)
     return {fqn: numbers[key] for key, names in values.items() for fqn in names or ()}
+
+
+def _saved_without_state(opened: OpenCheckpoint, options: ReadOptions) -> set[str] | None:
+    """The FQNs the save recorded as having no optimizer state; ``None`` where it recorded nothing."""
+    key = f"optimizer.{SAVED_WITHOUT_STATE}"
+    if key not in opened.metadata.state_dict_metadata:
+        return None
+    _, values = load_flat(opened, {key: None}, strict=False, scope=(), options=options)
+    return set(values.get(key) or ())
 
 
 def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:

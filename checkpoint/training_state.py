@@ -12,7 +12,10 @@ Keys (after DCP's dotted flattening):
   every name, once per parameter, would make the state grow with N^2);
 * ``optimizer.param_groups.<index>.<key>`` and ``...<index>.params``: the same
   options once per group, ``param_names`` included, in torch's unflattened
-  layout (``get_state_dict``'s default), so plain ``dcp.load`` reads either.
+  layout (``get_state_dict``'s default), so plain ``dcp.load`` reads either;
+* ``optimizer.saved_without_state``: the FQNs of the optimizer's parameters that
+  had no state when saved (before their first step, or an optimizer keeping
+  none), one list: a strict load tells them from state that was lost.
 
 ``master_param`` (the fp32 master of a low-precision parameter) is stored only
 when it carries information the saved weight does not: the optimizer decides
@@ -36,6 +39,7 @@ __all__ = [
     "LEGACY_MASTER_KEYS",
     "MASTER_PARAM",
     "PARAM_NAMES",
+    "SAVED_WITHOUT_STATE",
     "TIED_SECTION",
     "OptimizerEntries",
     "clean_fqn",
@@ -48,6 +52,8 @@ __all__ = [
 
 MASTER_PARAM = MASTER_KEY
 PARAM_NAMES = "param_names"
+SAVED_WITHOUT_STATE = "saved_without_state"
+"""``optimizer.saved_without_state``: the FQNs saved with no optimizer state (absent before 2026-11)."""
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -145,6 +151,10 @@ class OptimizerEntries:
     """per param group, the FQNs of its parameters"""
     indexed_groups: dict[str, dict[str, Any]]
     """str(group index) -> its options and ``params`` (FQNs): torch's unflattened layout"""
+
+    def without_state(self) -> list[str]:
+        """The FQNs of the optimizer's parameters with no state entry (never stepped, or none kept)."""
+        return [fqn for names in self.group_members for fqn in names if not self.state.get(fqn)]
 
 
 def optimizer_entries(optimizer: torch.optim.Optimizer, osd: dict[str, Any], fqns: dict[int, str]) -> OptimizerEntries:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from checkpoint.tool.stream import Entry
-from checkpoint.training_state import TIED_SECTION
+from checkpoint.training_state import SAVED_WITHOUT_STATE, TIED_SECTION
 
 __all__ = [
     "Rename",
@@ -394,9 +394,9 @@ def plan(entries: dict[str, Entry], rules: Rules) -> list[Target]:
     return renamed
 
 
-# values that are parameter names: torch's per-group lists, and checkpoint.save's record of tied
-# weights (model_tied.<alias> -> its twin's name)
-_GROUP_NAME_LISTS = re.compile(r"optimizer\.param_groups\.[0-9]+\.(params|param_names)\Z")
+# values that are parameter names: torch's per-group lists, checkpoint.save's list of params saved
+# without optimizer state, and its record of tied weights (model_tied.<alias> -> its twin's name)
+_GROUP_NAME_LISTS = re.compile(rf"optimizer\.(param_groups\.[0-9]+\.(params|param_names)|{SAVED_WITHOUT_STATE})\Z")
 _TIED_PREFIX = f"{TIED_SECTION}."
 
 
