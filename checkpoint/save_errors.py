@@ -15,8 +15,6 @@ exception into this rank's own error or a :class:`CheckpointSaveError`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import TypeVar, cast
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -28,7 +26,6 @@ __all__ = [
     "dcp_failures",
     "describe_error",
     "first_failure",
-    "on_every_rank",
     "raise_on_every_rank",
     "raise_unwrapped",
     "unwrap_dcp_error",
@@ -104,34 +101,6 @@ def agree_on_failure(
     if error is not None:
         raise error
     return {rank: message for rank, message in enumerate(everyone) if message is not None}
-
-
-T = TypeVar("T")
-
-
-def on_every_rank(
-    step: Callable[[], T],
-    failed: Callable[[dict[int, str]], Exception],
-    *,
-    group: dist.ProcessGroup | None,
-    distributed: bool,
-) -> T:
-    """``step()`` (rank-local work), then one collective agreeing on its success (:func:`agree_on_failure`).
-
-    A rank whose step raised raises its own error (it names the key or file
-    and the fix); every other rank raises ``failed({rank: message})``, so no
-    rank goes on alone into a collective the failed one never joins. Every
-    rank of ``group`` calls it at the same point.
-    """
-    result = error = None
-    try:
-        result = step()
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree_on_failure()
-        error = exc
-    failures = agree_on_failure(error, group=group, distributed=distributed)
-    if failures:
-        raise failed(failures)
-    return cast(T, result)  # no rank failed: step() returned
 
 
 def raise_on_every_rank(
