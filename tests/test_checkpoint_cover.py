@@ -42,14 +42,8 @@ def boxes_in_a_shape(draw):
     return shape, chunks
 
 
-@st.composite
-def a_tiling_maybe_disturbed(draw):
-    """Flat ranges cut at random points (an exact cover), then perhaps one box moved, dropped or repeated."""
-    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
-    numel = math.prod(shape)
-    cuts = sorted(draw(st.lists(st.integers(0, numel), max_size=4)))
-    bounds = [0, *cuts, numel]
-    chunks = [(b.offsets, b.sizes) for lo, hi in zip(bounds, bounds[1:]) for b in flat_range_to_boxes(shape, lo, hi)]
+def _maybe_disturb(draw, shape: tuple[int, ...], chunks: list) -> None:
+    """Perhaps one box of ``chunks`` dropped, repeated or shifted by one along a dim (in place)."""
     change = draw(st.sampled_from(["none", "drop", "repeat", "shift"]))
     i = draw(st.integers(0, len(chunks) - 1))
     if change == "drop":
@@ -61,6 +55,17 @@ def a_tiling_maybe_disturbed(draw):
         d = draw(st.integers(0, len(shape) - 1))
         if offsets[d] + sizes[d] < shape[d]:
             chunks[i] = (offsets[:d] + (offsets[d] + 1,) + offsets[d + 1 :], sizes)
+
+
+@st.composite
+def a_tiling_maybe_disturbed(draw):
+    """Flat ranges cut at random points (an exact cover), then perhaps one box moved, dropped or repeated."""
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    numel = math.prod(shape)
+    cuts = sorted(draw(st.lists(st.integers(0, numel), max_size=4)))
+    bounds = [0, *cuts, numel]
+    chunks = [(b.offsets, b.sizes) for lo, hi in zip(bounds, bounds[1:]) for b in flat_range_to_boxes(shape, lo, hi)]
+    _maybe_disturb(draw, shape, chunks)
     return shape, chunks
 
 
@@ -81,17 +86,7 @@ def a_grid_maybe_disturbed(draw):
         for lo, n in ((0, cut), (cut, sizes[d] - cut)):
             if n:
                 chunks.append((offsets[:d] + (offsets[d] + lo,) + offsets[d + 1 :], sizes[:d] + (n,) + sizes[d + 1 :]))
-    change = draw(st.sampled_from(["none", "drop", "repeat", "shift"]))
-    i = draw(st.integers(0, len(chunks) - 1))
-    if change == "drop":
-        del chunks[i]
-    elif change == "repeat":
-        chunks.append(chunks[i])
-    elif change == "shift":
-        offsets, sizes = chunks[i]
-        d = draw(st.integers(0, len(shape) - 1))
-        if offsets[d] + sizes[d] < shape[d]:
-            chunks[i] = (offsets[:d] + (offsets[d] + 1,) + offsets[d + 1 :], sizes)
+    _maybe_disturb(draw, shape, chunks)
     return shape, chunks
 
 
