@@ -36,6 +36,7 @@ from torch.profiler import record_function
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
 from offload_fsdp.compiled_step import choose_host_step
 from offload_fsdp.copy_engine import CopyEngine
+from offload_fsdp.core_binding import HostCores
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
@@ -187,6 +188,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             second backward reaching a started bucket, hyper-parameters changed between
             backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
             ``docs/offload.md``, "Overlapped host step".
+        bind_host_cores: bind the threads running the host updates to this local rank's own cores
+            (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, NUMA-local; :mod:`offload_fsdp.core_binding`); None: when
+            the node has two local ranks or more, two allowed cores for each and no affinity set by the user.
+            The cores are :attr:`host_cores` and in the INFO construction line.
         model: the model holding the params (after ``fully_shard``). When given, each module
             owning offloaded params (an FSDP2 unit, else the registering module) gets a forward
             pre-hook waiting only for its own buckets' H2D, instead of the main stream waiting
@@ -221,6 +226,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         graph_safe_grads: bool = False,
         overlap_step_with_backward: bool = False,
+        bind_host_cores: bool | None = None,
         model: torch.nn.Module | None = None,
         options: OffloadOptions | None = None,
         **defaults: Any,
@@ -232,6 +238,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin_cpu_params=pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
             pinned_transfer_slots=pinned_transfer_slots, bucket_numel=bucket_numel,
             graph_safe_grads=graph_safe_grads, overlap_step_with_backward=overlap_step_with_backward,
+            bind_host_cores=bind_host_cores,
         )  # fmt: skip
         if options is not None and keywords.changed():
             raise ValueError(
@@ -287,11 +294,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._device_delegate: DelegatedOptimizer | None = None
         self._hook_handles: list[Any] = []
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
+        self._host_cores = HostCores(opts.bind_host_cores)
         self._overlapped = (
             OverlappedStep(
                 self._before_overlapped_update,
                 functools.partial(self._step_bucket, push=False),  # step() writes the params (see _step_records)
                 lambda i: self.param_groups[i],
+                self._host_cores.bind_this_thread,
             )
             if opts.schedule is Schedule.OVERLAPPED
             else None
@@ -405,6 +414,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if key not in self._engines:
             self._engines[key] = copy_engine_for(key, transfer_slots=self._transfer_slots)
         return self._engines[key]
+
+    @property
+    def host_cores(self) -> frozenset[int] | None:
+        """The cores the host updates' threads are bound to (``bind_host_cores``), or None when unbound."""
+        return self._host_cores.cores
 
     @property
     def pinned_bytes(self) -> int:
@@ -561,11 +575,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
             "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
             "(page-locked: %s); pageable host bytes %d; pinned_transfer_slots=%s, page-locked slot bytes %d "
-            "(optimizer.pinned_bytes: the total)",
+            "(optimizer.pinned_bytes: the total); host step cores %s",
             what, self.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
             len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
             pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
-            self._transfer_slots, sum(e.pinned_bytes for e in engines),
+            self._transfer_slots, sum(e.pinned_bytes for e in engines), self._host_cores.description,
         )  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -808,8 +822,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in self._buckets:
                 bucket_active = [r for r in bucket.records if id(r) in grads and id(r) not in done]
-                if bucket_active:
-                    self._step_bucket(bucket, bucket_active)
+                if bucket_active:  # on this rank's cores (bind_host_cores); its H2D queued from here
+                    self._host_cores.run(
+                        functools.partial(self._step_bucket, bucket, bucket_active, push=False), bucket.device
+                    )
+                    self._push_bucket(bucket, bucket_active)
         finally:
             for engine in engines:
                 engine.end_step(main_waits=self._model is None)  # else each module's forward waits

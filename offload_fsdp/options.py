@@ -98,6 +98,9 @@ class OffloadOptions:
     """when the host buckets are updated (:class:`Schedule`); ``OVERLAPPED`` needs ``overlap_cpu_optimizer_d2h_h2d``"""
     host_step: HostStepChoice | None = None
     """the Adam(W) host kernel's step (:class:`HostStepChoice`); None: ``$OFFLOAD_FSDP_HOST_STEP``, else ``AUTO``"""
+    bind_host_cores: bool | None = None
+    """bind the host step's threads to this local rank's own cores (:mod:`offload_fsdp.core_binding`); None: when
+    the node has at least two local ranks and two allowed cores for each, and the user set no affinity"""
 
     def __post_init__(self) -> None:
         self.offload_fraction = check_fraction(self.offload_fraction)
@@ -107,6 +110,8 @@ class OffloadOptions:
         self.schedule = Schedule(self.schedule)
         if self.host_step is not None:
             self.host_step = HostStepChoice(self.host_step)
+        if self.bind_host_cores is not None and not isinstance(self.bind_host_cores, bool):
+            raise ValueError(f"bind_host_cores must be None, True or False, got {self.bind_host_cores!r}")
         if self.schedule is Schedule.OVERLAPPED and not self.overlap_cpu_optimizer_d2h_h2d:
             raise ValueError(
                 "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "

@@ -79,8 +79,12 @@ class _Failure:
     error: BaseException
 
 
-def _run_jobs(jobs: queue.Queue, failures: list[_Failure]) -> None:
+def _run_jobs(jobs: queue.Queue, failures: list[_Failure], on_start: Callable[[], None]) -> None:
     """The worker thread's loop. It holds no reference to the optimizer between jobs."""
+    try:
+        on_start()  # before the first job creates threads of its own (they inherit its core binding)
+    except BaseException as exc:  # noqa: BLE001 - the jobs are then skipped and step() raises it
+        failures.append(_Failure("the host worker's start (core binding)", exc))
     # Grad mode is thread-local: the host update must not record autograd history.
     torch.set_grad_enabled(False)
     while True:
@@ -116,7 +120,8 @@ class HostWorker:
     is collected (or at interpreter exit), so it never outlives its optimizer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[], None] = lambda: None) -> None:
+        self._on_start = on_start  # run on the thread as it starts (core binding)
         self._jobs: queue.Queue = queue.Queue()
         self._failures: list[_Failure] = []
         self._thread: threading.Thread | None = None
@@ -127,7 +132,10 @@ class HostWorker:
         if self._thread is None or self._pid != os.getpid():  # a forked child has no copy of the thread
             self._jobs, self._pid = queue.Queue(), os.getpid()
             self._thread = threading.Thread(
-                target=_run_jobs, args=(self._jobs, self._failures), name="offload_fsdp-host-step", daemon=True
+                target=_run_jobs,
+                args=(self._jobs, self._failures, self._on_start),
+                name="offload_fsdp-host-step",
+                daemon=True,
             )
             self._thread.start()
             weakref.finalize(self, _stop, self._jobs, self._thread)
@@ -195,8 +203,9 @@ class OverlappedStep:
         prepare: Callable[[HostBucket], None],
         update: Callable[[HostBucket, list[ParamShard]], None],
         group: Callable[[int], dict[str, Any]],
+        on_worker_start: Callable[[], None] = lambda: None,
     ) -> None:
-        self.worker = HostWorker()
+        self.worker = HostWorker(on_worker_start)
         self._prepare, self._update, self._group = prepare, update, group
         self._ready: dict[int, set[int]] = {}
         """bucket index -> ids of its records whose final grad is staged this step"""
