@@ -54,6 +54,7 @@ from offload_fsdp.overlap import OverlappedStep
 from offload_fsdp.per_element import check_per_element, check_steps_without_closure
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, grad_key, param_name, partition
+from offload_fsdp.speculative import SpeculationCounts, SpeculativeClip
 from offload_fsdp.state_io import (
     check_groups_fit_class,
     check_groups_match,
@@ -188,6 +189,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             second backward reaching a started bucket, hyper-parameters changed between
             backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
             ``docs/offload.md``, "Overlapped host step".
+        speculative_clipping: with ``overlap_step_with_backward``: each host bucket is snapshotted before its
+            update during backward, so ``optim.clip_grad_norm_`` between backward and ``step()`` is honoured: the
+            update is committed when the clip's coefficient is 1, else the bucket is restored and ``step()``
+            updates it with the clipped grads; bit-identical to the clip + the same optimizer without offload.
+            Costs a snapshot of the master and state (AdamW, fp32 master and moments: 12 bytes per param),
+            bounded by ``clip_snapshot_bytes`` (None: no bound; a bucket over it waits for ``step()``, counted
+            in :attr:`speculation_counts`). :mod:`offload_fsdp.speculative`.
         bind_host_cores: bind the threads running the host updates to this local rank's own cores
             (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, NUMA-local; :mod:`offload_fsdp.core_binding`); None: when
             the node has two local ranks or more, two allowed cores for each and no affinity set by the user.
@@ -226,6 +234,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         graph_safe_grads: bool = False,
         overlap_step_with_backward: bool = False,
+        speculative_clipping: bool = False,
+        clip_snapshot_bytes: int | None = None,
         bind_host_cores: bool | None = None,
         model: torch.nn.Module | None = None,
         options: OffloadOptions | None = None,
@@ -238,6 +248,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin_cpu_params=pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
             pinned_transfer_slots=pinned_transfer_slots, bucket_numel=bucket_numel,
             graph_safe_grads=graph_safe_grads, overlap_step_with_backward=overlap_step_with_backward,
+            speculative_clipping=speculative_clipping, clip_snapshot_bytes=clip_snapshot_bytes,
             bind_host_cores=bind_host_cores,
         )  # fmt: skip
         if options is not None and keywords.changed():
@@ -301,6 +312,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 functools.partial(self._step_bucket, push=False),  # step() writes the params (see _step_records)
                 lambda i: self.param_groups[i],
                 self._host_cores.bind_this_thread,
+                SpeculativeClip(opts.clip_snapshot_bytes, self._forget) if opts.speculative_clipping else None,
             )
             if opts.schedule is Schedule.OVERLAPPED
             else None
@@ -414,6 +426,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if key not in self._engines:
             self._engines[key] = copy_engine_for(key, transfer_slots=self._transfer_slots)
         return self._engines[key]
+
+    @property
+    def speculation_counts(self) -> SpeculationCounts | None:
+        """What ``speculative_clipping`` did so far (committed / redone / deferred buckets), or None without it."""
+        speculation = self._overlapped.speculation if self._overlapped is not None else None
+        return speculation.counts if speculation is not None else None
 
     @property
     def host_cores(self) -> frozenset[int] | None:

@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
     from offload_fsdp.copy_engine import CopyEngine
     from offload_fsdp.records import ParamShard
+    from offload_fsdp.speculative import SpeculativeClip
 
-__all__ = ["HostWorker", "OverlappedStep", "refuse_overlapped"]
+__all__ = ["HostWorker", "OverlappedStep", "refuse_overlapped", "speculation_of"]
 
 _STOP = object()
 _DEFER_HINT = (
@@ -51,7 +52,8 @@ _DEFER_HINT = (
     "(or, under FSDP2, set_requires_gradient_sync(False)) so only the final backward starts updates"
 )
 
-# param -> (the optimizer that updates it during backward, weakly; the param's name); read by optim's clipping.
+# param -> (the optimizer that updates it during backward, weakly; the param's name; its SpeculativeClip or None);
+# read by optim's clipping.
 _OVERLAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -63,14 +65,24 @@ def refuse_overlapped(params: Iterable[Any], what: str) -> None:
     known, so a norm-based edit of its grad cannot be honoured; nothing is silently changed.
     """
     for p in params:
-        owner, name = _OVERLAPPED.get(p, (None, "")) if isinstance(p, torch.Tensor) else (None, "")
-        if owner is not None and owner() is not None:
+        owner, name, speculation = (
+            _OVERLAPPED.get(p, (None, "", None)) if isinstance(p, torch.Tensor) else (None, "", None)
+        )
+        if owner is not None and owner() is not None and speculation is None:
             raise ValueError(
                 f"{what} was given parameter {name!r} of a HybridDeviceOptimizer built with "
                 "overlap_step_with_backward=True: their host update starts during backward, before the norm "
-                "of all gradients is known. Build the optimizer without overlap_step_with_backward to clip, "
-                "or train without gradient clipping in this mode"
+                "of all gradients is known. Build the optimizer with speculative_clipping=True (updates are "
+                "snapshotted and redone when the clip changes a gradient), or without overlap_step_with_backward"
             )
+
+
+def speculation_of(param: Any) -> SpeculativeClip | None:
+    """The speculative clipping of the live overlapped optimizer updating ``param``, if it has one."""
+    owner, _, speculation = (
+        _OVERLAPPED.get(param, (None, "", None)) if isinstance(param, torch.Tensor) else (None, "", None)
+    )
+    return speculation if owner is not None and owner() is not None else None
 
 
 @dataclass
@@ -204,8 +216,10 @@ class OverlappedStep:
         update: Callable[[HostBucket, list[ParamShard]], None],
         group: Callable[[int], dict[str, Any]],
         on_worker_start: Callable[[], None] = lambda: None,
+        speculation: SpeculativeClip | None = None,
     ) -> None:
         self.worker = HostWorker(on_worker_start)
+        self.speculation = speculation  # speculative_clipping: snapshots before updates, settled in step()
         self._prepare, self._update, self._group = prepare, update, group
         self._ready: dict[int, set[int]] = {}
         """bucket index -> ids of its records whose final grad is staged this step"""
@@ -224,7 +238,7 @@ class OverlappedStep:
         ref = weakref.ref(owner)
         for r in records:
             if r.offloaded:
-                _OVERLAPPED[r.param] = (ref, r.name)
+                _OVERLAPPED[r.param] = (ref, r.name, self.speculation)
 
     @property
     def in_progress(self) -> bool:
@@ -251,7 +265,8 @@ class OverlappedStep:
         # Every record counted, and each one's staged grad is still its current grad (a count left
         # from a backward whose grads were zeroed since must not start an update on stale staging).
         if len(ready) == len(bucket.records) and all(_staged_is_current(r) for r in bucket.records):
-            self._start(bucket)
+            if self.speculation is None or self.speculation.reserve(bucket):  # else step() updates it
+                self._start(bucket)
 
     def _watch_backward(self) -> None:
         """Note that a backward is running until autograd runs its final callbacks, which it skips when it raises."""
@@ -308,6 +323,8 @@ class OverlappedStep:
         # The current device is per thread: the worker's default need not be this rank's device.
         if bucket.device.type != "cpu" and bucket.device.index is not None:
             torch.accelerator.set_device_index(bucket.device.index)
+        if self.speculation is not None:
+            self.speculation.take(bucket)
         self._update(bucket, records)
         self._updated.append(bucket)
 
@@ -320,11 +337,13 @@ class OverlappedStep:
     def finish_backward(self) -> set[int]:
         """Wait for the queued updates; check that they used what ``step()`` would use.
 
-        Returns the ids of the records updated during backward. Raises (naming the
+        Returns the ids of the records updated during backward and kept. Raises (naming the
         param or group and the fix) when a started record's grad changed or went
-        away since its update began, or a started bucket's hyper-parameters changed.
+        away since its update began, or a started bucket's hyper-parameters changed;
+        with ``speculation`` a bucket whose grads changed is restored instead and left to ``step()``.
         """
         self.worker.wait()
+        redo: set[int] = set()
         for bucket, snapshot in self._started.values():
             group_index = bucket.records[0].group_index
             now = hyperparameters(self._group(group_index))
@@ -336,13 +355,22 @@ class OverlappedStep:
                     "overlap_step_with_backward=True step the LR scheduler (or edit param_groups) after "
                     "optimizer.step(), not between backward and step"
                 )
-            for r in bucket.records:
-                self._check_grad_unchanged(r)
-        return set(self._started_records)
+            settled = self.speculation.settle(bucket, self._grad_unchanged) if self.speculation is not None else None
+            if settled:
+                redo.add(bucket.index)
+            elif settled is None:
+                for r in bucket.records:
+                    self._check_grad_unchanged(r)
+        self._updated = [b for b in self._updated if b.index not in redo]
+        return {id(r) for b, _ in self._started.values() if b.index not in redo for r in b.records}
 
     @staticmethod
-    def _check_grad_unchanged(r: ParamShard) -> None:
-        if not _staged_is_current(r) or (not r.grad_edits_move_key and not _staged_equals_grad(r)):
+    def _grad_unchanged(r: ParamShard) -> bool:
+        return _staged_is_current(r) and (r.grad_edits_move_key or _staged_equals_grad(r))
+
+    @classmethod
+    def _check_grad_unchanged(cls, r: ParamShard) -> None:
+        if not cls._grad_unchanged(r):
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
                 "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "
@@ -361,6 +389,8 @@ class OverlappedStep:
         """Forget this step's readiness and started buckets (after ``step()``, successful or not)."""
         self.worker.wait_quietly()
         self.worker.forget_failures()
+        if self.speculation is not None:
+            self.speculation.end_step()
         self._ready.clear()
         self._started.clear()
         self._started_records.clear()
