@@ -26,7 +26,8 @@ one step: a bucket whose snapshot would not fit (or that has no host kernel:
 a delegated optimizer's state is not flat) is not started during backward and is
 updated by ``step()`` after the clip instead: the after-backward step for that
 bucket, counted in :attr:`SpeculativeClip.counts` (``optimizer.speculation_counts``).
-Snapshots are allocated per step and freed at its end.
+Snapshot buffers are kept from one step to the next (those of the buckets snapshotted in the
+last step only, so never more than the budget) to spare an allocation per step.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class SpeculativeClip:
         self._reserved: dict[int, int] = {}
         """bucket index -> snapshot bytes reserved this step"""
         self._snapshots: dict[int, _Snapshot] = {}
+        self._buffers: dict[int, list[torch.Tensor]] = {}
+        """bucket index -> last step's snapshot buffers of it, reused (at most the budget: only those snapshotted)"""
         self._notes: dict[int, _ClipNote] = {}
         """id(param) -> the clip that scaled its grad this step"""
         self._deferred: set[int] = set()
@@ -122,9 +125,12 @@ class SpeculativeClip:
 
     def take(self, bucket: HostBucket) -> None:
         """Copy ``bucket``'s master, state and per-record step / placeholder flag (on the worker, before its update)."""
-        master = bucket.master.clone() if bucket.master is not None else None
-        state = {name: flat.clone() for name, flat in bucket.state.items()}
-        records = {}
+        buffers = self._buffers.pop(bucket.index, None) or [torch.empty_like(t) for t in _flats(bucket)]
+        for buffer, flat in zip(buffers, _flats(bucket)):
+            buffer.copy_(flat)
+        master = buffers[0] if bucket.master is not None else None
+        state = dict(zip(bucket.state, buffers[1:] if bucket.master is not None else buffers))
+        records: dict[int, tuple[bool, torch.Tensor | None, bool]] = {}
         for r in bucket.records:
             step = r.state.get("step") if r.state is not None else None
             saved = local_tensor(step).clone() if isinstance(step, torch.Tensor) else None
@@ -187,8 +193,16 @@ class SpeculativeClip:
             self._count(fallback_steps=1)
         self._deferred.clear()
         self._reserved.clear()
+        # The buffers are kept for the next step's snapshots (no allocation, no page faults per step).
+        self._buffers = {index: [t for t in (s.master, *s.state.values()) if t is not None]
+                         for index, s in self._snapshots.items()}  # fmt: skip
         self._snapshots.clear()
         self._notes.clear()
+
+
+def _flats(bucket: HostBucket) -> list[torch.Tensor]:
+    """The flat buffers a snapshot copies: master first (if any), then the state buffers in their order."""
+    return [t for t in (bucket.master, *bucket.state.values()) if t is not None]
 
 
 def _key_of(param: torch.Tensor) -> Any:
