@@ -183,10 +183,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             waits for what is still running and does the rest (buckets not complete during
             backward, the device share). Results are bit-identical to the default mode. Costs
             one host thread, and a backward not inside :meth:`defer_grad_copies` commits to the
-            step. Refused with an error naming the fix: ``step(closure)``, AMP's
-            ``GradScaler.step``, ``optim.clip_grad_norm_`` / ``grad_norm`` on these params, a
-            grad changed in place after its update started (torch's clipping, unscaling), a
-            second backward reaching a started bucket, hyper-parameters changed between
+            step. Refused with an error naming the fix: ``step(closure)``; without
+            ``speculative_clipping``: AMP's ``GradScaler.step``, ``optim.clip_grad_norm_`` / ``grad_norm``
+            on these params, a grad changed in place after its update started (torch's clipping,
+            unscaling); a second backward reaching a started bucket, hyper-parameters changed between
             backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
             ``docs/offload.md``, "Overlapped host step".
         speculative_clipping: with ``overlap_step_with_backward``: each host bucket is snapshotted before its
@@ -757,9 +757,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         returns the host work is done and the main stream is ordered after the H2D.
         """
         self._check_groups_placed()
-        loss, done = None, set()
+        loss, done = None, set[int]()
         if self._overlapped is not None:
-            done = self._finish_overlapped_backward(closure)
+            finished = self._finish_overlapped_backward(closure)
+            if finished is None:  # GradScaler found inf/NaN grads: every speculative update was taken back
+                return loss
+            done = finished
         elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -774,13 +777,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._overlapped.end_step()
         return loss
 
-    def _finish_overlapped_backward(self, closure: Any) -> set[int]:
-        """Refusals, then wait for the updates started during backward; ids of the records they updated."""
+    def _finish_overlapped_backward(self, closure: Any) -> set[int] | None:
+        """Refusals, then wait for the updates started during backward; ids of the records they updated
+        (None: GradScaler skips this step)."""
         assert self._overlapped is not None
         self._overlapped.check_backward_finished("step()")  # nothing to abandon: refused until a load
         try:
             self._refuse_in_overlapped_step(closure)
-            return self._overlapped.finish_backward()  # raises a worker's error, naming the bucket
+            # With GradScaler (allowed with speculative_clipping) the updates ran on scaled grads: all redone.
+            amp = getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None
+            done = self._overlapped.finish_backward(keep=not amp)  # raises a worker's error, naming the bucket
+            if amp and self._grad_scaler_skips_step():
+                self._overlapped.discard()  # nothing applied, as torch skips the step
+                return None
+            return done
         except BaseException:
             self._abandon_overlapped_step()
             raise
@@ -863,13 +873,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 "without a closure, or build the optimizer without overlap_step_with_backward"
             )
         # GradScaler.step sets these on an optimizer with _step_supports_amp_scaling (see that property).
-        if getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None:
+        amp = getattr(self, "found_inf", None) is not None or getattr(self, "grad_scale", None) is not None
+        if amp and self._overlapped is not None and self._overlapped.speculation is None:
             self.found_inf = self.grad_scale = None
             raise ValueError(
                 "AMP's GradScaler.step is not supported with overlap_step_with_backward=True: the host updates "
                 "ran during backward on still-scaled gradients, before GradScaler could unscale them or skip a "
-                "step with inf/NaN gradients (the buckets updated so far used them: restore from a checkpoint); train "
-                "in bf16 without a GradScaler, or build the optimizer without overlap_step_with_backward"
+                "step with inf/NaN gradients (the buckets updated so far used them: restore from a checkpoint); build "
+                "the optimizer with speculative_clipping=True (each bucket is then restored and redone after "
+                "backward), train in bf16 without a GradScaler, or build it without overlap_step_with_backward"
             )
 
     # torch.amp.GradScaler's protocol for optimizers that handle scaling: GradScaler.step then calls

@@ -334,13 +334,14 @@ class OverlappedStep:
         updated, self._updated = self._updated, []
         return updated
 
-    def finish_backward(self) -> set[int]:
+    def finish_backward(self, *, keep: bool = True) -> set[int]:
         """Wait for the queued updates; check that they used what ``step()`` would use.
 
         Returns the ids of the records updated during backward and kept. Raises (naming the
         param or group and the fix) when a started record's grad changed or went
         away since its update began, or a started bucket's hyper-parameters changed;
-        with ``speculation`` a bucket whose grads changed is restored instead and left to ``step()``.
+        with ``speculation`` a bucket whose grads changed (every one if not ``keep``) is restored instead and
+        left to ``step()``.
         """
         self.worker.wait()
         redo: set[int] = set()
@@ -355,7 +356,8 @@ class OverlappedStep:
                     "overlap_step_with_backward=True step the LR scheduler (or edit param_groups) after "
                     "optimizer.step(), not between backward and step"
                 )
-            settled = self.speculation.settle(bucket, self._grad_unchanged) if self.speculation is not None else None
+            speculation = self.speculation
+            settled = speculation.settle(bucket, self._grad_unchanged, keep=keep) if speculation is not None else None
             if settled:
                 redo.add(bucket.index)
             elif settled is None:

@@ -14,6 +14,11 @@ right before that update, and the update runs as if no clip applies. Then, in
   and ``step()`` updates it again with the gradients as they are now (copied to the
   host again), exactly as the default mode does.
 
+AMP: with a ``GradScaler`` (``GradScaler.step(optimizer)``) the updates during backward
+ran on still-scaled grads, so every bucket is restored: an inf/NaN found by the scaler
+ends the step there (nothing applied, as torch skips it), otherwise ``step()`` unscales
+and updates every bucket after backward. Exact, but with a scaler nothing is committed.
+
 So both branches give the bits of the same clip followed by the same optimizer
 without offload: the committed one used the very gradients, the redone one is the
 default mode's step.
@@ -145,16 +150,17 @@ class SpeculativeClip:
             note.keys[id(p)] = (key, _key_of(p))
             self._notes[id(p)] = note
 
-    def settle(self, bucket: HostBucket, unchanged: Callable[[ParamShard], bool]) -> bool | None:
+    def settle(self, bucket: HostBucket, unchanged: Callable[[ParamShard], bool], *, keep: bool = True) -> bool | None:
         """Commit (False) or restore (True) ``bucket``'s speculative update; None when it took no snapshot.
 
         ``unchanged(record)``: whether the record's grad is still the one staged (the usual check).
         A grad a clip scaled by exactly 1 is unchanged; its staging key is moved to its current key.
+        ``keep=False``: restore whatever the grads (AMP: the update ran on still-scaled grads).
         """
         snapshot = self._snapshots.get(bucket.index)
         if snapshot is None:
             return None
-        if all(self._scaled_by_one(r) and unchanged(r) for r in bucket.records):
+        if keep and all(self._scaled_by_one(r) and unchanged(r) for r in bucket.records):
             self._count(committed=1)
             return False
         self._restore(bucket, snapshot)

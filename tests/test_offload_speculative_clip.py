@@ -141,6 +141,33 @@ def test_a_grad_edited_before_a_clip_that_does_not_fire_is_redone_not_committed(
     assert counts.committed > 0
 
 
+def _scaler_run(overlapped: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, HybridDeviceOptimizer]:
+    model = _net(dtype)
+    opt = HybridDeviceOptimizer(model.parameters(), 1.0, bucket_numel=80, overlap_step_with_backward=overlapped,
+                                speculative_clipping=overlapped, **CONFIGS["adamw"][1])  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    for step, max_norm in enumerate([1e9, 1e-3, 1e9, 1e9, 1e-3]):
+        loss = model(_batch(step, dtype)).float().square().mean()
+        if step in (1, 3):
+            loss = loss * float("inf")  # inf grads: GradScaler skips the step and lowers the scale
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        optim.clip_grad_norm_(model.parameters(), max_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_grad_scaler_with_inf_steps_gives_the_default_modes_bits(dtype):
+    (ours, opt), (ref, _) = _scaler_run(True, dtype), _scaler_run(False, dtype)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert _same_bits(p, q)
+    counts = opt.speculation_counts
+    assert counts.committed == 0 and counts.redone > 0  # updates on scaled grads are never kept
+
+
 def test_without_speculative_clipping_the_clip_is_refused_naming_the_option():
     model = _net(torch.float32)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, bucket_numel=80, overlap_step_with_backward=True, lr=0.1)
