@@ -58,31 +58,36 @@ _OVERLAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def refuse_overlapped(params: Iterable[Any], what: str) -> None:
-    """``ValueError`` when one of ``params`` is updated during backward by an overlapped optimizer.
+    """``ValueError`` when one of ``params`` is updated during backward by an overlapped optimizer
+    built without ``speculative_clipping`` (with it, ``step()`` redoes what an edit of the grads invalidated).
 
     ``what`` names the refused operation (e.g. ``"optim.clip_grad_norm_"``). Such a
     param's update may already have run with the unclipped grad when the norm becomes
     known, so a norm-based edit of its grad cannot be honoured; nothing is silently changed.
     """
     for p in params:
-        owner, name, speculation = (
-            _OVERLAPPED.get(p, (None, "", None)) if isinstance(p, torch.Tensor) else (None, "", None)
-        )
-        if owner is not None and owner() is not None and speculation is None:
+        entry = _live_entry(p)
+        if entry is not None and entry[1] is None:
             raise ValueError(
-                f"{what} was given parameter {name!r} of a HybridDeviceOptimizer built with "
+                f"{what} was given parameter {entry[0]!r} of a HybridDeviceOptimizer built with "
                 "overlap_step_with_backward=True: their host update starts during backward, before the norm "
                 "of all gradients is known. Build the optimizer with speculative_clipping=True (updates are "
                 "snapshotted and redone when the clip changes a gradient), or without overlap_step_with_backward"
             )
 
 
-def speculation_of(param: Any) -> SpeculativeClip | None:
-    """The speculative clipping of the live overlapped optimizer updating ``param``, if it has one."""
-    owner, _, speculation = (
+def _live_entry(param: Any) -> tuple[str, SpeculativeClip | None] | None:
+    """(name, speculative clipping or None) of ``param`` under a live overlapped optimizer, else None."""
+    owner, name, speculation = (
         _OVERLAPPED.get(param, (None, "", None)) if isinstance(param, torch.Tensor) else (None, "", None)
     )
-    return speculation if owner is not None and owner() is not None else None
+    return (name, speculation) if owner is not None and owner() is not None else None
+
+
+def speculation_of(param: Any) -> SpeculativeClip | None:
+    """The speculative clipping of the live overlapped optimizer updating ``param``, if it has one."""
+    entry = _live_entry(param)
+    return entry[1] if entry is not None else None
 
 
 @dataclass
