@@ -5,9 +5,8 @@ import shutil
 import pytest
 import torch
 
-from offload_fsdp import HybridDeviceOptimizer, compiled_step
+from offload_fsdp import HybridDeviceOptimizer, compiled_step, fused_step
 from offload_fsdp.compiled_step import HOST_STEP_ENV
-from offload_fsdp.fused_step import FusedScratch
 from optim import PrecisionPolicy
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc) for the compiled host step")
@@ -35,10 +34,11 @@ def _train(monkeypatch, host_step, steps, frozen=lambda step, i: False):
     monkeypatch.setenv(HOST_STEP_ENV, host_step)
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=gen).to(torch.bfloat16).requires_grad_() for n in SIZES]
-    opt = HybridDeviceOptimizer(
-        torch.optim.AdamW(params, lr=0.01, betas=(0.99, 0.999), weight_decay=0.1), 1.0, precision=BF16_STATE
-    )
-    opt._scratch = FusedScratch(64)  # pieces that start and end mid-record
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fused_step, "PIECE_NUMEL", 64)  # pieces that start and end mid-record
+        opt = HybridDeviceOptimizer(
+            torch.optim.AdamW(params, lr=0.01, betas=(0.99, 0.999), weight_decay=0.1), 1.0, precision=BF16_STATE
+        )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 + step)
