@@ -9,13 +9,25 @@ keeps writing into the gradients the step reads.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from offload_fsdp.grad import zero_grad as zero_grads  # both slots: .grad and decoupled_grad
 from offload_fsdp.graph_safe import GraphSafeGrads, graph_safe_grads
 from offload_fsdp.records import ParamShard
 
-__all__ = ["AutogradGrads", "PersistentGrads", "grad_slots_for"]
+__all__ = ["AutogradGrads", "GradSlots", "PersistentGrads", "grad_slots_for"]
+
+
+class GradSlots(Protocol):
+    """What ``HybridDeviceOptimizer`` asks about its params' gradient tensors."""
+
+    def keep(self, records: list[ParamShard]) -> None:
+        """New ``records`` were placed."""
+
+    def zero(self, records: list[ParamShard], *, set_to_none: bool) -> None:
+        """``zero_grad`` of every record's param."""
 
 
 class AutogradGrads:
@@ -49,5 +61,5 @@ class PersistentGrads:
         zero_grads((r.param for r in records if not r.trainable), set_to_none=set_to_none)
 
 
-def grad_slots_for(graph_safe: bool, grad_dtype: torch.dtype | None) -> AutogradGrads | PersistentGrads:
+def grad_slots_for(graph_safe: bool, grad_dtype: torch.dtype | None) -> GradSlots:
     return PersistentGrads(grad_dtype) if graph_safe else AutogradGrads()

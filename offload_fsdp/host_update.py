@@ -47,7 +47,7 @@ class HostUpdate:
         self.cpu_cls, self.precision, self._groups, self._trace = cpu_cls, precision, groups, trace
         with choose_host_step(host_step):
             self.kernel = host_kernel_for(cpu_cls)
-        self.scratch = fused_step.FusedScratch(fused_step.PIECE_NUMEL)  # read now: tests make pieces small
+        self.scratch = fused_step.PieceScratch(fused_step.PIECE_NUMEL)  # read now: tests make pieces small
         """reusable fp32 buffers of the kernels' cache-sized pieces"""
 
     def _group_kernel(self, group: dict[str, Any]) -> HostKernel | None:

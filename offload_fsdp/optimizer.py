@@ -26,7 +26,6 @@ import functools
 import logging
 import weakref
 from collections.abc import Iterable, Iterator
-from itertools import chain
 from typing import Any
 
 import torch
@@ -37,10 +36,10 @@ from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import hyperparameters
 from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
 from offload_fsdp.grad import get_grad, local_tensor
-from offload_fsdp.grad_slots import grad_slots_for
+from offload_fsdp.grad_slots import GradSlots, grad_slots_for
 from offload_fsdp.host_update import HostUpdate
 from offload_fsdp.layout import OffloadLayout, describe
-from offload_fsdp.master import MASTER_KEY, canonical_state, policy_with_fp32_update
+from offload_fsdp.master import MASTER_KEY, policy_with_fp32_update
 from offload_fsdp.options import DEFAULT_BUCKET_NUMEL, OffloadOptions, Schedule
 from offload_fsdp.per_element import check_steps_without_closure
 from offload_fsdp.placement import Placement
@@ -48,9 +47,9 @@ from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, param_name
 from offload_fsdp.schedule import AfterBackward, OverlappedSchedule, StepSchedule
 from offload_fsdp.speculative import SpeculationCounts, SpeculativeClip
-from offload_fsdp.state_io import check_groups_fit_class, check_groups_match, check_record_state, load_record_state
-from offload_fsdp.trace import PhaseTrace, profiled
+from offload_fsdp.trace import PhaseTrace
 from offload_fsdp.transfer import Transfer
+from offload_fsdp.wrapping import WrappedLink
 
 __all__ = ["DEFAULT_BUCKET_NUMEL", "HybridDeviceOptimizer", "OffloadOptions"]
 
@@ -71,29 +70,6 @@ def _refuse_repeated_params(groups: list[dict[str, Any]], first_index: int = 0) 
                     f"{first[id(p)]} and {position}); list each parameter once"
                 )
             first[id(p)] = position
-
-
-def _wrapped_use(optimizer: torch.optim.Optimizer, call: str) -> ValueError:
-    return ValueError(
-        f"this {type(optimizer).__name__} is wrapped by a HybridDeviceOptimizer, which holds its state and "
-        f"updates its params; call {call} on the HybridDeviceOptimizer (e.g. pass the wrapper, not the "
-        "wrapped optimizer, to your trainer and to checkpoint.save / checkpoint.load)"
-    )
-
-
-def _refuse_wrapped_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step pre-hook on a wrapped optimizer: ``ValueError`` instead of a second, divergent update."""
-    raise _wrapped_use(optimizer, "step()")
-
-
-def _refuse_wrapped_state_dict(optimizer: torch.optim.Optimizer) -> None:
-    """State-dict pre-hook on a wrapped optimizer: its own state is empty or stale, so saving it loses Adam's."""
-    raise _wrapped_use(optimizer, "state_dict()")
-
-
-def _refuse_wrapped_load(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load pre-hook on a wrapped optimizer: state loaded into it would never reach the wrapper's updates."""
-    raise _wrapped_use(optimizer, "load_state_dict()")
 
 
 def _check_optimizer_cls(cls: Any, arg: str) -> None:
@@ -179,18 +155,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pin_cpu_grads / pin_cpu_params: page-lock the host buffers that cross the bus
             (ignored without an accelerator, and with ``pinned_transfer_slots``).
         pinned_transfer_slots: None (default): every host buffer that crosses the bus is
-            page-locked. An int n >= 1: every host buffer stays pageable and grads / params
-            cross the bus through n page-locked slots per direction, each the size of the
-            largest bucket's grads / params (:mod:`offload_fsdp.transfer_ring`); pinned
-            memory is then n buckets' worth, whatever the model size. Same results, bit for bit.
+            page-locked; n >= 1: they stay pageable and copies go through n page-locked slots
+            per direction, with the same results (:attr:`OffloadOptions.pinned_transfer_slots`).
         overlap_cpu_optimizer_d2h_h2d: copies on side streams, D2H started from
-            post-accumulate-grad hooks; False = blocking copies. With gradient
-            accumulation every micro-batch's backward re-copies the (accumulated) grad,
-            and step() re-copies any grad changed in place since (clipping, unscaling:
-            detected by the tensor's version counter), so results are always those of
-            the final grad. FSDP2 runs these hooks on the sharded grads after its
-            reduce-scatter, so there too each D2H overlaps the rest of backward; the copy
-            is ordered after the stream that is current when the hook runs.
+            post-accumulate-grad hooks; False = blocking copies
+            (:attr:`OffloadOptions.overlap_cpu_optimizer_d2h_h2d`).
         precision: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` of host Adam moments (bf16
             halves their memory and bytes moved), ``main_params_dtype`` of masters (default
             fp32: a low-precision param gets an fp32 master that is the truth, the param its
@@ -198,35 +167,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             :mod:`offload_fsdp.master`), ``main_grads_dtype`` (when set) of host grad staging.
         bucket_numel: elements per host bucket (the pipelining unit).
         graph_safe_grads: every trainable param's gradient becomes a view of a persistent
-            flat buffer (:mod:`offload_fsdp.graph_safe`; ``main_grads_dtype`` views go to
-            ``decoupled_grad``), and :meth:`zero_grad` zeroes those buffers in place whatever
-            ``set_to_none`` says, so a CUDA graph captured over forward + backward keeps
-            writing into the gradients the step reads. Plain (local-shard) params only: FSDP2
-            allocates DTensor gradients itself (``TypeError``). As with any persistent
-            gradient, a param left out of a backward is stepped with a zero gradient.
+            flat buffer that :meth:`zero_grad` zeroes in place, so a captured CUDA graph keeps
+            writing into the gradients the step reads (:attr:`OffloadOptions.graph_safe_grads`).
         overlap_step_with_backward: run each host bucket's update during the final backward,
-            on one host worker thread, as soon as all of its params' grads are final and
-            staged (in gradient-arrival order; its H2D is queued right after); ``step()`` then
-            waits for what is still running and does the rest (buckets not complete during
-            backward, the device share). Results are bit-identical to the default mode. Costs
-            one host thread, and a backward not inside :meth:`defer_grad_copies` commits to the
-            step. Refused with an error naming the fix: ``step(closure)``; without
-            ``speculative_clipping``: AMP's ``GradScaler.step``, ``optim.clip_grad_norm_`` / ``grad_norm``
-            on these params, a grad changed in place after its update started (torch's clipping,
-            unscaling); a second backward reaching a started bucket, hyper-parameters changed between
-            backward and ``step()``. Needs ``overlap_cpu_optimizer_d2h_h2d=True`` (the hooks).
-            ``docs/offload.md``, "Overlapped host step".
-        speculative_clipping: with ``overlap_step_with_backward``: each host bucket is snapshotted before its
-            update during backward, so ``optim.clip_grad_norm_`` between backward and ``step()`` is honoured: the
-            update is committed when the clip's coefficient is 1, else the bucket is restored and ``step()``
-            updates it with the clipped grads; bit-identical to the clip + the same optimizer without offload.
-            Costs a snapshot of the master and state (AdamW, fp32 master and moments: 12 bytes per param),
-            bounded by ``clip_snapshot_bytes`` (None: no bound; a bucket over it waits for ``step()``, counted
-            in :attr:`speculation_counts`). :mod:`offload_fsdp.speculative`.
-        bind_host_cores: bind the threads running the host updates to this local rank's own cores
-            (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, NUMA-local; :mod:`offload_fsdp.core_binding`); None: when
-            the node has two local ranks or more, two allowed cores for each and no affinity set by the user.
-            The cores are :attr:`host_cores` and in the INFO construction line.
+            on one host worker thread, as soon as its grads are final; bit-identical results,
+            and what this mode cannot honour (``step(closure)``, ``GradScaler``, clipping, ...)
+            is refused naming the fix (:attr:`OffloadOptions.schedule`, ``docs/offload.md``,
+            "Overlapped host step"). :attr:`step_in_progress` says when a backward started updates.
+        speculative_clipping / clip_snapshot_bytes: clipping (and GradScaler) in that mode: buckets
+            snapshotted before their update, committed or redone in ``step()``, bit-identical
+            (:attr:`OffloadOptions.speculative_clipping`; :attr:`speculation_counts`).
+        bind_host_cores: host-update threads bound to this local rank's own cores
+            (:attr:`OffloadOptions.bind_host_cores`; :attr:`host_cores`, the INFO construction line).
         model: the model holding the params (after ``fully_shard``). When given, each module
             owning offloaded params (an FSDP2 unit, else the registering module) gets a forward
             pre-hook waiting only for its own buckets' H2D, instead of the main stream waiting
@@ -278,12 +230,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             speculative_clipping=speculative_clipping, clip_snapshot_bytes=clip_snapshot_bytes,
             bind_host_cores=bind_host_cores,
         )  # fmt: skip
-        if options is not None and keywords.changed():
-            raise ValueError(
-                f"settings {keywords.changed()} were passed as keywords together with options=; set them in the "
-                "OffloadOptions instead"
-            )
-        opts = self.options = options if options is not None else keywords
+        opts = self.options = OffloadOptions.choose(options, keywords)
         groups, opt_defaults, cpu_cls, wrapped, explicit = _resolve_groups(
             params_or_optimizer, opts.cpu_optimizer_cls, defaults
         )
@@ -291,8 +238,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         _check_optimizer_cls(gpu_cls, "gpu_optimizer_cls")
         _refuse_repeated_params(groups)
         super().__init__(groups, opt_defaults)
-        if wrapped is not None:
-            _share_groups(wrapped, self.param_groups)
+        self._wrapped = WrappedLink(wrapped)
+        self._wrapped.share_groups(self.param_groups)
         # Keys the user set, per group and at constructor level (those also fill groups added later).
         group_keys, self._explicit_defaults = explicit
         self.offload_fraction = opts.offload_fraction
@@ -300,64 +247,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.precision = policy_with_fp32_update(opts.precision, param_update_in_fp32)
         self.overlap = opts.overlap_cpu_optimizer_d2h_h2d
         self.graph_safe_grads = opts.graph_safe_grads
-        self._compose(opts, model)
+        self._host_cores = HostCores(opts.bind_host_cores)
+        self._trace, self._transfer, self._host, self._placement, self._grads, self._schedule = _compose(
+            self, opts, model
+        )
+        self._model = weakref.ref(model) if model is not None else None  # per-module H2D waits (model=)
         for index, (group, keys) in enumerate(zip(self.param_groups, group_keys)):
             self._placement.note_group(index, group, keys)
         self._defer_grad_copies = False  # set by defer_grad_copies(): backward hooks leave grads for step()
         self._hook_handles: list[Any] = []
         self._place(build_records(self.param_groups), "construction")
         self._built = True
-        # A scheduler attached to the wrapped optimizer before wrapping checks that *it* was stepped.
-        self._wrapped = weakref.ref(wrapped) if wrapped is not None else None
-        if wrapped is not None:  # only once built: a failed wrap leaves it usable on its own
-            # Its own step would update the params from its own (stale or empty) state.
-            wrapped.register_step_pre_hook(_refuse_wrapped_step)
         self._groups_placed = len(self.param_groups)
-        if wrapped is not None and wrapped.state:
-            self.load_state_dict(wrapped.state_dict())
-        if wrapped is not None:  # after its state was taken over: from now on the wrapper holds it
-            wrapped.register_state_dict_pre_hook(_refuse_wrapped_state_dict)
-            wrapped.register_load_state_dict_pre_hook(_refuse_wrapped_load)
-
-    def _compose(self, opts: OffloadOptions, model: torch.nn.Module | None) -> None:
-        """The objects a step is made of, one concern each (``docs/architecture.md``, "One optimizer step")."""
-        groups = functools.partial(getattr, self, "param_groups")
-        self._trace = PhaseTrace()
-        self._transfer = Transfer(
-            overlap=self.overlap, transfer_slots=opts.pinned_transfer_slots, main_waits=model is None, trace=self._trace
-        )
-        host_step = opts.host_step.value if opts.host_step is not None else None
-        self._host = HostUpdate(self.cpu_optimizer_cls, self.precision, host_step=host_step, groups=groups,
-                                trace=self._trace)  # fmt: skip
-        pin = (opts.pin_cpu_grads, opts.pin_cpu_params) if opts.pinned_transfer_slots is None else (False, False)
-        gpu_cls = self.gpu_optimizer_cls
-        self._placement = Placement(
-            offload_fraction=self.offload_fraction,
-            precision=self.precision,
-            classes=(self.cpu_optimizer_cls, gpu_cls),
-            device_defaults=DeviceDefaults(gpu_cls) if gpu_cls is not self.cpu_optimizer_cls else None,
-            groups=groups,
-            host=self._host,
-            engine_for=self._transfer.engine_for,
-            bucket_numel=opts.bucket_numel,
-            pin=pin,  # with transfer slots every host buffer stays pageable: only the slots are page-locked
-        )
-        self._grads = grad_slots_for(opts.graph_safe_grads, self.precision.main_grads_dtype)
-        self._model = weakref.ref(model) if model is not None else None  # per-module H2D waits (model=)
-        self._host_cores = HostCores(opts.bind_host_cores)
-        self._schedule: StepSchedule = AfterBackward()
-        if opts.schedule is Schedule.OVERLAPPED:
-            self._schedule = OverlappedSchedule(
-                lambda bucket: self._placement.refresh_before_update(bucket.records),
-                self._host.update,  # step() pushes the params (see _step_records)
-                lambda i: self.param_groups[i],
-                push=self._transfer.push,
-                restore_master=self._placement.copy_master_from_param,
-                on_worker_start=self._host_cores.bind_this_thread,
-                speculation=SpeculativeClip(opts.clip_snapshot_bytes, self._forget)
-                if opts.speculative_clipping
-                else None,
-            )
+        self._wrapped.take_over(self.load_state_dict)
 
     @property
     def param_update_in_fp32(self) -> bool:
@@ -365,19 +267,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return self.precision.main_params_dtype is not None
 
     @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this optimizer holds: bucket buffers (default) or transfer slots."""
+        return self._placement.pinned_bytes + self._transfer.pinned_bytes
+
+    @property
     def speculation_counts(self) -> SpeculationCounts | None:
-        """What ``speculative_clipping`` did so far (committed / redone / deferred buckets), or None without it."""
+        """What ``speculative_clipping`` did so far (committed / redone / deferred buckets); None without it."""
         return self._schedule.speculation_counts
 
     @property
     def host_cores(self) -> frozenset[int] | None:
         """The cores the host updates' threads are bound to (``bind_host_cores``), or None when unbound."""
         return self._host_cores.cores
-
-    @property
-    def pinned_bytes(self) -> int:
-        """Page-locked host bytes this optimizer holds: bucket buffers (default) or transfer slots."""
-        return self._placement.pinned_bytes + self._transfer.pinned_bytes
 
     @property
     def step_in_progress(self) -> bool:
@@ -403,35 +305,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._placement.add(records, buckets, buffers)
         self._transfer.fit(buckets)
         if self.overlap:
-            self._hook_handles.extend(self._register_hooks(records))
+            self._hook_handles.extend(_grad_hooks(self, records))
         self._schedule.watch(records, self)
         self._hook_handles.extend(register_forward_waits(waits, _wait_pushed))
         _log_partition(self._placement, records, buckets, what, self._transfer.transfer_slots,
                        self._host_cores.description)  # fmt: skip
-
-    def _register_hooks(self, records: list[ParamShard]) -> list[Any]:
-        """Post-accumulate-grad hooks that start an offloaded grad's D2H as soon as it is final."""
-        handles = []
-        self_ref = weakref.ref(self)
-        for r in records:
-            if not r.offloaded:
-                continue
-
-            def hook(param: torch.Tensor, record: ParamShard = r) -> None:
-                opt = self_ref()
-                if opt is None:
-                    return
-                opt._schedule.grad_arriving(record)
-                grad = get_grad(param)
-                if opt._defer_grad_copies or grad is None or grad.layout != torch.strided:
-                    return  # deferred (step() copies it), or an error step() raises with the param's name
-                local = local_tensor(grad)
-                if local.dtype == record.grad_dtype and local.shape == record.local.shape:
-                    opt._transfer.stage_grad(record, local)
-                    opt._schedule.grad_staged(record)
-
-            handles.append(r.param.register_post_accumulate_grad_hook(hook))
-        return handles
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch; after construction the new group also gets its own host buffers and hooks.
@@ -457,11 +335,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         try:
             super().add_param_group(param_group)
         except ValueError:
-            self._check_new_params(param_group, existing=len(self.param_groups))
+            _check_new_params(self.param_groups, self._placement.records, param_group, existing=len(self.param_groups))
             raise
         index = len(self.param_groups) - 1
         try:
-            self._check_new_params(param_group, existing=index)
+            _check_new_params(self.param_groups, self._placement.records, param_group, existing=index)
             self._placement.note_group(index, self.param_groups[index], user_keys | self._explicit_defaults)
             self._place(
                 build_records([self.param_groups[index]], first_group_index=index), f"param group {index} added"
@@ -470,27 +348,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         except BaseException:
             self.param_groups.pop()
             raise
-
-    def _check_new_params(self, group: dict[str, Any], *, existing: int) -> None:
-        """Raise ``ValueError`` naming a param of a new group that is already optimised or listed twice.
-
-        ``existing``: how many of ``param_groups`` are the groups already built.
-        (torch's own check only says that "some parameters" repeat, and only warns
-        about a repeat inside the group, which would give a param two records here.)
-        """
-        params = group["params"]
-        if not isinstance(params, list):
-            return  # torch failed before normalising the group; its error stands
-        owner = {id(p): g for g, built in enumerate(self.param_groups[:existing]) for p in built["params"]}
-        names = {id(r.param): r.name for r in self._placement.records}
-        for position, p in enumerate(params):
-            if id(p) in owner:
-                name = names.get(id(p)) or param_name(group, existing, position)
-                raise ValueError(
-                    f"parameter {name!r} of the new param group is already in param group {owner[id(p)]} (some "
-                    "parameters appear in more than one parameter group); add each parameter to one group only"
-                )
-        _refuse_repeated_params([group], first_index=existing)
 
     # ------------------------------------------------------------------ step
 
@@ -520,7 +377,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket: wait for its grads, update on the host, queue its H2D. When this
         returns the host work is done and the main stream is ordered after the H2D.
         """
-        self._check_groups_placed()
+        self._wrapped.check_groups_placed(len(self.param_groups), self._groups_placed)
         # The schedule runs the closure (or refuses it), applies GradScaler's verdict and
         # finishes what backward started; `done`: the records it already updated.
         loss, done, skip = self._schedule.start_step(self, closure, self._placement.records)
@@ -549,13 +406,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # Updated during backward, written only now: backward may read a param after its grad is final.
             for bucket in self._schedule.updated_buckets():
                 transfer.push(bucket, bucket.records)
-            with profiled("HybridDeviceOptimizer.d2h"):
-                for r, g in active:
-                    if r.offloaded:
-                        if not r.grad_edits_move_key and id(r) not in done:
-                            r.staged_grad_key = None  # the hooks' copy may predate an unseen edit: copy again
-                        transfer.stage_grad(r, g)
-            self._step_device([(r, g) for r, g in active if not r.offloaded])
+            transfer.stage_grads([(r, g) for r, g in active if r.offloaded], done)
+            placement.step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in placement.buckets:
                 bucket_active = [r for r in bucket.records if id(r) in grads and id(r) not in done]
                 if bucket_active:  # on this rank's cores (bind_host_cores); its H2D queued from here
@@ -565,28 +417,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             transfer.end_step(engines)
             for r in placement.records:
                 r.staged_grad_key = None
-        for r, _ in active:
-            self._publish(r)
-        self._mark_wrapped_stepped()
-
-    def _step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
-        if not active:
-            return
-        delegate = self._placement.device_delegate
-        assert delegate is not None
-        previous = [(r, r.working_tensor.grad) for r, _ in active]
-        for r, g in active:
-            r.working_tensor.grad = g if g.dtype == r.working_tensor.dtype else g.to(r.working_tensor.dtype)
-        try:
-            delegate.step(self.param_groups)
-        finally:
-            # Restore, not clear: when the working tensor IS the param, its .grad is the user's grad.
-            for r, before in previous:
-                r.working_tensor.grad = before
-        for r, _ in active:
-            if r.working is not r.local:
-                r.local.copy_(r.working_tensor)  # the param is the cast of its fp32 master
-                r.mark_synced()
+        self._publish(r for r, _ in active)
+        # A scheduler attached to the wrapped optimizer before wrapping checks that *it* was stepped.
+        self._wrapped.mark_stepped()
 
     # torch.amp.GradScaler's protocol for optimizers that handle scaling (:mod:`offload_fsdp.amp`):
     # GradScaler.step then calls step() with `grad_scale` / `found_inf` set instead of unscaling itself.
@@ -600,28 +433,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         for bucket in self._placement.buckets:
             bucket.engine.wait_pushed(bucket)
-
-    def _check_groups_placed(self) -> None:
-        """``ValueError`` for a param group that got no update space (added to the wrapped optimizer)."""
-        if len(self.param_groups) > self._groups_placed:
-            wrapped = self._wrapped() if self._wrapped is not None else None
-            raise ValueError(
-                f"param group {self._groups_placed} was added to the wrapped "
-                f"{type(wrapped).__name__ if wrapped is not None else 'optimizer'} after it was wrapped, so "
-                "HybridDeviceOptimizer made no update space for its params and would never update them; "
-                "call add_param_group on the HybridDeviceOptimizer instead"
-            )
-
-    def _mark_wrapped_stepped(self) -> None:
-        """Tell a scheduler attached to the wrapped optimizer that its optimizer stepped.
-
-        torch's LRScheduler warns "lr_scheduler.step() before optimizer.step()" unless the
-        optimizer it was built on set the private flag ``_opt_called`` (its patched ``step``
-        does); no public API exists. If torch renames it, only that spurious warning returns.
-        """
-        wrapped = self._wrapped() if self._wrapped is not None else None
-        if wrapped is not None:
-            wrapped._opt_called = True  # type: ignore[attr-defined]  # set by torch's patched step; see above
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers.
@@ -638,13 +449,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
 
-    def _publish(self, record: ParamShard) -> None:
-        if record.state is not None:
-            self.state[record.param] = record.state
-
-    def _forget(self, r: ParamShard) -> None:
-        self._placement.forget(r)
-        self.state.pop(r.param, None)
+    def _publish(self, records: Iterable[ParamShard] | None = None) -> None:
+        """``self.state`` shows the state of ``records`` (default: all): each record's dict, or none."""
+        for r in self._placement.records if records is None else records:
+            if r.state is not None:
+                self.state[r.param] = r.state
+            else:
+                self.state.pop(r.param, None)
 
     @torch.no_grad()
     def materialize_state(self) -> None:
@@ -657,8 +468,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         parameters and their gradients are left untouched. Idempotent.
         """
         self._placement.materialize()
-        for r in self._placement.records:
-            self._publish(r)
+        self._publish()
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -708,19 +518,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         upcast = {id(r.param) for r in self._placement.records if r.master_is_upcast}
         return _state_without(self.state_dict(), self.param_groups, upcast, drop=MASTER_KEY)
 
-    def _materialize_for_load(self, pairs: list[tuple[ParamShard, dict[str, Any] | None]]) -> None:
-        """Materialise state and check every (record, saved state) pair; on an error, drop what was created."""
-        fresh = [r for r in self._placement.records if r.trainable and r.state is None]
-        self.materialize_state()
-        try:
-            for r, saved in pairs:
-                if saved is not None and r.trainable:
-                    check_record_state(r, saved, self._placement.class_of(r).__name__)
-        except BaseException:
-            for r in fresh:
-                self._forget(r)
-            raise
-
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a torch-convention optimizer state dict in place (positional param matching).
@@ -749,37 +546,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             load.remove()
             restore.remove()
 
-    def _load_records(self, state_dict: dict[str, Any]) -> None:
-        """Copy ``state_dict``'s state into the records' tensors; hyper-parameters into ``param_groups``."""
-        saved_groups = state_dict["param_groups"]
-        check_groups_match(self.param_groups, saved_groups)
-        check_groups_fit_class(self.cpu_optimizer_cls, self.param_groups, saved_groups)
-        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
-        saved_state = state_dict["state"]
-        pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []
-        for r, sid in zip(self._placement.records, saved_ids):
-            saved = saved_state.get(sid)
-            if saved is not None:  # a legacy master key read as ours; a None value is torch's "no value"
-                # (older torch saved SGD's momentum_buffer=None without momentum; torch loads and skips it)
-                saved = {k: v for k, v in canonical_state(saved).items() if v is not None} or None
-            pairs.append((r, saved))
-        self._materialize_for_load(pairs)  # checks everything first: a failed load changes nothing
-        for r, saved in pairs:
-            if saved is None or not r.trainable:
-                self._forget(r)
-                continue
-            load_record_state(r, saved, self._placement.class_of(r).__name__)
-        for ours, theirs in zip(self.param_groups, saved_groups):
-            ours.update(hyperparameters(theirs))
-        # The one master refresh of a resume: torch.distributed.checkpoint's set_state_dict
-        # loads the optimizer BEFORE the model weights, so it waits for the next step.
-        self._placement.reload_pending = True
-
 
 def _load_into_records(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     """Load pre-hook (the last): the load itself; torch is left groups to check and no state to copy."""
     assert isinstance(optimizer, HybridDeviceOptimizer)
-    optimizer._load_records(state_dict)
+    try:
+        optimizer._placement.load(state_dict, optimizer.param_groups)
+    finally:
+        optimizer._publish()  # what the load created, kept or dropped
     return {"state": {}, "param_groups": state_dict["param_groups"]}
 
 
@@ -815,7 +589,7 @@ def _log_partition(
     slots: int | None,
     cores: str,
 ) -> None:
-    """The INFO line of each placement (construction, a group added)."""
+    """The INFO line of each placement (construction, a group added); ``cores``: the host step's binding."""
 
     def nbytes(rs: list[ParamShard]) -> int:
         return sum(r.numel * r.param.element_size() for r in rs)
@@ -872,14 +646,92 @@ def _collect_active(records: list[ParamShard]) -> list[tuple[ParamShard, torch.T
     return active
 
 
-def _share_groups(wrapped: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    """One list of groups for both: a group added through either is seen by a scheduler on the wrapped
-    optimizer (as torch's would be), and step() refuses one added behind this optimizer's back (through
-    the wrapped one) instead of never updating it."""
-    try:
-        wrapped.param_groups = groups
-    except AttributeError as exc:  # a read-only property (an optimizer wrapping another)
-        raise TypeError(
-            f"cannot take over the param groups of {type(wrapped).__name__} ({exc}); wrap the optimizer "
-            "it wraps, or pass the params and cpu_optimizer_cls= instead"
-        ) from exc
+def _compose(
+    opt: HybridDeviceOptimizer, opts: OffloadOptions, model: torch.nn.Module | None
+) -> tuple[PhaseTrace, Transfer, HostUpdate, Placement, GradSlots, StepSchedule]:
+    """The objects ``opt``'s step is made of, one concern each (``docs/architecture.md``, "One optimizer step")."""
+    groups = functools.partial(getattr, opt, "param_groups")
+    trace = PhaseTrace()
+    transfer = Transfer(
+        overlap=opt.overlap, transfer_slots=opts.pinned_transfer_slots, main_waits=model is None, trace=trace
+    )
+    host_step = opts.host_step.value if opts.host_step is not None else None
+    host = HostUpdate(opt.cpu_optimizer_cls, opt.precision, host_step=host_step, groups=groups,
+                            trace=trace)  # fmt: skip
+    pin = (opts.pin_cpu_grads, opts.pin_cpu_params) if opts.pinned_transfer_slots is None else (False, False)
+    gpu_cls = opt.gpu_optimizer_cls
+    placement = Placement(
+        offload_fraction=opt.offload_fraction,
+        precision=opt.precision,
+        classes=(opt.cpu_optimizer_cls, gpu_cls),
+        device_defaults=DeviceDefaults(gpu_cls) if gpu_cls is not opt.cpu_optimizer_cls else None,
+        groups=groups,
+        host=host,
+        engine_for=transfer.engine_for,
+        bucket_numel=opts.bucket_numel,
+        pin=pin,  # with transfer slots every host buffer stays pageable: only the slots are page-locked
+    )
+    grads = grad_slots_for(opts.graph_safe_grads, opt.precision.main_grads_dtype)
+    schedule: StepSchedule = AfterBackward()
+    if opts.schedule is Schedule.OVERLAPPED:
+        schedule = OverlappedSchedule(
+            lambda bucket: placement.refresh_before_update(bucket.records),
+            host.update,  # step() pushes the params (see _step_records)
+            lambda i: groups()[i],
+            push=transfer.push,
+            restore_master=placement.copy_master_from_param,
+            on_worker_start=opt._host_cores.bind_this_thread,
+            speculation=SpeculativeClip(opts.clip_snapshot_bytes, placement.forget)
+            if opts.speculative_clipping
+            else None,
+        )
+    return trace, transfer, host, placement, grads, schedule
+
+
+def _grad_hooks(optimizer: HybridDeviceOptimizer, records: list[ParamShard]) -> list[Any]:
+    """Post-accumulate-grad hooks that start an offloaded grad's D2H as soon as it is final."""
+    handles = []
+    self_ref = weakref.ref(optimizer)  # a hook must not keep the optimizer alive
+    for r in records:
+        if not r.offloaded:
+            continue
+
+        def hook(param: torch.Tensor, record: ParamShard = r) -> None:
+            opt = self_ref()
+            if opt is None:
+                return
+            opt._schedule.grad_arriving(record)
+            grad = get_grad(param)
+            if opt._defer_grad_copies or grad is None or grad.layout != torch.strided:
+                return  # deferred (step() copies it), or an error step() raises with the param's name
+            local = local_tensor(grad)
+            if local.dtype == record.grad_dtype and local.shape == record.local.shape:
+                opt._transfer.stage_grad(record, local)
+                opt._schedule.grad_staged(record)
+
+        handles.append(r.param.register_post_accumulate_grad_hook(hook))
+    return handles
+
+
+def _check_new_params(
+    built: list[dict[str, Any]], records: list[ParamShard], group: dict[str, Any], *, existing: int
+) -> None:
+    """Raise ``ValueError`` naming a param of a new group that is already optimised or listed twice.
+
+    ``existing``: how many of ``built`` (``param_groups``) are the groups already built.
+    (torch's own check only says that "some parameters" repeat, and only warns
+    about a repeat inside the group, which would give a param two records here.)
+    """
+    params = group["params"]
+    if not isinstance(params, list):
+        return  # torch failed before normalising the group; its error stands
+    owner = {id(p): g for g, built in enumerate(built[:existing]) for p in built["params"]}
+    names = {id(r.param): r.name for r in records}
+    for position, p in enumerate(params):
+        if id(p) in owner:
+            name = names.get(id(p)) or param_name(group, existing, position)
+            raise ValueError(
+                f"parameter {name!r} of the new param group is already in param group {owner[id(p)]} (some "
+                "parameters appear in more than one parameter group); add each parameter to one group only"
+            )
+    _refuse_repeated_params([group], first_index=existing)

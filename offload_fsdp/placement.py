@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -19,12 +20,13 @@ import torch
 from offload_fsdp.buckets import HostBucket, HostBuffers, build_buckets
 from offload_fsdp.copy_engine import CopyEngine
 from offload_fsdp.defaults import DeviceDefaults
-from offload_fsdp.delegate import DelegatedOptimizer
+from offload_fsdp.delegate import DelegatedOptimizer, hyperparameters
 from offload_fsdp.host_update import HostUpdate
-from offload_fsdp.master import adopt_written, master_dtype
+from offload_fsdp.master import adopt_written, canonical_state, master_dtype
 from offload_fsdp.per_element import check_per_element
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, partition
+from offload_fsdp.state_io import check_groups_fit_class, check_groups_match, check_record_state, load_record_state
 
 __all__ = ["Placement"]
 
@@ -172,6 +174,26 @@ class Placement:
         """Page-locked bytes of the bucket arenas."""
         return sum(b.pinned.reserved_bytes for b in self.buffers if b.pinned.pinned)
 
+    def step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
+        """The device share's update of ``active`` (record, local grad) by the device delegate."""
+        if not active:
+            return
+        delegate = self.device_delegate
+        assert delegate is not None
+        previous = [(r, r.working_tensor.grad) for r, _ in active]
+        for r, g in active:
+            r.working_tensor.grad = g if g.dtype == r.working_tensor.dtype else g.to(r.working_tensor.dtype)
+        try:
+            delegate.step(self._groups())
+        finally:
+            # Restore, not clear: when the working tensor IS the param, its .grad is the user's grad.
+            for r, before in previous:
+                r.working_tensor.grad = before
+        for r, _ in active:
+            if r.working is not r.local:
+                r.local.copy_(r.working_tensor)  # the param is the cast of its fp32 master
+                r.mark_synced()
+
     # ------------------------------------------------------------------ masters
 
     def refresh_before_update(self, records: list[ParamShard]) -> None:
@@ -256,3 +278,48 @@ class Placement:
         if delegate is not None:
             delegate.forget(r)
         r.state = None
+
+    @torch.no_grad()
+    def load(self, state_dict: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+        """Load a torch-convention optimizer state dict into the records' own tensors (positional matching).
+
+        Everything is checked first (groups, each record's saved state against its class): a failed load
+        changes nothing. A param without saved state gets none, as in torch; hyper-parameters come from the
+        saved groups; every master is refreshed from its param before the next update.
+        """
+        saved_groups = state_dict["param_groups"]
+        check_groups_match(groups, saved_groups)
+        check_groups_fit_class(self.cpu_cls, groups, saved_groups)
+        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        saved_state = state_dict["state"]
+        pairs: list[tuple[ParamShard, dict[str, Any] | None]] = []
+        for r, sid in zip(self.records, saved_ids):
+            saved = saved_state.get(sid)
+            if saved is not None:  # a legacy master key read as ours; a None value is torch's "no value"
+                # (older torch saved SGD's momentum_buffer=None without momentum; torch loads and skips it)
+                saved = {k: v for k, v in canonical_state(saved).items() if v is not None} or None
+            pairs.append((r, saved))
+        self._materialize_for_load(pairs)
+        for r, saved in pairs:
+            if saved is None or not r.trainable:
+                self.forget(r)
+                continue
+            load_record_state(r, saved, self.class_of(r).__name__)
+        for ours, theirs in zip(groups, saved_groups):
+            ours.update(hyperparameters(theirs))
+        # The one master refresh of a resume: torch.distributed.checkpoint's set_state_dict
+        # loads the optimizer BEFORE the model weights, so it waits for the next step.
+        self.reload_pending = True
+
+    def _materialize_for_load(self, pairs: list[tuple[ParamShard, dict[str, Any] | None]]) -> None:
+        """Materialise state and check every (record, saved state) pair; on an error, drop what was created."""
+        fresh = [r for r in self.records if r.trainable and r.state is None]
+        self.materialize()
+        try:
+            for r, saved in pairs:
+                if saved is not None and r.trainable:
+                    check_record_state(r, saved, self.class_of(r).__name__)
+        except BaseException:
+            for r in fresh:
+                self.forget(r)
+            raise

@@ -90,6 +90,14 @@ class Transfer:
             bucket.engine.stage_grad(bucket, record.host_grad_stage, grad)
         record.staged_grad_key = key
 
+    def stage_grads(self, active: list[tuple[ParamShard, torch.Tensor]], done: set[int]) -> None:
+        """``step()``'s copies: every (offloaded record, local grad) not staged yet, or changed since."""
+        with profiled("HybridDeviceOptimizer.d2h"):
+            for r, g in active:
+                if not r.grad_edits_move_key and id(r) not in done:
+                    r.staged_grad_key = None  # the hooks' copy may predate an unseen edit: copy again
+                self.stage_grad(r, g)
+
     def push(self, bucket: HostBucket, records: list[ParamShard]) -> None:
         """Queue the H2D of ``records``' updated params (their cast, or the master itself)."""
         with profiled("HybridDeviceOptimizer.h2d"), self.trace.bucket_phase("h2d", bucket):

@@ -17,7 +17,7 @@ import torch
 
 from offload_fsdp import HybridDeviceOptimizer, compiled_step, fused_step
 from offload_fsdp.compiled_step import HOST_STEP_ENV, compiled_adam_bucket_step
-from offload_fsdp.fused_step import FusedScratch, adam_bucket_step
+from offload_fsdp.fused_step import PieceScratch, adam_bucket_step
 from optim import PrecisionPolicy
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -206,7 +206,7 @@ def test_the_default_host_step_runs_bf16_buckets_in_the_compiled_loop_with_ident
 
 def test_the_compiled_steps_16_bit_noise_windows_hold_the_fused_paths_int32_noise_values():
     """The C loop reads the rounding noise as uint16; every window must be the int32 one, value for value."""
-    scratch = FusedScratch(1000)
+    scratch = PieceScratch(1000)
     for counter in (0, 1, 7919 * 3 + 104729, 2**40 + 5):
         wide, narrow = scratch.noise(1000, counter), scratch.noise(1000, counter, torch.uint16)
         assert narrow.dtype == torch.uint16 and narrow.element_size() == 2

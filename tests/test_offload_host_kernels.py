@@ -24,7 +24,7 @@ from offload_fsdp.host_kernels import SgdKernel, host_kernel_for, register_host_
 from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, qualified_name
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard
-from offload_fsdp.sgd_step import SPLIT_UNIT, pieces
+from offload_fsdp.sgd_step import SPLIT_UNIT, unit_pieces
 from tests.distributed import run_ranks
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -117,7 +117,7 @@ def test_sgd_pieces_cover_the_active_elements_once_and_cut_records_only_at_split
     active = [r for r, on in zip(records, active_mask) if on]
     covered: dict[int, list[tuple[int, int]]] = {}
     last_stop = -1
-    for start, stop, segs in pieces(active, numel):
+    for start, stop, segs in unit_pieces(active, numel):
         assert segs and last_stop <= start < stop <= start + numel
         last_stop = stop
         for b, e, r in segs:
