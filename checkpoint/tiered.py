@@ -26,12 +26,12 @@ size can load it) at ``<durable_dir>/step_<N>`` (a path or a URL), ``keep_durabl
 
 **Cost.** ``save`` blocks only while this rank's state is copied into host staging buffers (a device
 tensor device -> host, host-resident state such as ``HybridDeviceOptimizer``'s masters and moments
-host -> host); writing, committing and replicating run on the async-save writer thread
-(:mod:`checkpoint.async_save`, one save in flight: a save waits for the one before it). Host memory
-per rank: one snapshot of its state (kept for the next save), plus on the node-local file system
-``keep_local x (1 + replication)`` copies of a rank's state (its own and those it holds for others),
-plus, while a durable save is being staged or written, the async save's own snapshot. The figure is
-logged at INFO whenever it changes.
+host -> host); one snapshot serves both tiers. Writing, committing, replicating and the durable save
+run on the async-save writer thread (:mod:`checkpoint.async_save`; one save in flight: a save first
+waits for the one before it). Host memory per rank: one snapshot of its state (kept for the next
+save, :class:`~checkpoint.staging_pool.StagingPool`), one checkpoint's bytes per replica while it is
+sent or received, and on the node-local file system ``keep_local x (1 + replication)`` copies of a
+rank's state (its own and those it holds for others). The figure is logged at INFO when it changes.
 
 **Restore.** Every rank checks which local steps it holds (its own and its replicas) against their
 manifests' CRC-32s; one ``all_gather_object`` tells everyone; the newest step for which every rank's
@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.api import LoadResult, load, rank_local, training_state
-from checkpoint.async_save import async_save_state_dict, stage
+from checkpoint.async_save import stage
+from checkpoint.atomic import output_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit, write_rank
 from checkpoint.convert import resolve_stateful
 from checkpoint.errors import some_of
@@ -65,9 +66,10 @@ from checkpoint.gc_pause import paused_gc
 from checkpoint.manifest import read_manifest, verify_files
 from checkpoint.retention import committed_checkpoints, latest, retain
 from checkpoint.safe_unpickle import check_saved_values
-from checkpoint.save_errors import describe_error
+from checkpoint.save_errors import describe_error, raise_on_every_rank
 from checkpoint.save_queue import lock, starting, submit, wait_for_async_save
 from checkpoint.staging_pool import StagingPool
+from checkpoint.state_dict_io import write_state_dict
 from checkpoint.storage_backend import locate, storage_for
 from checkpoint.tier_topology import Topology, detect_nodes
 from checkpoint.tier_transfer import exchange, read_checkpoint_bytes
@@ -155,9 +157,10 @@ class TieredCheckpointer:
     ) -> Future | None:
         """Save step ``step`` to the tiers it is due for; every rank calls it after every step.
 
-        Returns the future of the save in flight (``None`` when no tier was due): the local save
-        (committed and replicated when it resolves), or the durable one when both were due. A failure
-        is logged at ERROR and raised by the next save (:class:`checkpoint.AsyncSaveError`).
+        Blocks while this rank's state is copied into host staging buffers (one snapshot serves both
+        tiers); returns the future of the background work (``None`` when no tier was due), resolved once
+        the local checkpoint is committed and replicated and the durable one committed. A failure is
+        logged at ERROR and raised by the next save (:class:`checkpoint.AsyncSaveError`) or :meth:`wait`.
         """
         local = self.local_every > 0 and step % self.local_every == 0
         durable = self.durable_every > 0 and step % self.durable_every == 0
@@ -165,9 +168,25 @@ class TieredCheckpointer:
             return None
         with paused_gc():
             state = training_state(model, optimizer, extra)
-        future = self._save_local(step, state) if local else None
-        if durable:
-            future = async_save_state_dict(state, self.durable_path(step), keep_last=self.keep_durable)
+        path = self.local_path(self.rank, step) if local else self.durable_path(step)
+        with starting(), lock:
+            wait_for_async_save()  # one save in flight: the staging buffers are free again
+            error: Exception | None = None
+            try:
+                state, _ = resolve_stateful(state)
+                check_saved_values(state)
+                self._pool.begin_save(reuse=True)
+                staged = stage(
+                    state, rank=self.rank, scale=False, max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES, pool=self._pool
+                )
+            except Exception as exc:  # noqa: BLE001 - raised on every rank where the durable save meets
+                error = exc
+            if durable:  # its writers meet in collectives: a rank that could not stage must not send the others there
+                raise_on_every_rank(error, path, group=self._control, distributed=self.distributed)
+            elif error is not None:
+                raise error  # the peers' replication waits time out (peer_timeout_s) and fail the save there
+            future = submit(path, self._write, staged, step, local, durable)
+            self._pool.end_staging()
         return future
 
     def wait(self) -> None:
@@ -184,23 +203,24 @@ class TieredCheckpointer:
     def _rank_dir(self, rank: int) -> PurePath:
         return self.local_dir / f"rank{rank}"
 
-    def _save_local(self, step: int, state: dict[str, Any]) -> Future:
-        state, _ = resolve_stateful(state)
-        check_saved_values(state)
-        mine = rank_local(state)
-        path = self.local_path(self.rank, step)
-        with starting(), lock:
-            wait_for_async_save()  # one save in flight: the staging buffers are free again
-            self._pool.begin_save(reuse=True)
-            staged = stage(mine, rank=0, scale=False, max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES, pool=self._pool)
-            future = submit(path, self._write_local, staged, step)
-            self._pool.end_staging()
-        return future
+    def _write(self, staged: dict[str, Any], step: int, local: bool, durable: bool) -> None:
+        """On the writer thread: the local checkpoint, its replicas, then the durable checkpoint."""
+        if local:
+            self._write_local(rank_local(staged), step)
+        if durable:
+            write_state_dict(
+                staged,
+                output_path(self.durable_path(step)),
+                max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES,
+                process_group=self._control,
+                keep_last=self.keep_durable,
+                distributed=self.distributed,
+            )
 
-    def _write_local(self, staged: dict[str, Any], step: int) -> None:
-        """On the writer thread: commit this rank's checkpoint, keep the newest, replicate it."""
+    def _write_local(self, mine: dict[str, Any], step: int) -> None:
+        """Commit this rank's checkpoint, keep the newest, replicate it."""
         path = self.local_path(self.rank, step)
-        write_rank(path, 0, 1, staged)
+        write_rank(path, 0, 1, mine)
         info = {"tier": "local", "rank": self.rank, "world_size": self.world_size, "step": step}
         commit(path, 1, extra_info=info)
         retain(path, keep_last=self.keep_local, wait=False)

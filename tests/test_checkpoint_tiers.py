@@ -9,6 +9,7 @@ trained 1..6 in the same process without interruption.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -192,7 +193,7 @@ def two_rank_restores(two_nodes, four_nodes, tmp_path_factory) -> dict[str, list
 @pytest.fixture(scope="module")
 def four_rank_restores(four_nodes, tmp_path_factory) -> dict[str, list[dict]]:
     base = tmp_path_factory.mktemp("four_restores")
-    roots = {name: base / name for name in ("one_lost", "two_lost")}
+    roots = {name: base / name for name in ("one_lost", "two_lost", "intact")}
     for root in roots.values():
         shutil.copytree(four_nodes, root)
     shutil.rmtree(roots["one_lost"] / "node3")
@@ -250,6 +251,33 @@ def test_two_nodes_lost_with_replication_1_falls_back_to_durable(four_rank_resto
 def test_one_node_lost_of_four_resumes_from_the_peer(four_rank_restores):
     results = four_rank_restores["one_lost"]
     assert [(r["step"], r["source"], r["differ"]) for r in results] == [(CRASH_STEP, "peer", [])] * 4
+
+
+def test_a_restart_with_every_node_intact_resumes_from_each_ranks_own_copy(four_rank_restores):
+    results = four_rank_restores["intact"]
+    assert [(r["step"], r["source"], r["differ"], r["skipped"]) for r in results] == [(CRASH_STEP, "local", [], [])] * 4
+
+
+def test_one_process_keeps_the_last_local_steps_and_reports_their_memory(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = Net()
+    opt = HybridDeviceOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 1.0)
+    tiers = checkpoint.TieredCheckpointer(tmp_path / "local", tmp_path / "durable", durable_every=2, keep_local=2)
+    with caplog.at_level(logging.INFO, logger="checkpoint.tiered"):
+        for step in range(1, 4):
+            _step(model, opt, step)
+            tiers.save(step, model=model, optimizer=opt, extra={"step": step})
+        tiers.wait()
+    assert any("local checkpoint tier of rank 0" in r.getMessage() and "MiB" in r.getMessage() for r in caplog.records)
+    assert sorted(p.name for p in (tmp_path / "local" / "rank0").iterdir()) == ["step_00000002", "step_00000003"]
+    assert [p.name for p in checkpoint.committed_checkpoints(tmp_path / "durable")] == ["step_00000002"]
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(1)
+    fresh = Net()
+    fresh_opt = HybridDeviceOptimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-2), 1.0)
+    restored = tiers.restore(model=fresh, optimizer=fresh_opt)
+    assert restored is not None and (restored.step, restored.source) == (3, "local")
+    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
 
 
 def test_replication_needs_more_nodes_than_copies():
