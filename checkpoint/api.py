@@ -256,6 +256,8 @@ def rank_local(tree: Any) -> Any:
     """
     if isinstance(tree, dict):
         return {k: rank_local(v) for k, v in tree.items()}
+    if type(tree) in (list, tuple):  # plain ones: a named tuple is rebuilt otherwise
+        return type(tree)(rank_local(v) for v in tree)
     if isinstance(tree, CheckpointShard):
         return tree.local.detach()
     if isinstance(tree, torch.Tensor):

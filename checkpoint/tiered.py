@@ -68,6 +68,7 @@ from checkpoint.retention import committed_checkpoints, latest, retain
 from checkpoint.safe_unpickle import check_saved_values
 from checkpoint.save_errors import describe_error, raise_on_every_rank
 from checkpoint.save_queue import lock, starting, submit, wait_for_async_save
+from checkpoint.staging import copy_to_staging
 from checkpoint.staging_pool import StagingPool
 from checkpoint.state_dict_io import write_state_dict
 from checkpoint.storage_backend import locate, storage_for
@@ -168,9 +169,24 @@ class TieredCheckpointer:
             return None
         with paused_gc():
             state = training_state(model, optimizer, extra)
-        path = self.local_path(self.rank, step) if local else self.durable_path(step)
+        if durable:
+            return self._stage_and_submit(self.durable_path(step), state, step, local)
+        # A local-only step (most of them): no collective; the snapshot is the rank-local state itself.
+        if "extra" in state:
+            state["extra"], _ = resolve_stateful(state["extra"])  # only extra holds Stateful objects
+        mine = rank_local(state)
         with starting(), lock:
             wait_for_async_save()  # one save in flight: the staging buffers are free again
+            self._pool.begin_save(reuse=True)
+            snapshot = _snapshot(mine, self._pool)
+            future = submit(self.local_path(self.rank, step), self._write_local, snapshot, step)
+            self._pool.end_staging()
+        return future
+
+    def _stage_and_submit(self, path: PurePath, state: dict[str, Any], step: int, local: bool) -> Future:
+        """A durable step: one global snapshot (DTensor metadata kept) for both tiers."""
+        with starting(), lock:
+            wait_for_async_save()
             error: Exception | None = None
             try:
                 state, _ = resolve_stateful(state)
@@ -179,13 +195,11 @@ class TieredCheckpointer:
                 staged = stage(
                     state, rank=self.rank, scale=False, max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES, pool=self._pool
                 )
-            except Exception as exc:  # noqa: BLE001 - raised on every rank where the durable save meets
+            except Exception as exc:  # noqa: BLE001 - raised on every rank
                 error = exc
-            if durable:  # its writers meet in collectives: a rank that could not stage must not send the others there
-                raise_on_every_rank(error, path, group=self._control, distributed=self.distributed)
-            elif error is not None:
-                raise error  # the peers' replication waits time out (peer_timeout_s) and fail the save there
-            future = submit(path, self._write, staged, step, local, durable)
+            # The writers meet in collectives: a rank that could not stage must not send the others there.
+            raise_on_every_rank(error, path, group=self._control, distributed=self.distributed)
+            future = submit(path, self._write, staged, step, local)
             self._pool.end_staging()
         return future
 
@@ -203,23 +217,26 @@ class TieredCheckpointer:
     def _rank_dir(self, rank: int) -> PurePath:
         return self.local_dir / f"rank{rank}"
 
-    def _write(self, staged: dict[str, Any], step: int, local: bool, durable: bool) -> None:
-        """On the writer thread: the local checkpoint, its replicas, then the durable checkpoint."""
+    def _write(self, staged: dict[str, Any], step: int, local: bool) -> None:
+        """On the writer thread: the local checkpoint and its replicas when due, then the durable checkpoint."""
         if local:
             self._write_local(rank_local(staged), step)
-        if durable:
-            write_state_dict(
-                staged,
-                output_path(self.durable_path(step)),
-                max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES,
-                process_group=self._control,
-                keep_last=self.keep_durable,
-                distributed=self.distributed,
-            )
+        write_state_dict(
+            staged,
+            output_path(self.durable_path(step)),
+            max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES,
+            process_group=self._control,
+            keep_last=self.keep_durable,
+            distributed=self.distributed,
+        )
 
     def _write_local(self, mine: dict[str, Any], step: int) -> None:
-        """Commit this rank's checkpoint, keep the newest, replicate it."""
+        """Commit this rank's checkpoint, keep the newest, replicate it.
+
+        A value that would not load weights-only fails here (the next save raises it), not in the caller.
+        """
         path = self.local_path(self.rank, step)
+        check_saved_values(mine)
         write_rank(path, 0, 1, mine)
         info = {"tier": "local", "rank": self.rank, "world_size": self.world_size, "step": step}
         commit(path, 1, extra_info=info)
@@ -390,6 +407,28 @@ class TieredCheckpointer:
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, value, group=self._control)
         return everyone
+
+
+def _snapshot(tree: Any, pool: StagingPool) -> Any:
+    """``tree`` with every tensor copied into ``pool``'s buffer for its dotted key (other values as they are)."""
+    devices: set[torch.device] = set()
+
+    def copy(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: copy(v, f"{key}{k}.") for k, v in value.items()}
+        if type(value) in (list, tuple):  # plain ones: a named tuple is rebuilt otherwise
+            return type(value)(copy(v, f"{key}{i}.") for i, v in enumerate(value))
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                devices.add(value.device)
+            return copy_to_staging(pool, key, value)
+        return value
+
+    snapshot = copy(tree, "")
+    for device in devices:
+        # The non-blocking D2H copies must land before the writer thread reads the snapshot.
+        torch.accelerator.synchronize(device)
+    return snapshot
 
 
 def _tree_bytes(directory: PurePath) -> int:

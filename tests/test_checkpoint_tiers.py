@@ -263,21 +263,25 @@ def test_one_process_keeps_the_last_local_steps_and_reports_their_memory(tmp_pat
     model = Net()
     opt = HybridDeviceOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), 1.0)
     tiers = checkpoint.TieredCheckpointer(tmp_path / "local", tmp_path / "durable", durable_every=2, keep_local=2)
+    weights = {}
     with caplog.at_level(logging.INFO, logger="checkpoint.tiered"):
         for step in range(1, 4):
             _step(model, opt, step)
             tiers.save(step, model=model, optimizer=opt, extra={"step": step})
+            weights[step] = {k: v.clone() for k, v in model.state_dict().items()}
         tiers.wait()
     assert any("local checkpoint tier of rank 0" in r.getMessage() and "MiB" in r.getMessage() for r in caplog.records)
     assert sorted(p.name for p in (tmp_path / "local" / "rank0").iterdir()) == ["step_00000002", "step_00000003"]
     assert [p.name for p in checkpoint.committed_checkpoints(tmp_path / "durable")] == ["step_00000002"]
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(1)
-    fresh = Net()
-    fresh_opt = HybridDeviceOptimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-2), 1.0)
-    restored = tiers.restore(model=fresh, optimizer=fresh_opt)
-    assert restored is not None and (restored.step, restored.source) == (3, "local")
-    assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+    # step 3: a local-only step (its own snapshot); step 2: a durable step (one snapshot for both tiers)
+    for step in (3, 2):
+        torch.manual_seed(1)
+        fresh = Net()
+        fresh_opt = HybridDeviceOptimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-2), 1.0)
+        restored = tiers.restore(model=fresh, optimizer=fresh_opt)
+        assert restored is not None and (restored.step, restored.source) == (step, "local")
+        assert all(torch.equal(v, weights[step][k]) for k, v in fresh.state_dict().items())
+        shutil.rmtree(tiers.local_path(0, step))
 
 
 def test_replication_needs_more_nodes_than_copies():
