@@ -136,7 +136,9 @@ class TieredCheckpointer:
         if nodes is None:
             nodes = detect_nodes() if self.distributed else [0]
         if len(nodes) != self.world_size:
-            raise ValueError(f"nodes names {len(nodes)} ranks' nodes, the job has {self.world_size} ranks")
+            raise ValueError(
+                f"nodes must name the node of each of the {self.world_size} ranks, got {len(nodes)}: {nodes}"
+            )
         if replication is None:
             replication = 1 if len(set(nodes)) > 1 else 0
         self.topology = Topology.of(nodes, replication)
