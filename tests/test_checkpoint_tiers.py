@@ -26,21 +26,12 @@ import checkpoint
 import checkpoint.tiered
 from offload_fsdp import HybridDeviceOptimizer
 from tests.distributed import RankFailed, run_ranks
+from tests.test_checkpoint_dist import Net  # uneven shards on 2 and 4 ranks, and empty ones
+
+pytestmark = pytest.mark.slow  # rank launches
 
 CRASH_STEP = 5
 END_STEP = 6
-
-
-class Net(torch.nn.Module):
-    """dim 0 of 5, 3 and 1 rows: uneven shards on 2 and 4 ranks, and empty ones."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 5), torch.nn.Linear(5, 3)])
-        self.head = torch.nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.head(self.blocks[1](torch.relu(self.blocks[0](x))))
 
 
 def _build(seed: int, world_size: int, fraction: float | None):
