@@ -285,3 +285,12 @@ def test_peers_are_on_other_nodes():
     assert topology.peers(0) == [2, 4]
     assert topology.peers(5) == [1, 3]
     assert topology.sources(0) == [2, 4]  # rank 4 one node on, rank 2 two
+
+
+def test_a_local_checkpoint_into_other_shapes_is_an_error_naming_the_key(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    tiers = checkpoint.TieredCheckpointer(tmp_path / "local", tmp_path / "durable", durable_every=0)
+    tiers.save(1, model=model)
+    tiers.wait()
+    with pytest.raises(ValueError, match=r"model\.weight: saved"):
+        checkpoint.load(tiers.local_path(0, 1), model=torch.nn.Linear(4, 5), rank_local=True)
