@@ -433,8 +433,12 @@ def _snapshot(tree: Any, pool: StagingPool) -> Any:
     return snapshot
 
 
-def _tree_bytes(directory: PurePath) -> int:
-    total = 0
-    for root, _, files in os.walk(directory):
-        total += sum(os.path.getsize(os.path.join(root, name)) for name in files)
-    return total
+def _tree_bytes(path: PurePath) -> int:
+    """Bytes of the files under ``path`` (0 when it does not exist)."""
+    store = storage_for(path)
+    found = store.stat(path)
+    if found is None or found.kind not in ("file", "directory"):
+        return 0
+    if found.kind == "file":
+        return found.size
+    return sum(_tree_bytes(path / name) for name in store.list(path))
