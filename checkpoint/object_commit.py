@@ -64,7 +64,7 @@ from checkpoint.manifest import MANIFEST_NAME
 from checkpoint.storage_backend import Storage, VersionConflict, locate, storage_for
 
 __all__ = [
-    "CLAIM_NAME",
+    "CLAIM_PREFIX",
     "HEAD_NAME",
     "ConcurrentSaveError",
     "Head",
@@ -80,9 +80,12 @@ logger = logging.getLogger(__name__)
 
 HEAD_NAME = "fsdp-ckpt-head.json"
 """The commit record of a checkpoint saved by the object-store protocol."""
-CLAIM_NAME = "fsdp-ckpt-commit.claim"
-"""Held (created only if absent, removed after) by the save writing the head, on stores without a conditional
-write (``Storage.conditional_put`` false: a shared file system, ``file://``, ``memory://``)."""
+CLAIM_PREFIX = "fsdp-ckpt-claim-"
+"""``<prefix><the save the head names, or "first">``: held (created only if absent, removed after) by the save
+replacing that head, on stores without a conditional write (``Storage.conditional_put`` false: a shared file
+system, ``file://``, ``memory://``). One name per head replaced: a claim left by a save killed after its head
+was written names a head no save replaces any more, and does not block the next one."""
+_CLAIM = re.compile(r"fsdp-ckpt-claim-(fsdp-save-\d{8,}-[0-9a-f]{12}|first)\Z")
 _SAVE = re.compile(r"fsdp-save-(\d{8,})-[0-9a-f]{12}\Z")
 _HEAD_BYTES = 1 << 16
 
@@ -232,7 +235,7 @@ class ObjectCommit(SaveProtocol):
             return
         if found.kind != "directory":
             raise FileExistsError(f"cannot save to {str(self.path)!r}: it is a file; save to another path")
-        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name) and name != CLAIM_NAME)
+        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name) and not _CLAIM.match(name))
         if not others:
             return
         what = (
@@ -266,6 +269,8 @@ class ObjectCommit(SaveProtocol):
             except VersionConflict:
                 self._lost(staged)
         remove_replaced(self.path, sequence, keep=staged.name)
+        if not getattr(self.store, "conditional_put", False):
+            _remove_claims(self.path, below=sequence)
 
     def _lost(self, staged: PurePath) -> NoReturn:
         self.abandon(staged)
@@ -283,8 +288,8 @@ class ObjectCommit(SaveProtocol):
 
     @contextlib.contextmanager
     def _claim(self, staged: PurePath) -> Iterator[None]:
-        """Hold :data:`CLAIM_NAME` (created only if absent) while this save checks and writes the head."""
-        claim = self.path / CLAIM_NAME
+        """Hold the claim on the head this save read (created only if absent) while it checks and writes the head."""
+        claim = self.path / _claim_name(self.head)
         holder = {"save": staged.name, "pid": os.getpid(), "host": socket.gethostname()}
         try:
             self.store.put_if(claim, json.dumps(holder).encode(), version=None)
@@ -307,6 +312,31 @@ class ObjectCommit(SaveProtocol):
         if staged is not None and staged.name == self.save:
             with contextlib.suppress(OSError):
                 self.store.remove_tree(staged)
+
+
+def _claim_name(head: Head | None) -> str:
+    return CLAIM_PREFIX + (head.save if head is not None else "first")
+
+
+def _remove_claims(path: PurePath, *, below: int | None = None) -> list[str]:
+    """Remove the claims at ``path`` on heads of a sequence ``below`` (all: ``None``): those heads were replaced,
+    so whoever holds such a claim can no longer commit; a later head's claim may be held by a live save.
+    Never raises."""
+    store = storage_for(path)
+    removed = []
+    try:
+        for name in store.list(path):
+            found = _CLAIM.match(name)
+            if found and (below is None or found.group(1) == "first" or _sequence(found.group(1)) < below):
+                store.delete(path / name, missing_ok=True)
+                removed.append(name)
+    except OSError as exc:
+        logger.warning("could not remove stale commit claims under %s (%s); `fsdp-ckpt gc %s` does", path, exc, path)
+    return removed
+
+
+def _sequence(save: str) -> int:
+    return int(_SAVE.match(save).group(1))  # type: ignore[union-attr]  # a save name, matched by the caller
 
 
 def _claim_holder(claim: PurePath) -> str:
@@ -348,10 +378,7 @@ def collect_garbage(path: str | os.PathLike) -> list[str]:
     removed = [name for name in _saves(path) if head is None or name != head.save]
     for name in removed:
         _remove_save(path / name, marked_only=False)
-    if store.stat(path / CLAIM_NAME) is not None:  # left by a save killed while committing
-        store.delete(path / CLAIM_NAME, missing_ok=True)
-        removed.append(CLAIM_NAME)
-    return removed
+    return removed + _remove_claims(path)  # any left by a save killed while committing
 
 
 def _saves(path: PurePath) -> list[str]:

@@ -21,7 +21,7 @@ import checkpoint
 from checkpoint import storage_backend
 from checkpoint.async_save import async_save_state_dict
 from checkpoint.atomic import lock_path, staging_path
-from checkpoint.object_commit import HEAD_NAME
+from checkpoint.object_commit import CLAIM_PREFIX, HEAD_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 PROCESSES = multiprocessing.get_context("fork")  # a saver starts without importing torch again
@@ -138,7 +138,7 @@ def _shared_save(path: Path, value: float, at_head: str, told, go) -> None:
     """A forked process's save of ``_state(value)`` to ``path`` (a shared file system: the mount is inherited).
 
     ``at_head``: ``"hold"`` stops it just before it writes the head of its replacing commit (its last step),
-    saying so on ``told``, until ``go`` is set; ``"kill"`` SIGKILLs it there. Exit 0 on success, 3 after
+    saying so on ``told``, until ``go`` is set; ``"kill"`` SIGKILLs it there, ``"kill after"`` right after. Exit 0 on success, 3 after
     putting the error's type and message on ``told``.
     """
 
@@ -149,7 +149,9 @@ def _shared_save(path: Path, value: float, at_head: str, told, go) -> None:
             if at_head == "hold":
                 told.put("at the head")
                 go.wait()
-        return write(target, data, **kwargs)
+        write(target, data, **kwargs)
+        if os.path.basename(target) == HEAD_NAME and at_head == "kill after":
+            os.kill(os.getpid(), signal.SIGKILL)  # committed, its claim not yet removed
 
     write = storage_backend.durable_write
     storage_backend.durable_write = head_written_here
@@ -215,9 +217,26 @@ def test_concurrent_saves_to_a_shared_file_system_each_commit_exactly_or_fail_cl
 
 def test_a_save_killed_while_committing_to_a_shared_file_system_leaves_a_claim_that_gc_removes(shared):
     assert _SharedSaver(shared, 2.0, "kill").outcome() == "killed"
-    with pytest.raises(checkpoint.ConcurrentSaveError, match=r"fsdp-ckpt-commit\.claim is held by save .*fsdp-ckpt gc"):
+    with pytest.raises(checkpoint.ConcurrentSaveError, match=r"fsdp-ckpt-claim-fsdp-save-.* is held by .*fsdp-ckpt gc"):
         checkpoint.save_state_dict(_state(3.0), shared / "ck")
     assert torch.equal(_loaded(shared / "ck")["w"], torch.full((4, 3), 1.0))  # the previous checkpoint, whole
-    assert "fsdp-ckpt-commit.claim" in checkpoint.collect_garbage(shared / "ck")
+    assert any(name.startswith(CLAIM_PREFIX) for name in checkpoint.collect_garbage(shared / "ck"))
     checkpoint.save_state_dict(_state(3.0), shared / "ck")
     assert torch.equal(_loaded(shared / "ck")["w"], torch.full((4, 3), 3.0))
+
+
+def test_a_save_killed_after_writing_the_head_on_a_shared_file_system_blocks_no_later_save(shared):
+    assert _SharedSaver(shared, 2.0, "kill after").outcome() == "killed"
+    assert torch.equal(_loaded(shared / "ck")["w"], torch.full((4, 3), 2.0))  # it committed
+    checkpoint.save_state_dict(_state(3.0), shared / "ck")  # its claim names a replaced head: no gc needed
+    assert torch.equal(_loaded(shared / "ck")["w"], torch.full((4, 3), 3.0))
+    assert not [p for p in (shared / "ck").iterdir() if p.name.startswith(CLAIM_PREFIX)]  # and it was removed
+
+
+def test_a_save_waiting_for_another_thread_s_save_to_the_same_path_gives_up_after_lock_timeout(tmp_path):
+    from checkpoint.atomic import write_lock
+
+    with write_lock(tmp_path / "ck"):  # held by this thread: a save from it waits as another thread's would
+        with pytest.raises(TimeoutError, match=r"another save to it in this process.*lock_timeout"):
+            checkpoint.save_state_dict(_state(1.0), tmp_path / "ck", lock_timeout=0.1)
+    assert not (tmp_path / "ck").exists()
