@@ -240,3 +240,12 @@ def test_a_save_waiting_for_another_thread_s_save_to_the_same_path_gives_up_afte
         with pytest.raises(TimeoutError, match=r"another save to it in this process.*lock_timeout"):
             checkpoint.save_state_dict(_state(1.0), tmp_path / "ck", lock_timeout=0.1)
     assert not (tmp_path / "ck").exists()
+
+
+def test_a_failed_async_save_without_a_process_group_is_logged_without_a_process_group_hint(tmp_path, caplog):
+    (tmp_path / "ck").write_text("a user's file")  # the target check fails in the writer thread
+    with caplog.at_level(logging.ERROR, logger="checkpoint.save_queue"):
+        with pytest.raises(FileExistsError, match="it is a file"):
+            async_save_state_dict(_state(1.0), tmp_path / "ck").result()
+    (logged,) = [r.getMessage() for r in caplog.records if "async checkpoint save" in r.getMessage()]
+    assert "it is a file" in logged and "process group" not in logged  # no group ever existed in this process
