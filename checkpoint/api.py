@@ -108,7 +108,7 @@ def save(
 
     Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
     ``max_chunk_bytes``, ``process_group``, ``storage_options`` (``path`` may be a URL such as
-    ``s3://bucket/prefix``), ``keep_last`` (retention) (see :func:`checkpoint.save_state_dict`).
+    ``s3://bucket/prefix``), ``keep_last`` (retention), ``lock_timeout`` (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
     :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
     staging copies (see :mod:`checkpoint.async_save` for the trade-off), and

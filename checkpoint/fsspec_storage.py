@@ -23,13 +23,14 @@ import contextlib
 import io
 import json
 import os
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import PurePosixPath
 from typing import Any, BinaryIO, ClassVar, NoReturn
 
 from checkpoint.content_check import crc32, crc32_combine
 from checkpoint.errors import CheckpointCorruptError
-from checkpoint.storage_backend import CrcStream, FileRecord, FileStat, VersionConflict
+from checkpoint.storage_backend import LOCAL, CrcStream, FileRecord, FileStat, VersionConflict
 
 __all__ = ["PART_BYTES", "FsspecStorage", "url_path"]
 
@@ -42,6 +43,7 @@ _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
 _EXTRAS = {"s3": "s3", "s3a": "s3"}
 """protocol -> the extra of this package that installs its fsspec implementation"""
 
+_put_if_lock = threading.Lock()  # put_if's check and write, on stores without a conditional write
 _stores: dict[str, FsspecStorage] = {}  # protocol + options -> storage (and its fsspec instance), made once
 
 
@@ -141,6 +143,8 @@ class FsspecStorage:
         self._directories = protocol not in _OBJECT_STORES
         self._rooted = fs.root_marker == "/"
         self._s3 = protocol in ("s3", "s3a")
+        self.conditional_put = self._s3
+        """S3's conditional PUT makes :meth:`put_if` one atomic step; elsewhere it checks, then writes"""
         self.path_type = type(f"{protocol.capitalize()}Path", (_UrlPath,), {"storage": self})
 
     def path(self, rest: str) -> PurePosixPath:
@@ -172,9 +176,10 @@ class FsspecStorage:
 
     def put_if(self, path: str | os.PathLike, data: bytes, *, version: Hashable | None) -> None:
         """S3: a conditional PUT (``If-Match`` the version read, ``If-None-Match: *`` for a new object), so
-        of two commits racing on one URL exactly one lands. Other stores: the version is checked, then the
-        object written (two steps: one writer per URL is then the caller's to arrange, see
-        ``docs/checkpoint_format.md``)."""
+        of two commits racing on one URL exactly one lands. ``file://``: a new object is created by an exclusive
+        link. Other cases: the version is checked, then the object written, atomically only between this
+        process's threads (``conditional_put`` is ``False``: the object-store protocol orders committers with an
+        exclusively created claim, see :mod:`checkpoint.object_commit`)."""
         key = self.key(path)
         if self._s3:
             condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": str(version)}
@@ -187,9 +192,13 @@ class FsspecStorage:
                     raise VersionConflict(f"{self.url(path)} was written by another save meanwhile") from None
                 raise
             return
-        if self.version(path) != version:
-            raise VersionConflict(f"{self.url(path)} was written by another save meanwhile")
-        self.write_file(path, data)
+        if version is None and self.protocol == "file":  # a local file system: created by an exclusive link
+            LOCAL.put_if(self.key(path), data, version=None)
+            return
+        with _put_if_lock:  # other stores: atomic between this process's threads only
+            if self.version(path) != version:
+                raise VersionConflict(f"{self.url(path)} was written by another save meanwhile")
+            self.write_file(path, data)
 
     # -- reads --
 
@@ -293,7 +302,7 @@ class FsspecStorage:
     def sync_dir(self, path: str | os.PathLike) -> None:
         pass  # an object is durable once its upload completed
 
-    def lock(self, path: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
+    def lock(self, path: str | os.PathLike, *, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
         raise OSError(f"{self.url(path)}: object stores have no lock (saves here commit with put_if)")
 
     @contextlib.contextmanager

@@ -38,12 +38,15 @@ import json
 import logging
 import os
 import re
+import socket
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import NoReturn
 
 from checkpoint.atomic import (
+    DEFAULT_LOCK_TIMEOUT,
     MARKER_NAME,
     check_target,
     is_committed,
@@ -61,6 +64,7 @@ from checkpoint.manifest import MANIFEST_NAME
 from checkpoint.storage_backend import Storage, VersionConflict, locate, storage_for
 
 __all__ = [
+    "CLAIM_PREFIX",
     "HEAD_NAME",
     "ConcurrentSaveError",
     "Head",
@@ -76,6 +80,12 @@ logger = logging.getLogger(__name__)
 
 HEAD_NAME = "fsdp-ckpt-head.json"
 """The commit record of a checkpoint saved by the object-store protocol."""
+CLAIM_PREFIX = "fsdp-ckpt-claim-"
+"""``<prefix><the save the head names, or "first">``: held (created only if absent, removed after) by the save
+replacing that head, on stores without a conditional write (``Storage.conditional_put`` false: a shared file
+system, ``file://``, ``memory://``). One name per head replaced: a claim left by a save killed after its head
+was written names a head no save replaces any more, and does not block the next one."""
+_CLAIM = re.compile(r"fsdp-ckpt-claim-(fsdp-save-\d{8,}-[0-9a-f]{12}|first)\Z")
 _SAVE = re.compile(r"fsdp-save-(\d{8,})-[0-9a-f]{12}\Z")
 _HEAD_BYTES = 1 << 16
 
@@ -131,11 +141,16 @@ def is_checkpoint(path: PurePath) -> bool:
     return storage_for(path).stat(path / HEAD_NAME) is not None or is_committed(path)
 
 
-def protocol_for(path: str | os.PathLike) -> SaveProtocol:
-    """How a save to ``path`` commits: renames where the storage has atomic ones, else the object-store protocol."""
+def protocol_for(path: str | os.PathLike, *, lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> SaveProtocol:
+    """How a save to ``path`` commits: renames where the storage has atomic ones, else the object-store protocol.
+
+    ``lock_timeout``: how long the rename protocol waits for another save's write lock
+    (:func:`~checkpoint.atomic.write_lock`); the object-store protocol takes no lock."""
     path = locate(path)
     store = storage_for(path)
-    return RenameCommit(path, store) if store.renames_atomically else ObjectCommit(path, store)
+    if store.renames_atomically:
+        return RenameCommit(path, store, lock_timeout=lock_timeout)
+    return ObjectCommit(path, store)
 
 
 class SaveProtocol:
@@ -164,12 +179,20 @@ class SaveProtocol:
         """Remove what a failed save wrote. Never raises."""
         raise NotImplementedError
 
+    def lost(self, staged: PurePath) -> Exception | None:
+        """Why a save that failed while writing ``staged`` failed, when another save took its staging away."""
+        return None
+
 
 class RenameCommit(SaveProtocol):
     """:mod:`checkpoint.atomic`: a staging directory beside the path, the swap by renames, an ``flock``."""
 
+    def __init__(self, path: PurePath, store: Storage, *, lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> None:
+        super().__init__(path, store)
+        self.lock_timeout = lock_timeout
+
     def begin(self, held: contextlib.ExitStack) -> PurePath:
-        held.enter_context(write_lock(self.path))  # held until committed: one writer per path
+        held.enter_context(write_lock(self.path, timeout=self.lock_timeout))  # held until committed
         check_target(self.path)
         return make_staging(self.path)
 
@@ -212,7 +235,7 @@ class ObjectCommit(SaveProtocol):
             return
         if found.kind != "directory":
             raise FileExistsError(f"cannot save to {str(self.path)!r}: it is a file; save to another path")
-        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name))
+        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name) and not _CLAIM.match(name))
         if not others:
             return
         what = (
@@ -230,16 +253,58 @@ class ObjectCommit(SaveProtocol):
         sequence = int(_SAVE.match(staged.name).group(1))  # type: ignore[union-attr]  # named by begin()
         record = json.dumps({"format": "fsdp_dtensor", "save": staged.name, "sequence": sequence}, sort_keys=True)
         assert self.save == staged.name, "published by the protocol object that began the save"
-        version = self.head.version if self.head is not None else None
+        with contextlib.ExitStack() as claimed:
+            head = self.head
+            if not getattr(self.store, "conditional_put", False):
+                # put_if checks, then writes: two committers could both pass the check (and a version such as
+                # an inode number can come back). Committers take turns by an exclusively created claim, and
+                # compare the head's save name, never reused, with the one this save read.
+                claimed.enter_context(self._claim(staged))
+                head = read_head(self.path)
+                if (head and head.save) != (self.head and self.head.save):
+                    self._lost(staged)
+            version = head.version if head is not None else None
+            try:
+                self.store.put_if(self.path / HEAD_NAME, record.encode(), version=version)
+            except VersionConflict:
+                self._lost(staged)
+        remove_replaced(self.path, sequence, keep=staged.name)
+        if not getattr(self.store, "conditional_put", False):
+            _remove_claims(self.path, below=sequence)
+
+    def _lost(self, staged: PurePath) -> NoReturn:
+        self.abandon(staged)
+        raise self._concurrent() from None
+
+    def _concurrent(self) -> ConcurrentSaveError:
+        return ConcurrentSaveError(
+            f"another save committed {str(self.path)!r} while this one was writing; the checkpoint there is "
+            "that save's, this one's objects were removed (one writer per path: save elsewhere, or again)"
+        )
+
+    def lost(self, staged: PurePath) -> Exception | None:
+        # A committed save removes the saves it replaced, marker last: one of the same sequence still writing too.
+        return self._concurrent() if staged.name == self.save and not is_ours(staged) else None
+
+    @contextlib.contextmanager
+    def _claim(self, staged: PurePath) -> Iterator[None]:
+        """Hold the claim on the head this save read (created only if absent) while it checks and writes the head."""
+        claim = self.path / _claim_name(self.head)
+        holder = {"save": staged.name, "pid": os.getpid(), "host": socket.gethostname()}
         try:
-            self.store.put_if(self.path / HEAD_NAME, record.encode(), version=version)
+            self.store.put_if(claim, json.dumps(holder).encode(), version=None)
         except VersionConflict:
             self.abandon(staged)
             raise ConcurrentSaveError(
-                f"another save committed {str(self.path)!r} while this one was writing; the checkpoint there is "
-                "that save's, this one's objects were removed (one writer per path: save elsewhere, or again)"
+                f"another save is committing {str(self.path)!r} right now ({_claim_holder(claim)}); this one's "
+                "objects were removed (one writer per path: save elsewhere, or again). If no other save to this "
+                f"path is running, a save was killed while committing: `fsdp-ckpt gc {self.path}` removes its claim"
             ) from None
-        remove_replaced(self.path, sequence, keep=staged.name)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                self.store.delete(claim, missing_ok=True)
 
     def abandon(self, staged: PurePath | None) -> None:
         # Its own save directory, by its unique name: removed even when a racing save's cleanup already took
@@ -247,6 +312,41 @@ class ObjectCommit(SaveProtocol):
         if staged is not None and staged.name == self.save:
             with contextlib.suppress(OSError):
                 self.store.remove_tree(staged)
+
+
+def _claim_name(head: Head | None) -> str:
+    return CLAIM_PREFIX + (head.save if head is not None else "first")
+
+
+def _remove_claims(path: PurePath, *, below: int | None = None) -> list[str]:
+    """Remove the claims at ``path`` on heads of a sequence ``below`` (all: ``None``): those heads were replaced,
+    so whoever holds such a claim can no longer commit; a later head's claim may be held by a live save.
+    Never raises."""
+    store = storage_for(path)
+    removed = []
+    try:
+        for name in store.list(path):
+            found = _CLAIM.match(name)
+            if found and (below is None or found.group(1) == "first" or _sequence(found.group(1)) < below):
+                store.delete(path / name, missing_ok=True)
+                removed.append(name)
+    except OSError as exc:
+        logger.warning("could not remove stale commit claims under %s (%s); `fsdp-ckpt gc %s` does", path, exc, path)
+    return removed
+
+
+def _sequence(save: str) -> int:
+    return int(_SAVE.match(save).group(1))  # type: ignore[union-attr]  # a save name, matched by the caller
+
+
+def _claim_holder(claim: PurePath) -> str:
+    """What the claim at ``claim`` says of the save holding it, for an error message."""
+    try:
+        with storage_for(claim).open_read(claim) as f:
+            holder = json.loads(f.read(_HEAD_BYTES))
+        return f"{claim} is held by save {holder['save']}, pid {holder['pid']} on host {holder['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{claim} exists"
 
 
 def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
@@ -278,7 +378,7 @@ def collect_garbage(path: str | os.PathLike) -> list[str]:
     removed = [name for name in _saves(path) if head is None or name != head.save]
     for name in removed:
         _remove_save(path / name, marked_only=False)
-    return removed
+    return removed + _remove_claims(path)  # any left by a save killed while committing
 
 
 def _saves(path: PurePath) -> list[str]:

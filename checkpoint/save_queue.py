@@ -60,6 +60,8 @@ class _SaveFuture(Future):
         super().__init__()
         self.path = path
         self.observed = False
+        self.in_group = dist.is_available() and dist.is_initialized()
+        """whether a process group was there when the save was submitted (one gone since is a likely cause)"""
 
     def result(self, timeout: float | None = None):
         self.observed = True
@@ -77,16 +79,17 @@ def _run(future: _SaveFuture, save, *args, **kwargs) -> None:
     try:
         save(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - handed to the future, logged, raised by the next save
-        logger.error("async checkpoint save to %s failed: %s", future.path, _failure(exc))
+        logger.error("async checkpoint save to %s failed: %s", future.path, _failure(exc, future.in_group))
         future.set_exception(exc)
     else:
         future.set_result(None)
 
 
-def _failure(error: BaseException) -> str:
-    """``error`` in one line, with the fix when it is the usual cause: the process group destroyed under the save."""
+def _failure(error: BaseException, in_group: bool) -> str:
+    """``error`` in one line, with the fix when it is the usual cause: the process group (there when the save
+    was submitted: ``in_group``) destroyed under the save."""
     text = f"{type(error).__name__}: {error}"
-    if dist.is_available() and not dist.is_initialized():
+    if in_group and not (dist.is_available() and dist.is_initialized()):
         text += (
             " (the process group was destroyed while the save was in flight: call checkpoint.wait_for_async_save() "
             "before dist.destroy_process_group())"
@@ -158,7 +161,7 @@ def _lost(future: _SaveFuture | None) -> bool:
     logger.error(
         "the process exits, and its last async checkpoint save, to %s, did not commit (%s)",
         future.path,
-        _failure(error),
+        _failure(error, future.in_group),
     )
     return True
 
