@@ -367,3 +367,56 @@ def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_r
     names = sorted(p.name for p in (root / "ck").iterdir())
     assert names[0] == HEAD_NAME and len(names) == 2 and names[1].startswith("fsdp-save-00000002-")
     assert sorted(p.name for p in root.iterdir()) == ["ck"]  # no staging, swap or lock names beside it
+
+
+def test_gc_and_retention_wait_for_an_async_save_in_flight_and_delete_nothing_it_writes(s3_bucket, monkeypatch):
+    import logging
+    import threading
+
+    import checkpoint.storage as storage_module
+    from checkpoint.async_save import async_save_state_dict
+
+    root = f"{s3_bucket}/inflight"
+    url = f"{root}/ck"
+    checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, f"{root}/old")
+    checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, url)
+    writing, release = threading.Event(), threading.Event()
+    real_write = storage_module.write_tensor
+
+    def write_when_released(stream, tensor):
+        writing.set()  # the save directory and its marker exist, not yet named by the head
+        release.wait(timeout=120)
+        real_write(stream, tensor)
+
+    monkeypatch.setattr(storage_module, "write_tensor", write_when_released)
+    waited = {}
+
+    class Waits(logging.Handler):
+        def emit(self, record):
+            waited[record.getMessage().rsplit("before ", 1)[-1]] = threading.current_thread().name
+
+    handler = Waits(level=logging.WARNING)
+    logging.getLogger("checkpoint.async_save").addHandler(handler)
+    try:
+        future = async_save_state_dict({"w": torch.full((8,), 2.0)}, url)
+        assert writing.wait(timeout=120)
+        results = {}
+        gc = threading.Thread(target=lambda: results.update(gc=checkpoint.collect_garbage(url)), name="gc")
+        keep = threading.Thread(target=lambda: results.update(kept=checkpoint.retain(root, keep_last=1)), name="keep")
+        for thread in (gc, keep):
+            thread.start()
+        # each one either says it waits, or (the bug) runs to its end while the save is held mid-write
+        while not (len(waited) == 2 or not gc.is_alive() or not keep.is_alive()):
+            time.sleep(0.01)
+        assert waited == {"gc removes unfinished saves": "gc", "retention deletes old checkpoints": "keep"}
+        release.set()
+        future.result(timeout=120)
+        gc.join(timeout=120)
+        keep.join(timeout=120)
+    finally:
+        release.set()
+        logging.getLogger("checkpoint.async_save").removeHandler(handler)
+    target = {"w": torch.zeros(8)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((8,), 2.0))
+    assert results["gc"] == [] and [str(p) for p in results["kept"]] == [f"{root}/old"]
