@@ -348,9 +348,62 @@ def test_every_cli_command_reads_s3_and_writes_local_and_reshard_writes_s3(s3_bu
     assert "0 unfinished" in cli("gc", url).stdout
     bad = cli("inspect", "nosuch://bucket/ck", check=2)
     assert "unsupported URL scheme" in bad.stderr
-    # export writes local files only: a URL output is refused, not written to a directory named "s3:"
-    assert "is a local path" in cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", check=2).stderr
     assert not (Path.cwd() / "s3:").exists()
+
+
+def test_export_writes_to_s3_and_import_reads_from_s3_bit_exact(s3_bucket, tmp_path, cli, monkeypatch):
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the local stand-ins, checked below to be gone
+    state = {"model": {"w": torch.randn(6, 4), "b": torch.randn(4)}, "extra": {"step": 5}}
+    url = f"{s3_bucket}/cli/ck"
+    checkpoint.save_state_dict(state, url)
+    cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", "--model-only", "--max-shard-size", "64")
+    names = _objects(f"{s3_bucket}/hf")
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    for name in names[:2]:  # read back with safetensors itself
+        cli_copy = tmp_path / name
+        cli_copy.write_bytes(_read(f"{s3_bucket}/hf/{name}"))
+        for key, value in load_file(cli_copy).items():
+            assert torch.equal(value, state["model"][key])
+    assert "already exists" in cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", check=2).stderr
+    cli("export", url, f"{s3_bucket}/ck.pt", "--format", "torch")
+    (tmp_path / "ck.pt").write_bytes(_read(f"{s3_bucket}/ck.pt"))
+    loaded = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert torch.equal(loaded["model.w"], state["model"]["w"]) and loaded["extra.step"] == 5
+
+    # import: an HF directory at a URL, and one safetensors file at a URL
+    cli("import", f"{s3_bucket}/hf", str(tmp_path / "from_dir"))
+    save_file({"w": state["model"]["w"]}, tmp_path / "one.safetensors")
+    _write(f"{s3_bucket}/single/one.safetensors", (tmp_path / "one.safetensors").read_bytes())
+    cli("import", f"{s3_bucket}/single/one.safetensors", f"{s3_bucket}/from_file", "--world-size", "2")
+    for where in (str(tmp_path / "from_dir"), f"{s3_bucket}/from_file"):
+        target = {"model": {"w": torch.zeros(6, 4)}}
+        checkpoint.load_state_dict(target, where, strict=False)
+        assert torch.equal(target["model"]["w"], state["model"]["w"])
+    assert "does not exist" in cli("import", f"{s3_bucket}/nothing", str(tmp_path / "x"), check=2).stderr
+    assert [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith("fsdp-ckpt-")] == []  # stand-ins removed
+
+
+def _read(url: str) -> bytes:
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    return fs.cat_file(key)
+
+
+def _write(url: str, data: bytes) -> None:
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    fs.pipe_file(key, data)
 
 
 def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_renames(tmp_path):
