@@ -292,10 +292,11 @@ def remove_unfinished(path: PurePath) -> list[str]:
 
 
 def _saves(path: PurePath) -> list[str]:
-    store = storage_for(path)
-    if store.stat(path) is None:
+    try:
+        names = storage_for(path).list(path)
+    except FileNotFoundError:
         return []
-    return sorted(name for name in store.list(path) if _SAVE.match(name))
+    return sorted(name for name in names if _SAVE.match(name))
 
 
 def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:

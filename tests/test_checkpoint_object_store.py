@@ -431,7 +431,8 @@ def test_gc_and_retention_wait_for_an_async_save_in_flight_and_delete_nothing_it
 
     root = f"{s3_bucket}/inflight"
     url = f"{root}/ck"
-    checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, f"{root}/old")
+    # saved first and named first: the older one even where commit times tie (S3 keeps whole seconds)
+    checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, f"{root}/a-old")
     checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, url)
     writing, release = threading.Event(), threading.Event()
     real_write = storage_module.write_tensor
@@ -472,4 +473,57 @@ def test_gc_and_retention_wait_for_an_async_save_in_flight_and_delete_nothing_it
     target = {"w": torch.zeros(8)}
     checkpoint.load_state_dict(target, url)
     assert torch.equal(target["w"], torch.full((8,), 2.0))
-    assert results["gc"] == [] and [str(p) for p in results["kept"]] == [f"{root}/old"]
+    assert results["gc"] == [] and [str(p) for p in results["kept"]] == [f"{root}/a-old"]
+
+
+class _WatchedFileSystem:
+    """The storage's own fsspec file system, counting the ranged GETs of data objects in flight at once (and
+    their bytes); the first two meet at a barrier, so a reader that fetches one at a time fails here."""
+
+    def __init__(self, fs) -> None:
+        import threading
+
+        self._fs = fs
+        self._lock = threading.Lock()
+        self._meet = threading.Barrier(2, timeout=60)
+        self.calls = self.active = self.most = self.active_bytes = self.most_bytes = 0
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if not str(path).endswith(".distcp"):
+            return self._fs.cat_file(path, start=start, end=end, **kwargs)
+        with self._lock:
+            self.calls += 1
+            first_two = self.calls <= 2
+            self.active += 1
+            self.active_bytes += end - start
+            self.most, self.most_bytes = max(self.most, self.active), max(self.most_bytes, self.active_bytes)
+        try:
+            if first_two:
+                self._meet.wait()
+            return self._fs.cat_file(path, start=start, end=end, **kwargs)
+        finally:
+            with self._lock:
+                self.active -= 1
+                self.active_bytes -= end - start
+
+
+@pytest.mark.parametrize("max_read_bytes", [(5 << 20) // 2, None], ids=["capped", "uncapped"])
+def test_a_load_fetches_ranges_in_parallel_within_max_read_bytes_and_exactly(s3_bucket, monkeypatch, max_read_bytes):
+    from checkpoint.storage_backend import locate
+
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(6)}  # 1 MiB each
+    state["small"] = torch.arange(7)
+    url = f"{s3_bucket}/parallel/ck"
+    checkpoint.save_state_dict(state, url)
+    store = locate(url).storage
+    watched = _WatchedFileSystem(store.fs)
+    monkeypatch.setattr(store, "fs", watched)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    checkpoint.load_state_dict(target, url, max_read_bytes=max_read_bytes)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert watched.most >= 2
+    if max_read_bytes is not None:
+        assert watched.most_bytes <= max_read_bytes
