@@ -204,7 +204,7 @@ class ObjectCommit(SaveProtocol):
         self.save = f"fsdp-save-{sequence:08d}-{uuid.uuid4().hex[:12]}"
         staged = self.path / self.save
         self.store.make_dir(staged)
-        mark(staged)
+        mark(staged, fresh=True)  # a new save id: nothing of that name exists
         return staged
 
     def _check_target(self) -> None:

@@ -480,13 +480,13 @@ class _WatchedFileSystem:
     """The storage's own fsspec file system, counting the ranged GETs of data objects in flight at once (and
     their bytes); the first two meet at a barrier, so a reader that fetches one at a time fails here."""
 
-    def __init__(self, fs) -> None:
+    def __init__(self, fs, *, meet: bool = True) -> None:
         import threading
 
         self._fs = fs
         self._lock = threading.Lock()
-        self._meet = threading.Barrier(2, timeout=60)
-        self.calls = self.active = self.most = self.active_bytes = self.most_bytes = 0
+        self._meet = threading.Barrier(2, timeout=60) if meet else None
+        self.calls = self.active = self.most = self.active_bytes = self.most_bytes = self.total_bytes = 0
 
     def __getattr__(self, name):
         return getattr(self._fs, name)
@@ -496,13 +496,14 @@ class _WatchedFileSystem:
             return self._fs.cat_file(path, start=start, end=end, **kwargs)
         with self._lock:
             self.calls += 1
-            first_two = self.calls <= 2
+            first_two = self.calls <= 2 and self._meet is not None
+            self.total_bytes += end - start
             self.active += 1
             self.active_bytes += end - start
             self.most, self.most_bytes = max(self.most, self.active), max(self.most_bytes, self.active_bytes)
         try:
             if first_two:
-                self._meet.wait()
+                self._meet.wait()  # type: ignore[union-attr]
             return self._fs.cat_file(path, start=start, end=end, **kwargs)
         finally:
             with self._lock:
@@ -527,3 +528,19 @@ def test_a_load_fetches_ranges_in_parallel_within_max_read_bytes_and_exactly(s3_
     assert watched.most >= 2
     if max_read_bytes is not None:
         assert watched.most_bytes <= max_read_bytes
+
+
+def test_a_load_of_part_of_a_chunk_from_s3_gets_only_the_bytes_it_needs(s3_bucket, monkeypatch):
+    from checkpoint.storage_backend import locate
+
+    full = torch.randn(64, 4096)  # 1 MiB, one chunk
+    url = f"{s3_bucket}/part/ck"
+    checkpoint.save_state_dict({"w": full}, url)
+    store = locate(url).storage
+    watched = _WatchedFileSystem(store.fs, meet=False)
+    monkeypatch.setattr(store, "fs", watched)
+    rows = checkpoint.shard(torch.zeros(8, 4096), (64, 4096), offsets=(40, 0))  # 8 of its 64 rows (128 KiB)
+    # verify="sizes": the default ("crc") also reads the rest of the object, to check its CRC-32
+    checkpoint.load_state_dict({"w": rows}, url, verify="sizes")
+    assert torch.equal(rows.local, full[40:48])
+    assert 8 * 4096 * 4 <= watched.total_bytes < 8 * 4096 * 4 + (16 << 10)  # those rows and the archive's directory
