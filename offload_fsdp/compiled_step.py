@@ -16,7 +16,7 @@ streaming stores, so its cache lines are not read in first).
 The loop mirrors the arithmetic of torch's CPU fused Adam kernel operation for
 operation (same fp32 roundings, the same ``lerp`` with a fused multiply-add, no
 other contraction), and the stochastic rounding reads the same counter-based noise
-windows of :class:`~offload_fsdp.fused_step.FusedScratch` over the same piece grid
+windows of :class:`~offload_fsdp.fused_step.PieceScratch` over the same piece grid
 (as uint16: the same 16-bit values in half the bytes of the fused path's int32),
 so results are bit-identical to the fused path (checked by
 ``tests/test_offload_fastpath.py``): state dicts and resumes are interchangeable.
@@ -72,7 +72,7 @@ from offload_fsdp.buckets import HostBucket
 from offload_fsdp.fused_step import (
     _SR_BELOW,
     AdamHyper,
-    FusedScratch,
+    PieceScratch,
     adam_bucket_step,
     fused_adam,
     noise_counter,
@@ -95,7 +95,7 @@ logger = logging.getLogger(__name__)
 HOST_STEP_ENV = "OFFLOAD_FSDP_HOST_STEP"
 """Environment variable read at optimizer construction: ``auto`` (default), ``compiled`` or ``fused``."""
 
-HostStep = Callable[[HostBucket, list[ParamShard], AdamHyper, FusedScratch], None]
+HostStep = Callable[[HostBucket, list[ParamShard], AdamHyper, PieceScratch], None]
 
 _CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("offload_fsdp_host_step", default=None)
 """the choice an optimizer under construction was given (``OffloadOptions.host_step``), over the environment"""
@@ -375,7 +375,7 @@ _SCALAR_FIELDS = [field[0] for field in _AdamArgs._fields_[9:]]  # gsign .. lerp
 assert _PER_STEP_OFFSET + _PER_STEP.size == _AdamArgs.lerp_small.offset + 4, "_PER_STEP must match _AdamArgs"
 
 
-class _Plan:
+class _CallItems:
     """A bucket's C-call items, built once and reused while its active records and buffers are unchanged.
 
     The pointers into the bucket's buffers are fixed by the layout; per step only the
@@ -400,11 +400,11 @@ class _Plan:
         """address of the scratch's uint16 noise table, set at the first step with stochastic rounding"""
 
 
-_plans: weakref.WeakKeyDictionary[FusedScratch, dict[int, _Plan]] = weakref.WeakKeyDictionary()
-"""Per optimizer (its scratch), bucket index -> plan; a plan whose key no longer matches is rebuilt."""
+_call_items: weakref.WeakKeyDictionary[PieceScratch, dict[int, _CallItems]] = weakref.WeakKeyDictionary()
+"""Per optimizer (its scratch), bucket index -> its C-call items; items whose key no longer matches is rebuilt."""
 
 
-def _build_plan(key: tuple, bucket: HostBucket, active: list[ParamShard], scratch: FusedScratch) -> _Plan:
+def _build_call_items(key: tuple, bucket: HostBucket, active: list[ParamShard], scratch: PieceScratch) -> _CallItems:
     m_flat, v_flat = bucket.state["exp_avg"], bucket.state["exp_avg_sq"]
     master, stage, grads = bucket.master, bucket.param_stage, bucket.grad_stage
     assert master is not None and grads is not None, "a host bucket has its master and grad staging"
@@ -421,12 +421,12 @@ def _build_plan(key: tuple, bucket: HostBucket, active: list[ParamShard], scratc
                                    stage=stage.data_ptr() + b * 2 if stage is not None else 0))  # fmt: skip
             offset = (len(items) - 1) * ctypes.sizeof(_AdamArgs) + _PER_STEP_OFFSET
             rows.append((offset, e - b, b, len(piece_starts) - 1, index[id(record)]))
-    return _Plan(key, active, (_AdamArgs * len(items))(*items), rows, piece_starts, piece_first)
+    return _CallItems(key, active, (_AdamArgs * len(items))(*items), rows, piece_starts, piece_first)
 
 
 @torch.no_grad()
 def compiled_adam_bucket_step(
-    bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch
+    bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: PieceScratch
 ) -> None:
     """Drop-in for :func:`~offload_fsdp.fused_step.adam_bucket_step` (same preconditions and side effects).
 
@@ -434,7 +434,7 @@ def compiled_adam_bucket_step(
     first active record) so the stochastic-rounding noise windows are the same, and
     calls the C loop once per (piece, active record) overlap: each call covers one
     record, so one step count and one set of bias corrections. The items are built
-    once per layout (:class:`_Plan`); each step rewrites only their scalars and noise pointers.
+    once per layout (:class:`_CallItems`); each step rewrites only their scalars and noise pointers.
     """
     if not _covered(bucket) or not compiled_step_available(warn=False):  # `compiled` already warned at construction
         adam_bucket_step(bucket, active, hyper, scratch)
@@ -445,18 +445,18 @@ def compiled_adam_bucket_step(
     assert master is not None and grads is not None, "a host bucket has its master and grad staging"
     m_mode, v_mode = _moment_mode(m_flat, hyper.beta1), _moment_mode(v_flat, hyper.beta2)
     sr_m, sr_v = m_mode == _MOMENT_BF16_SR, v_mode == _MOMENT_BF16_SR
-    # Everything the items' fixed fields depend on; the records are held by the plan, so their ids stay theirs.
+    # Everything the items' fixed fields depend on; the records are held by the items, so their ids stay theirs.
     key = (tuple(map(id, active)), scratch.numel,
            *((t.data_ptr(), t.dtype) for t in (master, grads, m_flat, v_flat)), stage.data_ptr() if stage is not None else 0)  # fmt: skip
-    plans = _plans.setdefault(scratch, {})
-    plan = plans.get(bucket.index)
-    if plan is None or plan.key != key:
-        plan = plans[bucket.index] = _build_plan(key, bucket, active, scratch)
-    if (sr_m or sr_v) and not plan.noise_base:
+    per_bucket = _call_items.setdefault(scratch, {})
+    calls = per_bucket.get(bucket.index)
+    if calls is None or calls.key != key:
+        calls = per_bucket[bucket.index] = _build_call_items(key, bucket, active, scratch)
+    if (sr_m or sr_v) and not calls.noise_base:
         # the noise table's start (counter 0's window starts there; an empty window's data_ptr() would be 0);
         # the scratch allocates it once and never replaces it
-        plan.noise_base = scratch.noise(1, 0, torch.uint16).data_ptr()
-    noise_base = plan.noise_base
+        calls.noise_base = scratch.noise(1, 0, torch.uint16).data_ptr()
+    noise_base = calls.noise_base
     flags = {"grad_bf16": int(grads.dtype == torch.bfloat16), "m_mode": m_mode, "v_mode": v_mode,
              "has_stage": int(stage is not None)}  # fmt: skip
     steps = [float(r.created_state["step"]) for r in active]
@@ -468,11 +468,11 @@ def compiled_adam_bucket_step(
     windows = [
         (noise_base + 2 * (noise_offset(counter) - start) if sr_m else 0,
          noise_base + 2 * (noise_offset(counter + 1) - start) if sr_v else 0)
-        for start, first in zip(plan.piece_starts, plan.piece_first)
+        for start, first in zip(calls.piece_starts, calls.piece_first)
         for counter in (noise_counter(int(steps[first]), start, scratch),)
     ]  # fmt: skip
-    pack, view = _PER_STEP.pack_into, plan.view
-    for offset, n, b, piece, record in plan.rows:
+    pack, view = _PER_STEP.pack_into, calls.view
+    for offset, n, b, piece, record in calls.rows:
         noise_m, noise_v = windows[piece]
         pack(
             view,
@@ -483,7 +483,7 @@ def compiled_adam_bucket_step(
             _vec_width,
             *scalars[steps[record]],
         )
-    _run(plan.batch, torch.get_num_threads())
+    _run(calls.batch, torch.get_num_threads())
 
 
 def select_host_step() -> HostStep:

@@ -42,7 +42,7 @@ from torch.optim.adam import adam
 from offload_fsdp.buckets import HostBucket
 from offload_fsdp.records import ParamShard
 
-__all__ = ["AdamHyper", "FusedScratch", "PIECE_NUMEL", "adam_bucket_step", "fused_adam", "noise_counter", "pieces"]
+__all__ = ["AdamHyper", "PieceScratch", "PIECE_NUMEL", "adam_bucket_step", "fused_adam", "noise_counter", "pieces"]
 
 PIECE_NUMEL = 1 << 19
 """Elements per piece: 512K x 4 fp32 streams (param, grad, 2 moments) = 8 MiB, split across the
@@ -81,7 +81,7 @@ smaller relative changes are lost or biased by round-to-nearest in bf16 (8 manti
 beta1=0.9 the 10% change per step is well resolved and the cheaper plain cast is used."""
 
 
-class FusedScratch:
+class PieceScratch:
     """fp32 scratch pieces and the rounding-noise table, reused by every bucket (allocated once, lazily)."""
 
     def __init__(self, numel: int = PIECE_NUMEL) -> None:
@@ -112,11 +112,11 @@ class FusedScratch:
 
 
 def noise_offset(counter: int) -> int:
-    """Where the noise window of ``counter`` starts in the table (:meth:`FusedScratch.noise`)."""
+    """Where the noise window of ``counter`` starts in the table (:meth:`PieceScratch.noise`)."""
     return (counter * _GOLDEN) % _NOISE_SPAN
 
 
-def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: FusedScratch, name: str) -> torch.Tensor:
+def _as_fp32(flat: torch.Tensor, start: int, stop: int, scratch: PieceScratch, name: str) -> torch.Tensor:
     """fp32 view of ``flat[start:stop]``: the buffer itself if fp32, else an upcast copy in scratch."""
     if flat.dtype == torch.float32:
         return flat[start:stop]
@@ -134,7 +134,7 @@ def _stochastic_round_into(dst: torch.Tensor, src: torch.Tensor, noise: torch.Te
     dst.copy_(src)  # exact: the low 16 bits are zero now
 
 
-def noise_counter(step: int, start: int, scratch: FusedScratch) -> int:
+def noise_counter(step: int, start: int, scratch: PieceScratch) -> int:
     """Rounding-noise counter of the piece at ``start`` whose first active record is at step ``step``.
 
     (step, piece position in the bucket) -> distinct, reproducible noise; the two
@@ -189,7 +189,7 @@ def fused_adam(hyper: AdamHyper, tensors: Iterable[list[torch.Tensor]], steps: l
 
 
 @torch.no_grad()
-def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: FusedScratch) -> None:
+def adam_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: AdamHyper, scratch: PieceScratch) -> None:
     """One Adam/AdamW update of ``active`` records of ``bucket`` (their ``step`` already incremented).
 
     Preconditions: staged grads have landed (``wait_grads``), the previous H2D no

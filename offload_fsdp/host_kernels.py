@@ -39,7 +39,7 @@ import torch
 from torch.optim.adagrad import adagrad
 
 from offload_fsdp.compiled_step import select_host_step
-from offload_fsdp.fused_step import AdamHyper, FusedScratch
+from offload_fsdp.fused_step import AdamHyper, PieceScratch
 from offload_fsdp.grad import local_tensor
 from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, qualified_name, registered_name
 from offload_fsdp.precision import PrecisionPolicy
@@ -110,7 +110,7 @@ class HostKernel(Protocol):
         ...
 
     def step_bucket(
-        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
+        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: PieceScratch
     ) -> None:
         """Update the ``active`` records of ``bucket`` (those with a gradient) from ``group``'s current values.
 
@@ -159,7 +159,7 @@ class AdamKernel:
             state[name].zero_()
 
     def step_bucket(
-        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
+        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: PieceScratch
     ) -> None:
         # `_foreach_add_`: torch's multi-tensor op, no public name (optimizers use it); removed -> step raises.
         torch._foreach_add_([r.created_state["step"] for r in active], 1.0)
@@ -197,7 +197,7 @@ class SgdKernel:
             state["momentum_buffer"].zero_()  # a place to load into: the first update starts it from the grad
 
     def step_bucket(
-        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
+        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: PieceScratch
     ) -> None:
         sgd_bucket_step(bucket, active, SgdHyper.from_group(group), scratch)
 
@@ -270,7 +270,7 @@ class AdagradKernel:
         state["sum"].fill_(group["initial_accumulator_value"])  # as Adagrad.__init__ creates it
 
     def step_bucket(
-        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: FusedScratch
+        self, bucket: HostBucket, active: list[ParamShard], group: dict[str, Any], scratch: PieceScratch
     ) -> None:
         masters = [r.host_master for r in active]
         grads = [r.host_grad_stage.to(m.dtype) for r, m in zip(active, masters)]  # no copy when equal

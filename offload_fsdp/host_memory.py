@@ -4,7 +4,7 @@ Why not ``torch.empty(..., pin_memory=True)`` per buffer: torch's pinned-memory
 caching allocator rounds every request up to a power of two, so a 5 GiB
 optimizer state would reserve 8 GiB of page-locked RAM (memory the OS can no
 longer page or give to other processes). Instead all host buffers of one kind
-are planned first, allocated as ONE ordinary (pageable) byte tensor of the
+are laid out first, allocated as ONE ordinary (pageable) byte tensor of the
 exact total size, and that range is page-locked in place with
 ``cudaHostRegister``. Reserved == used, up to 64-byte alignment padding.
 
@@ -31,7 +31,7 @@ ALIGN_BYTES = 64  # one cache line: keeps every view's start vector-aligned for 
 
 @dataclass
 class HostLayout:
-    """Planner: collects (numel, dtype) requests, then allocates them as one arena."""
+    """Layout: collects (numel, dtype) requests, then allocates them as one arena."""
 
     requests: list[tuple[int, torch.dtype, int]] = field(default_factory=list)
     """(numel, dtype, byte offset) of each request, in order"""

@@ -86,16 +86,41 @@ class OffloadOptions:
     pin_cpu_params: bool = True
     """page-lock the host buffer H2D copies from (ignored as ``pin_cpu_grads``)"""
     overlap_cpu_optimizer_d2h_h2d: bool = True
-    """copies on side streams, D2H started from post-accumulate-grad hooks; False: blocking copies in ``step()``"""
+    """copies on side streams, D2H started from post-accumulate-grad hooks; False: blocking copies in ``step()``.
+
+    With gradient accumulation every micro-batch's backward re-copies the (accumulated) grad, and ``step()``
+    re-copies any grad changed in place since (clipping, unscaling: detected by the tensor's version
+    counter), so results are always those of the final grad. FSDP2 runs these hooks on the sharded grads
+    after its reduce-scatter, so there too each D2H overlaps the rest of backward; the copy is ordered after
+    the stream that is current when the hook runs."""
     pinned_transfer_slots: int | None = None
     """None: every host buffer that crosses the bus is page-locked; n >= 1: they stay pageable and copies go
-    through n page-locked slots per direction (:mod:`offload_fsdp.transfer_ring`), with the same results"""
+    through n page-locked slots per direction (:mod:`offload_fsdp.transfer_ring`), with the same results.
+
+    Each slot is the size of the largest bucket's grads / params, so pinned memory is n buckets' worth,
+    whatever the model size."""
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     """elements per host bucket (the pipelining unit)"""
     graph_safe_grads: bool = False
-    """gradients become views of persistent flat buffers a CUDA graph keeps writing (:mod:`offload_fsdp.graph_safe`)"""
+    """gradients become views of persistent flat buffers a CUDA graph keeps writing (:mod:`offload_fsdp.graph_safe`).
+
+    Every trainable param's gradient is a view of a persistent flat buffer (``main_grads_dtype`` views go to
+    ``decoupled_grad``), and ``zero_grad`` zeroes those buffers in place whatever ``set_to_none`` says, so a
+    CUDA graph captured over forward + backward keeps writing into the gradients the step reads. Plain
+    (local-shard) params only: FSDP2 allocates DTensor gradients itself (``TypeError``). As with any
+    persistent gradient, a param left out of a backward is stepped with a zero gradient."""
     schedule: Schedule = Schedule.AFTER_BACKWARD
-    """when the host buckets are updated (:class:`Schedule`); ``OVERLAPPED`` needs ``overlap_cpu_optimizer_d2h_h2d``"""
+    """when the host buckets are updated (:class:`Schedule`); ``OVERLAPPED`` needs ``overlap_cpu_optimizer_d2h_h2d``.
+
+    ``OVERLAPPED`` (the keyword ``overlap_step_with_backward=True``): each host bucket's update runs during
+    the final backward, on one host worker thread, as soon as all of its params' grads are final and staged
+    (in gradient-arrival order; its H2D is queued right after); ``step()`` then waits for what is still
+    running and does the rest (buckets not complete during backward, the device share). Results are
+    bit-identical to ``AFTER_BACKWARD``. Costs one host thread, and a backward not inside
+    ``defer_grad_copies()`` commits to the step. Refused with an error naming the fix: ``step(closure)``,
+    AMP's ``GradScaler.step``, ``optim.clip_grad_norm_`` / ``grad_norm`` on these params, a grad changed in
+    place after its update started (torch's clipping, unscaling), a second backward reaching a started
+    bucket, hyper-parameters changed between backward and ``step()``."""
     host_step: HostStepChoice | None = None
     """the Adam(W) host kernel's step (:class:`HostStepChoice`); None: ``$OFFLOAD_FSDP_HOST_STEP``, else ``AUTO``"""
 
@@ -122,3 +147,16 @@ class OffloadOptions:
     def changed(self) -> list[str]:
         """Names of the fields not at their defaults."""
         return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+
+    @staticmethod
+    def choose(options: OffloadOptions | None, keywords: OffloadOptions) -> OffloadOptions:
+        """``options`` (the ``options=`` argument) or, when None, the object the keywords built; both is a
+        ``ValueError`` naming the keywords."""
+        if options is None:
+            return keywords
+        if keywords.changed():
+            raise ValueError(
+                f"settings {keywords.changed()} were passed as keywords together with options=; set them in the "
+                "OffloadOptions instead"
+            )
+        return options

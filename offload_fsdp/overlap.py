@@ -3,8 +3,8 @@
 Default mode: every host bucket is updated inside ``step()``, after the whole
 backward, so a step costs about ``T_backward + T_host``. In this mode the
 post-accumulate-grad hook that stages a grad also counts it: when every record
-of a bucket has its final grad staged, the bucket's update (``_step_bucket``:
-wait for its D2H, update, queue its H2D) is handed to one host worker thread,
+of a bucket has its final grad staged, the bucket's update (``HostUpdate.update``:
+wait for its D2H, update; step() queues its H2D) is handed to one host worker thread,
 in gradient-arrival order, while backward goes on. ``step()`` then waits for
 what is still running and does the rest (buckets not complete during backward,
 the device share), so the step costs about ``max(T_backward, T_host)`` plus one
@@ -187,7 +187,7 @@ class OverlappedStep:
     Called on the thread that runs backward (the hooks) and by ``step()``; only the
     submitted jobs run on the worker. ``prepare``: the optimizer's main-thread work
     before a bucket's update (master refresh). ``update``: the bucket's update
-    itself (``_step_bucket``), run on the worker. ``group``: a param group by index.
+    itself (``HostUpdate.update``), run on the worker. ``group``: a param group by index.
     """
 
     def __init__(

@@ -11,7 +11,7 @@ by ``materialize_state`` and not loaded) takes that first-update path.
 Masters are fp32 (:class:`offload_fsdp.host_kernels.SgdKernel` says why).
 When the grad is already in the master's dtype and no param staging is needed, the
 bucket is one kernel call over per-record views. Otherwise the bucket is walked in
-cache-sized pieces (:func:`pieces`): the grad is cast into a small reusable scratch
+cache-sized pieces (:func:`unit_pieces`): the grad is cast into a small reusable scratch
 (exact for bf16 -> fp32), the kernel updates the master, and the param staging
 takes the master's cast in the same pass over the cached piece. A record split
 between pieces is cut only where torch's kernel would cut it itself
@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.optim.sgd import sgd
 
-from offload_fsdp.fused_step import FusedScratch
+from offload_fsdp.fused_step import PieceScratch
 from offload_fsdp.records import ParamShard
 
 if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
 
-__all__ = ["SPLIT_UNIT", "SgdHyper", "pieces", "sgd_bucket_step"]
+__all__ = ["SPLIT_UNIT", "SgdHyper", "sgd_bucket_step", "unit_pieces"]
 
 SPLIT_UNIT = 64
 """A record is split between pieces only at multiples of this many elements from its start. torch's
@@ -67,7 +67,7 @@ Segment = tuple[int, int, ParamShard]
 """(begin, end, record): a record's elements ``[begin, end)`` within the flat tensors passed along"""
 
 
-def pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, list[Segment]]]:
+def unit_pieces(active: list[ParamShard], numel: int) -> Iterator[tuple[int, int, list[Segment]]]:
     """(start, stop, segments) of consecutive bucket ranges of at most ``numel`` elements covering ``active``.
 
     ``active`` is sorted by offset; ``numel`` is a multiple of :data:`SPLIT_UNIT`. A record
@@ -128,7 +128,7 @@ def _update(
 
 
 @torch.no_grad()
-def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHyper, scratch: FusedScratch) -> None:
+def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHyper, scratch: PieceScratch) -> None:
     """One SGD update of the ``active`` records of ``bucket`` (preconditions: ``HostKernel.step_bucket``).
 
     Side effects: masters, momentum buffers, ``placeholder_state`` and param staging of the active records.
@@ -146,7 +146,7 @@ def sgd_bucket_step(bucket: HostBucket, active: list[ParamShard], hyper: SgdHype
         return
     if scratch.numel < SPLIT_UNIT:
         raise ValueError(f"host step scratch of {scratch.numel} elements is below SGD's split unit {SPLIT_UNIT}")
-    for start, stop, piece_segs in pieces(active, scratch.numel // SPLIT_UNIT * SPLIT_UNIT):
+    for start, stop, piece_segs in unit_pieces(active, scratch.numel // SPLIT_UNIT * SPLIT_UNIT):
         g = grads[start:stop]
         if g.dtype != master.dtype:
             g = scratch.get(f"sgd_grad_{master.dtype}", master.dtype)[: stop - start]

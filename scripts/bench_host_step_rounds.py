@@ -57,10 +57,10 @@ def main() -> None:
     clock, stages = _StageClock(torch.device("cpu")), []
     for _ in range(args.steps):
         clock.start()
-        opt._stage_hook = clock
+        opt._trace.hook = clock
         opt.step()
         step_ms = clock.ms(clock.now())
-        opt._stage_hook = None
+        opt._trace.hook = None
         busy = clock.busy()
         stages.append({"step": step_ms, **busy, "other": step_ms - sum(busy.values())})
     roof = 20 * numel / (probe_bytes / statistics.median(probes))  # ms: 20 B/param at the probe's rate

@@ -116,9 +116,9 @@ def _host_step_only(opt: HybridDeviceOptimizer) -> Callable[[], None]:
     opt.materialize_state()
 
     def run() -> None:
-        for bucket in opt._buckets:
+        for bucket in opt._placement.buckets:
             assert bucket.kernel is not None  # AdamW: every bucket has the host kernel
-            bucket.kernel.step_bucket(bucket, bucket.records, opt.param_groups[bucket.group_index], opt._scratch)
+            bucket.kernel.step_bucket(bucket, bucket.records, opt.param_groups[bucket.group_index], opt._host.scratch)
 
     return run
 
@@ -168,7 +168,7 @@ def bench_cpu(args: argparse.Namespace) -> None:
             built["compiled"] = time.perf_counter() - t0
         opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3, precision=precision)
         keep.append(opt)
-        used = sum(t.numel() * t.element_size() for b in opt._buckets
+        used = sum(t.numel() * t.element_size() for b in opt._placement.buckets
                    for t in [b.master, b.grad_stage, *([b.param_stage] if b.param_stage is not None else []), *b.state.values()])  # fmt: skip
         fns[name + " [host step]"], meta[name + " [host step]"] = _host_step_only(opt), (bytes_moved, used / n)
         # on a CPU-only machine step() adds the grad staging and copy-back copies (DMA on a GPU machine)
@@ -234,7 +234,7 @@ def bench_write_check(args: argparse.Namespace) -> None:
             torch.accelerator.synchronize()
 
     times = _time_round_robin(
-        {"step": opt.step, "check": lambda: opt._refresh_written(opt._records)}, args.repeats, sync
+        {"step": opt.step, "check": lambda: opt._placement.refresh_written(opt._placement.records)}, args.repeats, sync
     )
     print(f"\nuser-write check (version counters of {len(sizes)} params, bf16, {sum(sizes) / 1e6:.1f}M elements, "
           f"offload_fraction=1, {device.type}): {times['check'] * 1e6:.1f} us per step vs step() "
@@ -304,8 +304,8 @@ def _bench_copies(args: argparse.Namespace, device: torch.device) -> None:
     params = _params(_shapes(int(args.numel), args.tensors), torch.bfloat16, device.type)
     opt = HybridDeviceOptimizer(params, 1.0, lr=1e-3)
     grads = [p.grad for p in params]
-    stages = [r.grad_stage for r in opt._records]
-    sources = [r.push_source for r in opt._records]
+    stages = [r.grad_stage for r in opt._placement.records]
+    sources = [r.push_source for r in opt._placement.records]
 
     def d2h() -> None:
         for s, g in zip(stages, grads):
@@ -319,11 +319,11 @@ def _bench_copies(args: argparse.Namespace, device: torch.device) -> None:
     t_host = _time(_host_step_only(opt), args.repeats)
     t_step = _time(opt.step, args.repeats, sync)
     bound = max(t_d2h, t_host, t_h2d)
-    pcie = opt._buckets[0].grad_stage.element_size() + sources[0].element_size()
+    pcie = opt._placement.buckets[0].grad_stage.element_size() + sources[0].element_size()
     print(f"\n{device.type} ({_device_name(device)}): D2H {t_d2h * 1e3:.1f} ms, host step {t_host * 1e3:.1f} ms, "
           f"H2D {t_h2d * 1e3:.1f} ms; step {t_step * 1e3:.1f} ms; overlap efficiency max/step = {bound / t_step:.2f}; "
           f"sum/step = {(t_d2h + t_host + t_h2d) / t_step:.2f}; bytes over PCIe per param: {pcie} "
-          f"(D2H {opt._buckets[0].grad_stage.element_size()} + H2D {sources[0].element_size()})")  # fmt: skip
+          f"(D2H {opt._placement.buckets[0].grad_stage.element_size()} + H2D {sources[0].element_size()})")  # fmt: skip
 
 
 def _bench_iteration(
@@ -360,7 +360,7 @@ def _bench_iteration(
 
 
 class _StageClock:
-    """``HybridDeviceOptimizer._stage_hook`` recording each bucket's stage spans, in ms from :meth:`start`.
+    """``HybridDeviceOptimizer._trace.hook`` (:class:`offload_fsdp.trace.PhaseTrace`) recording each bucket's stage spans, in ms from :meth:`start`.
 
     Copies on a side stream are timed by events recorded on that stream; host work
     (and synchronous copies) by the host clock, started at the same instant as the
@@ -437,10 +437,10 @@ def _stage_breakdown(opt: HybridDeviceOptimizer, repeats: int) -> tuple[float, d
     best = (float("inf"), {})
     for _ in range(repeats):
         clock.start()
-        opt._stage_hook = clock
+        opt._trace.hook = clock
         opt.step()
         step_ms = clock.ms(clock.now())
-        opt._stage_hook = None
+        opt._trace.hook = None
         if step_ms < best[0]:
             best = (step_ms, clock.busy())
     return best
@@ -457,16 +457,16 @@ def record_timeline(args: argparse.Namespace) -> None:
     best = None
     for _ in range(max(1, min(args.repeats, 3))):
         clock.start()
-        opt._stage_hook = clock
+        opt._trace.hook = clock
         opt.step()
         end = clock.now()
-        opt._stage_hook = None
+        opt._trace.hook = None
         spans = clock.spans()
         step_ms = clock.ms(end)
         if best is None or step_ms < best[0]:
             best = (step_ms, spans)
     step_ms, spans = best
-    numel = {b.index: b.numel for b in opt._buckets}
+    numel = {b.index: b.numel for b in opt._placement.buckets}
     data = {
         "format": "offload_timeline",
         "version": 1,

@@ -83,3 +83,14 @@ def test_the_optimizer_names_no_copy_engine_class_only_the_copy_engine_protocol(
     source = (REPO / "offload_fsdp" / "optimizer.py").read_text()
     for name in ("RingCopyEngine", "StreamCopyEngine", "SyncCopyEngine"):
         assert not re.search(rf"\b{name}\b", source), f"offload_fsdp/optimizer.py names {name}"
+
+
+def test_only_the_engines_modules_and_the_one_chooser_name_a_copy_engine_class():
+    # The composed objects (placement, schedule, host update, AMP, layout, ...) use the protocol too.
+    allowed = {"copy_engine.py", "transfer_ring.py", "transfer.py"}
+    for path in sorted((REPO / "offload_fsdp").glob("*.py")):
+        if path.name in allowed:
+            continue
+        source = path.read_text()
+        for name in ("RingCopyEngine", "StreamCopyEngine", "SyncCopyEngine"):
+            assert not re.search(rf"\b{name}\b", source), f"offload_fsdp/{path.name} names {name}"

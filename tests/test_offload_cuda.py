@@ -129,21 +129,19 @@ def test_gradient_accumulation_with_hooks_and_clipping_matches_plain_adamw_on_gp
 def test_cuda_host_registration_pins_exactly_the_bytes_used():
     model = _low_intensity_model(1 << 20, depth=2).to(torch.bfloat16)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2)
-    pinned = opt._host_buffers.pinned
-    assert pinned.pinned and pinned.storage.is_pinned()
-    assert pinned.reserved_bytes - pinned.layout.used_bytes < 64 * 2 * len(opt._buckets)  # alignment only
+    pinned = opt.layout().arenas[0]
+    assert pinned.role == "pinned" and pinned.pinned
+    assert pinned.reserved_bytes - pinned.used_bytes < 64 * 2 * len(opt.layout().buckets)  # alignment only
 
 
 def test_host_buffers_are_pinned_and_state_lives_on_the_host():
     n = 1 << 20
     model = _low_intensity_model(n, depth=2).to(torch.bfloat16)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2)
-    pinned = opt._host_buffers.pinned
-    assert pinned.pinned and pinned.storage.is_pinned()
-    bucket = opt._buckets[0]
-    assert bucket.grad_stage.dtype == bucket.param_stage.dtype == torch.bfloat16  # 2 + 2 bytes cross PCIe
-    assert bucket.grad_stage.is_pinned() and bucket.param_stage.is_pinned()
-    assert bucket.master.dtype == torch.float32 and bucket.master.device.type == "cpu"
+    assert opt.layout().arenas[0].pinned
+    bucket = opt.layout().buckets[0]
+    assert bucket.grad_dtype == bucket.param_dtype == torch.bfloat16 and bucket.param_staging  # 2 + 2 bytes cross PCIe
+    assert bucket.pinned and bucket.master_dtype == torch.float32
     _train(model, opt, 1, n)  # grads now exist and are kept (zero_grad(set_to_none=False))
     before = torch.accelerator.memory_allocated()
     _train(model, opt, 2, n)
@@ -189,4 +187,4 @@ def test_cpu_resident_params_always_update_on_the_host_and_the_fraction_counts_d
     on_gpu = [torch.zeros(10, device=DEVICE, requires_grad=True) for _ in range(4)]
     on_cpu = torch.zeros(100, requires_grad=True)
     opt = HybridDeviceOptimizer(on_gpu[:2] + [on_cpu] + on_gpu[2:], 0.5, lr=0.1)
-    assert [r.offloaded for r in opt._records] == [True, True, True, False, False]
+    assert opt.layout().offloaded == (True, True, True, False, False)

@@ -21,7 +21,9 @@ def _train(cls, offload: float, reference: bool, *, explicit_unscale: bool, clip
         params, offload, cpu_optimizer_cls=cls, lr=0.05, overlap_cpu_optimizer_d2h_h2d=not reference
     )
     if reference:
-        opt._step_supports_amp_scaling = False  # GradScaler unscales and skips as for any torch optimizer
+        # torch.amp.GradScaler reads this class flag of its protocol (no public switch): off, GradScaler
+        # unscales and skips as for any torch optimizer, the path compared against
+        opt._step_supports_amp_scaling = False
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     for step in range(4):
         gen = torch.Generator().manual_seed(step)

@@ -57,9 +57,10 @@ def test_the_added_group_is_partitioned_by_the_fraction_of_its_own_elements():
     params = [torch.zeros(n, requires_grad=True) for n in (10, 10, 10, 10, 10, 30)]
     opt = HybridDeviceOptimizer(params[:2], 0.5, lr=0.1)
     opt.add_param_group({"params": params[2:]})  # 60 elements: the prefix whose midpoints lie in the first 30
-    assert [r.offloaded for r in opt._records] == [True, False, True, True, True, False]
-    assert [b.index for b in opt._buckets] == list(range(len(opt._buckets)))
-    assert {b.group_index for b in opt._buckets} == {0, 1}
+    layout = opt.layout()
+    assert layout.offloaded == (True, False, True, True, True, False)
+    assert [b.index for b in layout.buckets] == list(range(len(layout.buckets)))
+    assert {b.group_index for b in layout.buckets} == {0, 1}
 
 
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
@@ -99,7 +100,7 @@ def test_adding_a_parameter_that_is_already_optimised_raises_naming_it():
         opt.add_param_group({"params": [named[2], named[2]]})
     with pytest.raises(ValueError, match="'late.weight' is on the meta device"):  # construction's checks apply
         opt.add_param_group({"params": [named[2], ("late.weight", torch.empty(3, device="meta", requires_grad=True))]})
-    assert len(opt.param_groups) == 1 and len(opt._records) == FIRST, "a refused group leaves no trace"
+    assert len(opt.param_groups) == 1 and len(opt.layout().params) == FIRST, "a refused group leaves no trace"
     opt.add_param_group({"params": named[FIRST:]})
     with pytest.raises(ValueError, match=r"'layer4.weight'.*already in param group 1"):
         opt.add_param_group({"params": [named[4]]})
@@ -139,9 +140,9 @@ def test_adding_a_group_logs_its_partition_and_leaves_existing_buffers_in_place(
     params = _params()
     opt = _build(params, 1.0, lr=0.01)
     _steps(opt, params, 0, 1)
-    views = [
-        (r.master.data_ptr(), r.grad_stage.data_ptr(), opt.state[r.param]["exp_avg"].data_ptr()) for r in opt._records
-    ]
+    first = [p for p in opt.param_groups[0]["params"]]
+    views = [tuple(t.data_ptr() for t in opt.state[p].values() if t.dim()) for p in first]  # moments (+ master)
+    arenas = opt.layout().arenas
     with caplog.at_level("INFO", logger="offload_fsdp.optimizer"):
         _add_group(opt, params)
     messages = [r.getMessage() for r in caplog.records if "partition" in r.getMessage()]
@@ -149,11 +150,9 @@ def test_adding_a_group_logs_its_partition_and_leaves_existing_buffers_in_place(
     assert len(messages) == 1 and "param group 1 added" in messages[0]
     assert f"host {len(params) - FIRST} params / {added} elements / {4 * added} bytes" in messages[0]
     _steps(opt, params, ADD_AT + 1, ADD_AT + 3)
-    after = [
-        (r.master.data_ptr(), r.grad_stage.data_ptr(), opt.state[r.param]["exp_avg"].data_ptr())
-        for r in opt._records[:FIRST]
-    ]
+    after = [tuple(t.data_ptr() for t in opt.state[p].values() if t.dim()) for p in first]
     assert after == views
+    assert opt.layout().arenas[: len(arenas)] == arenas  # construction's arenas, unchanged
 
 
 def _fsdp_body(rank: int, world_size: int) -> dict:
@@ -190,7 +189,7 @@ def _fsdp_body(rank: int, world_size: int) -> dict:
         out[fraction] = max(
             (a.full_tensor() - b.full_tensor()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())
         )
-        out[f"offloaded_{fraction}"] = [r.offloaded for r in opt._records]
+        out[f"offloaded_{fraction}"] = list(opt.layout().offloaded)
     return out
 
 

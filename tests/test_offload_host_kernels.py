@@ -19,13 +19,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import checkpoint
-from offload_fsdp import HybridDeviceOptimizer
-from offload_fsdp.fused_step import FusedScratch
+from offload_fsdp import HybridDeviceOptimizer, fused_step
 from offload_fsdp.host_kernels import SgdKernel, host_kernel_for, register_host_kernel
 from offload_fsdp.per_element import PER_ELEMENT_OPTIMIZERS, qualified_name
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard
-from offload_fsdp.sgd_step import SPLIT_UNIT, pieces
+from offload_fsdp.sgd_step import SPLIT_UNIT, unit_pieces
 from tests.distributed import run_ranks
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -66,9 +65,9 @@ def _run(opt, params, start: int, stop: int, skip_at: dict[int, set[int]] | None
 
 def _ours(params, fraction: float, **hyper) -> HybridDeviceOptimizer:
     # fused=True: the device share (fraction < 1) runs torch's fused SGD too, like the reference
-    opt = HybridDeviceOptimizer(torch.optim.SGD(_groups(params), fused=True, **hyper), fraction, bucket_numel=24)
-    opt._scratch = FusedScratch(100)  # pieces of 64: records start and end mid-piece, and span pieces
-    return opt
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fused_step, "PIECE_NUMEL", 100)  # pieces of 64: records start and end mid-piece, and span pieces
+        return HybridDeviceOptimizer(torch.optim.SGD(_groups(params), fused=True, **hyper), fraction, bucket_numel=24)
 
 
 def _reference(params, **hyper) -> torch.optim.Optimizer:
@@ -80,7 +79,8 @@ def _assert_matches(opt, ours, ref_opt, ref) -> None:
     for i, (p, q) in enumerate(zip(ours, ref)):
         state, ref_state = opt.state.get(p, {}), ref_opt.state.get(q, {})
         # the fp32 master the update runs on (the device share without momentum keeps no state to show it in)
-        master = opt._records[i].working if p.dtype != q.dtype else p
+        # Private: the device share's master without momentum is in no state dict, so nothing public shows it.
+        master = opt._placement.records[i].working if p.dtype != q.dtype else p
         assert torch.equal(master, q), f"param {i}"
         if p.dtype != q.dtype:
             assert torch.equal(p, master.to(p.dtype)), f"param {i} is not its master's cast"
@@ -96,8 +96,8 @@ def test_sgd_host_kernel_matches_torch_fused_sgd_bit_for_bit(config, fraction, d
     ours = _params(dtype)
     ref = [p.detach().float().clone().requires_grad_() for p in ours]  # the fp32 master starts as the exact upcast
     opt, ref_opt = _ours(ours, fraction, **CONFIGS[config]), _reference(ref, **CONFIGS[config])
-    host = [b for b in opt._buckets]
-    assert len(host) >= 2 and all(isinstance(b.kernel, SgdKernel) and b.delegate is None for b in host)
+    host = opt.layout().buckets
+    assert len(host) >= 2 and all(b.kernel == SgdKernel.name for b in host)
     _run(opt, ours, 0, 4)
     _run(ref_opt, ref, 0, 4)
     _assert_matches(opt, ours, ref_opt, ref)
@@ -117,7 +117,7 @@ def test_sgd_pieces_cover_the_active_elements_once_and_cut_records_only_at_split
     active = [r for r, on in zip(records, active_mask) if on]
     covered: dict[int, list[tuple[int, int]]] = {}
     last_stop = -1
-    for start, stop, segs in pieces(active, numel):
+    for start, stop, segs in unit_pieces(active, numel):
         assert segs and last_stop <= start < stop <= start + numel
         last_stop = stop
         for b, e, r in segs:
@@ -190,7 +190,7 @@ def test_sgd_without_momentum_keeps_no_state_for_fp32_params_and_only_the_master
     fp32, bf16 = _params(), _params(BF16)
     for params in (fp32, bf16):
         opt = _ours(params, 1.0, lr=0.1)
-        assert all(not b.state for b in opt._buckets)  # no buffer allocated
+        assert all(not b.state_dtypes for b in opt.layout().buckets)  # no buffer allocated
         _run(opt, params, 0, 1)
         if params is fp32:
             assert opt.state_dict()["state"] == {}
@@ -283,7 +283,7 @@ def test_sgd_resume_of_bf16_params_is_bit_exact(tmp_path, route, fraction):
     straight, straight_opt = _build(0, fraction)
     _train(straight, straight_opt, 0, 5)
     model, opt = _build(0, fraction)
-    assert all(isinstance(b.kernel, SgdKernel) for b in opt._buckets) and len(opt._buckets) >= 2 * fraction
+    assert all(b.kernel == SgdKernel.name for b in opt.layout().buckets) and len(opt.layout().buckets) >= 2 * fraction
     _train(model, opt, 0, 3)
     fresh_model, fresh_opt = _build(7, fraction)  # other weights: everything must come from the load
     route(tmp_path / "ck", model, opt, fresh_model, fresh_opt)
@@ -315,9 +315,9 @@ def test_sgd_subclasses_overriding_step_and_differentiable_groups_run_the_class_
 
     assert isinstance(host_kernel_for(LoggingSGD), SgdKernel)
     sub = HybridDeviceOptimizer(ClippedSGD(_params(), lr=0.1, momentum=0.9), 1.0)
-    assert host_kernel_for(ClippedSGD) is None and all(b.kernel is None for b in sub._buckets)
+    assert host_kernel_for(ClippedSGD) is None and all(b.kernel is None for b in sub.layout().buckets)
     diff = HybridDeviceOptimizer(torch.optim.SGD(_params(), lr=0.1, differentiable=True), 1.0)
-    assert all(b.kernel is None and b.delegate is not None for b in diff._buckets)
+    assert all(b.kernel is None for b in diff.layout().buckets)
 
 
 def test_build_optimizer_offloads_sgd_through_the_host_kernel():
@@ -326,7 +326,7 @@ def test_build_optimizer_offloads_sgd_through_the_host_kernel():
     params = [torch.nn.Parameter(p.detach()) for p in _params()]
     opt = build_optimizer(params, "sgd", offload_fraction=1.0, lr=0.1, momentum=0.9)
     assert isinstance(opt, HybridDeviceOptimizer) and opt.cpu_optimizer_cls is torch.optim.SGD
-    assert all(isinstance(b.kernel, SgdKernel) for b in opt._buckets)
+    assert all(b.kernel == SgdKernel.name for b in opt.layout().buckets)
 
 
 # ---------------------------------------------------------------- the registry, with a third class
@@ -377,7 +377,7 @@ def test_a_registered_third_class_gets_its_host_kernel_and_matches_the_class_its
     try:
         ours, ref = _params(), _params()
         opt = HybridDeviceOptimizer(SignSGD(ours, lr=0.1), 1.0, bucket_numel=24)
-        assert all(isinstance(b.kernel, SignKernel) and b.delegate is None for b in opt._buckets)
+        assert all(b.kernel == SignKernel.name for b in opt.layout().buckets)
         ref_opt = SignSGD(ref, lr=0.1)
         _run(opt, ours, 0, 2)
         _run(ref_opt, ref, 0, 2)
@@ -387,7 +387,7 @@ def test_a_registered_third_class_gets_its_host_kernel_and_matches_the_class_its
             assert torch.equal(opt.state[p]["last_sign"], ref_opt.state[q]["last_sign"])
     finally:
         PER_ELEMENT_OPTIMIZERS.pop(qualified_name(SignSGD))
-    assert all(b.kernel is None for b in HybridDeviceOptimizer(SignSGD(_params()), 1.0)._buckets)
+    assert all(b.kernel is None for b in HybridDeviceOptimizer(SignSGD(_params()), 1.0).layout().buckets)
 
 
 def test_registering_something_that_is_not_an_optimizer_class_is_a_type_error():
@@ -434,7 +434,7 @@ def _fsdp_sgd_body(rank: int, world_size: int) -> dict:
     train(ref, ref_step)
     train(ours, opt.step)
     return {
-        "kernel": all(isinstance(b.kernel, SgdKernel) for b in opt._buckets),
+        "kernel": all(b.kernel == SgdKernel.name for b in opt.layout().buckets),
         "params": all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours.parameters(), ref.parameters())),
         "momentum": all(
             torch.equal(opt.state[p]["momentum_buffer"].to_local(), ref_opt.state[shard]["momentum_buffer"])
@@ -524,7 +524,7 @@ def test_fp32_adam_host_kernel_is_torch_fused_adam_bit_for_bit(cls):
     ours, ref = _params(), _params()
     opt = HybridDeviceOptimizer(cls(_groups(ours), lr=0.01, weight_decay=0.1), 1.0, bucket_numel=24)
     ref_opt = cls(_groups(ref), lr=0.01, weight_decay=0.1, fused=True)
-    assert len(opt._buckets) >= 2 and all(b.kernel is not None and b.delegate is None for b in opt._buckets)
+    assert len(opt.layout().buckets) >= 2 and all(b.kernel is not None for b in opt.layout().buckets)
     _run(opt, ours, 0, 3)
     _run(ref_opt, ref, 0, 3)
     for i, (p, q) in enumerate(zip(ours, ref)):
@@ -557,7 +557,7 @@ def test_sgd_without_fp32_masters_runs_torch_sgd_itself_on_the_low_precision_mas
     opt = HybridDeviceOptimizer(
         torch.optim.SGD(_groups(ours), **hyper), 1.0, bucket_numel=24, param_update_in_fp32=False
     )
-    assert all(b.kernel is None and b.delegate is not None for b in opt._buckets)
+    assert all(b.kernel is None for b in opt.layout().buckets)
     ref_opt = torch.optim.SGD(_groups(ref), **hyper)
     _run(opt, ours, 0, 3)
     _run(ref_opt, ref, 0, 3)
@@ -581,14 +581,15 @@ def test_sgd_on_bf16_params_with_fp32_decoupled_grads_matches_an_fp32_master_ref
     hyper = CONFIGS["momentum+weight_decay"]
     ours = _params(BF16)
     ref = [p.detach().float().clone().requires_grad_() for p in ours]
-    opt = HybridDeviceOptimizer(
-        torch.optim.SGD(_groups(ours), fused=True, **hyper),
-        1.0,
-        bucket_numel=24,
-        precision=PrecisionPolicy(main_grads_dtype=FP32),
-    )
-    opt._scratch = FusedScratch(100)
-    assert all(b.grad_stage.dtype == FP32 and b.param_stage is not None for b in opt._buckets)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(fused_step, "PIECE_NUMEL", 100)
+        opt = HybridDeviceOptimizer(
+            torch.optim.SGD(_groups(ours), fused=True, **hyper),
+            1.0,
+            bucket_numel=24,
+            precision=PrecisionPolicy(main_grads_dtype=FP32),
+        )
+    assert all(b.grad_dtype == FP32 and b.param_staging for b in opt.layout().buckets)
     ref_opt = _reference(ref, **hyper)
     for step in range(3):
         gen = torch.Generator().manual_seed(step)

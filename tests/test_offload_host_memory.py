@@ -17,7 +17,8 @@ def test_host_arenas_reserve_exactly_the_bytes_their_buffers_use_up_to_alignment
     params = [torch.zeros(n, dtype=param_dtype, requires_grad=True) for n in SIZES]
     policy = PrecisionPolicy(exp_avg_dtype=moment_dtype, exp_avg_sq_dtype=moment_dtype)
     opt = HybridDeviceOptimizer(params, 1.0, lr=0.01, precision=policy, bucket_numel=1100)
-    assert len(opt._buckets) >= 2 and all(b.kernel is not None for b in opt._buckets)
+    buckets = opt.layout().buckets
+    assert len(buckets) >= 2 and all(b.kernel is not None for b in buckets)
 
     separate_master = param_dtype != torch.float32
     per_element = (
@@ -26,19 +27,18 @@ def test_host_arenas_reserve_exactly_the_bytes_their_buffers_use_up_to_alignment
         + 4  # fp32 master
         + 2 * moment_dtype.itemsize  # exp_avg, exp_avg_sq
     )
-    buffers = opt._host_buffers
-    arenas = [buffers.pinned, *buffers.pageable.values()]
-    assert sum(a.layout.used_bytes for a in arenas) == sum(SIZES) * per_element
+    arenas = opt.layout().arenas
+    assert sum(a.used_bytes for a in arenas) == sum(SIZES) * per_element
     for arena in arenas:
-        used, reserved = arena.layout.used_bytes, arena.reserved_bytes
+        used, reserved = arena.used_bytes, arena.reserved_bytes
         # the allocation itself is this size: no allocator rounding up (to a power of two or otherwise)
-        assert arena.storage.untyped_storage().nbytes() == reserved
+        assert arena.allocated_bytes == reserved
         # padding only before each buffer after the first, < 64 bytes each
-        assert used <= reserved < used + 64 * max(len(arena.layout.requests) - 1, 0) + 1, arena.layout.requests
+        assert used <= reserved < used + 64 * max(len(arena.buffer_numels) - 1, 0) + 1, arena.buffer_numels
     # each bucket gets one buffer of its own size per role, and nothing else is allocated
-    requested = sorted(n for a in arenas for n, _, _ in a.layout.requests)
+    requested = sorted(n for a in arenas for n in a.buffer_numels)
     roles = 5 if separate_master else 4  # grad, [param staging], master, exp_avg, exp_avg_sq
-    assert requested == sorted(b.numel for b in opt._buckets for _ in range(roles))
+    assert requested == sorted(b.numel for b in buckets for _ in range(roles))
 
 
 def test_pinning_falls_back_from_cuda_registration_to_the_pinned_allocator_to_pageable(monkeypatch, caplog):

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
-from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp import HybridDeviceOptimizer, transfer
 from offload_fsdp.master import LEGACY_MASTER_KEYS, MASTER_KEY, canonical_state
 from optim import PrecisionPolicy, build_optimizer
 
@@ -250,21 +250,27 @@ def test_a_master_is_saved_exactly_when_an_update_or_a_load_made_it_more_than_it
         assert torch.equal(opt.state[p][MASTER_KEY], loaded.state[q][MASTER_KEY])
 
 
-def _count_fetches(opt: HybridDeviceOptimizer) -> list[int]:
-    """Wrap each copy engine's ``fetch`` (the device-to-host copy of a param); the list grows per call."""
+def _count_fetches(monkeypatch) -> list[int]:
+    """Every copy engine made from now on counts its ``fetch`` calls (the device-to-host copy of a param)."""
     calls: list[int] = []
-    for engine in opt._engines.values():
+    real = transfer.copy_engine_for
+
+    def made(device, **kw):
+        engine = real(device, **kw)
         fetch = engine.fetch
 
-        def counting(dst, src, fetch=fetch):
+        def counting(dst, src):
             calls.append(src.numel())
             fetch(dst, src)
 
         engine.fetch = counting
+        return engine
+
+    monkeypatch.setattr(transfer, "copy_engine_for", made)  # the one place engines are made
     return calls
 
 
-def _resume_copies_each_offloaded_param_device_to_host_once(path, stepped: bool, device: str) -> None:
+def _resume_copies_each_offloaded_param_device_to_host_once(monkeypatch, path, stepped: bool, device: str) -> None:
     model = _model(0, device)
     opt = _hybrid(model)
     if stepped:
@@ -272,8 +278,9 @@ def _resume_copies_each_offloaded_param_device_to_host_once(path, stepped: bool,
     checkpoint.save(path, model=model, optimizer=opt)
     assert bool(_stored_masters(path)) == stepped
     fresh_model = _model(7, device)
+    fetches = _count_fetches(monkeypatch)
     fresh = _hybrid(fresh_model)
-    fetches = _count_fetches(fresh)
+    fetches.clear()  # construction's copies of the params: the count starts at the resume
     checkpoint.load(path, model=fresh_model, optimizer=fresh)
     _steps(fresh_model, fresh, 1, 2)  # the one refresh of a resume runs here
     assert sorted(fetches) == sorted(p.numel() for p in fresh_model.parameters())
@@ -282,16 +289,16 @@ def _resume_copies_each_offloaded_param_device_to_host_once(path, stepped: bool,
 
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["masters rebuilt from weights", "masters saved"])
-def test_a_resume_copies_each_offloaded_param_device_to_host_once(tmp_path, stepped):
-    _resume_copies_each_offloaded_param_device_to_host_once(tmp_path / "c", stepped, "cpu")
+def test_a_resume_copies_each_offloaded_param_device_to_host_once(tmp_path, stepped, monkeypatch):
+    _resume_copies_each_offloaded_param_device_to_host_once(monkeypatch, tmp_path / "c", stepped, "cpu")
 
 
 @pytest.mark.accelerator
 @pytest.mark.parametrize("stepped", [False, True], ids=["masters rebuilt from weights", "masters saved"])
-def test_a_resume_copies_each_offloaded_param_device_to_host_once_on_an_accelerator(tmp_path, stepped):
+def test_a_resume_copies_each_offloaded_param_device_to_host_once_on_an_accelerator(tmp_path, stepped, monkeypatch):
     accelerator = torch.accelerator.current_accelerator()
     assert accelerator is not None  # the marker skips this test without one
-    _resume_copies_each_offloaded_param_device_to_host_once(tmp_path / "c", stepped, accelerator.type)
+    _resume_copies_each_offloaded_param_device_to_host_once(monkeypatch, tmp_path / "c", stepped, accelerator.type)
 
 
 @pytest.mark.parametrize("route", ["state_dict", "checkpoint"])

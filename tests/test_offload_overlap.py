@@ -17,7 +17,7 @@ import torch
 
 import checkpoint
 import optim
-from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp import HybridDeviceOptimizer, transfer
 from offload_fsdp.copy_engine import SyncCopyEngine
 from offload_fsdp.forward_waits import owners_of_buckets
 from offload_fsdp.host_kernels import AdamKernel, register_host_kernel
@@ -182,7 +182,7 @@ def test_params_without_a_grad_in_some_steps_wait_for_step_and_match():
     default, _, _ = _run("adamw", 1.0, torch.float32, False, steps=4, layers=5, bucket_numel=144)
     overlapped, opt, _ = _run("adamw", 1.0, torch.float32, True, steps=4, layers=5, bucket_numel=144)
     _assert_identical(default, overlapped)
-    assert any(any(r.name.startswith("branch") for r in b.records) and len(b.records) > 2 for b in opt._buckets)
+    assert any(any(n.startswith("branch") for n in b.params) and len(b.params) > 2 for b in opt.layout().buckets)
 
 
 def test_many_tiny_buckets_race_nothing_over_several_steps():
@@ -191,7 +191,7 @@ def test_many_tiny_buckets_race_nothing_over_several_steps():
     default, _, _ = _run("adamw", 1.0, torch.bfloat16, False, **kw)
     overlapped, opt, seen = _run("adamw", 1.0, torch.bfloat16, True, **kw)
     _assert_identical(default, overlapped)
-    assert all(seen) and len(opt._buckets) >= 40
+    assert all(seen) and len(opt.layout().buckets) >= 40
 
 
 def test_updates_are_queued_during_backward_in_gradient_arrival_order():
@@ -200,12 +200,12 @@ def test_updates_are_queued_during_backward_in_gradient_arrival_order():
         model.named_parameters(), 1.0, lr=0.01, bucket_numel=80, overlap_step_with_backward=True
     )
     order: list[int] = []
-    submit = opt._overlapped.worker.submit
-    opt._overlapped.worker.submit = lambda what, fn: (order.append(int(what.split()[1])), submit(what, fn))
+    # Private: the order jobs reach the host worker is visible to no public call (only their results are).
+    worker = opt._schedule.overlapped.worker
+    submit = worker.submit
+    worker.submit = lambda what, fn: (order.append(int(what.split()[1])), submit(what, fn))
     started_before_first_layer: list[bool] = []
-    model.layers[0].register_full_backward_pre_hook(
-        lambda *_: started_before_first_layer.append(opt._overlapped.in_progress)
-    )
+    model.layers[0].register_full_backward_pre_hook(lambda *_: started_before_first_layer.append(opt.step_in_progress))
     model(_batch(1, 0, WIDTH, torch.float32), 1).square().mean().backward()
     assert started_before_first_layer == [True]
     assert order == sorted(order, reverse=True), "the last layers' grads arrive first"
@@ -242,18 +242,16 @@ class _RecordingEngine(SyncCopyEngine):
         self._note("end")
 
 
-def test_each_push_follows_a_read_mark_taken_after_its_params_last_read_and_end_step_follows_all():
+def test_each_push_follows_a_read_mark_taken_after_its_params_last_read_and_end_step_follows_all(monkeypatch):
     # What a device stream needs: the H2D of a bucket may overwrite its params only once the main
     # stream has queued every read of them (a mark after the bucket's last grad when it starts
     # during backward, else one in step()), and end_step (the next forward's wait) comes last.
     model = _net(layers=5)  # buckets of 144: (layers 0, 1), (2, 3), (4, branch); branch: even steps only
+    engine = _RecordingEngine()
+    monkeypatch.setattr(transfer, "copy_engine_for", lambda device, **_: engine)  # the one place engines are made
     opt = HybridDeviceOptimizer(
         model.named_parameters(), 1.0, lr=0.01, bucket_numel=144, overlap_step_with_backward=True
     )
-    engine = _RecordingEngine()
-    for bucket in opt._buckets:
-        bucket.engine = engine
-    opt._engines = {torch.device("cpu"): engine}
     opt.register_step_pre_hook(lambda *_: engine._note("step()"))
     for step in range(2):
         engine.log.clear()
@@ -288,20 +286,18 @@ def test_through_a_ring_of_pinned_slots_on_an_emulated_async_device_it_stays_bit
     # host step reading grads before their D2H landed, or a param read before its H2D, shows up.
     engines: list[RingCopyEngine] = []
 
-    def engine_for(self, device):
-        if device not in self._engines:
-            engines.append(RingCopyEngine(device, slots, queues=DeferredQueues(), pin=False))
-            self._engines[device] = engines[-1]
-        return self._engines[device]
+    def engine_for(device, *, transfer_slots):
+        engines.append(RingCopyEngine(device, slots, queues=DeferredQueues(), pin=False))
+        return engines[-1]
 
     default, _, _ = _run(name, 0.5, torch.float32, False, micro_batches=2, sched=True, bucket_numel=80)
     with monkeypatch.context() as m:
-        m.setattr(HybridDeviceOptimizer, "_engine_for", engine_for)
+        m.setattr(transfer, "copy_engine_for", engine_for)
         overlapped, opt, seen = _run(
             name, 0.5, torch.float32, True, micro_batches=2, sched=True, bucket_numel=80, pinned_transfer_slots=slots
         )
     _assert_identical(default, overlapped)
-    assert all(seen) and engines and all(b.engine is engines[0] for b in opt._buckets)
+    assert all(seen) and len(engines) == 1 and {b.copy_engine for b in opt.layout().buckets} == {"RingCopyEngine"}
     assert engines[0].d2h_ring.peak_in_use <= slots and engines[0].h2d_ring.peak_in_use <= slots
 
 
@@ -335,11 +331,10 @@ def test_optim_clip_grad_norm_and_grad_norm_refuse_params_of_an_overlapped_optim
     assert optim.grad_norm(plain.parameters()) > 0  # other params are not refused
 
 
-def test_torch_clipping_after_backward_makes_step_raise_naming_the_param():
+def test_torch_clipping_after_backward_makes_step_raise_naming_the_param(monkeypatch):
     model, opt = _opt_after_backward()
-    engine = opt._buckets[0].engine
     ended: list[bool] = []
-    engine.end_step = lambda main_waits=True: ended.append(main_waits)
+    monkeypatch.setattr(SyncCopyEngine, "end_step", lambda self, main_waits=True: ended.append(main_waits))
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # scales in place, by 1.0: still refused
     with pytest.raises(ValueError, match="gradient of parameter 'layers.5.weight' was changed in place"):
         opt.step()
@@ -441,7 +436,7 @@ def test_a_worker_error_also_surfaces_at_the_next_hook(failing_kernel):
     failing_kernel.error = MemoryError("host out of memory")
     model(_batch(0, 0, WIDTH, torch.float32), 1).square().mean().backward()
     # Private: no public call waits for the worker without also raising its failure (which is the point here).
-    opt._overlapped.worker.wait_quietly()  # the failure is recorded: deterministic from here on
+    opt._schedule.overlapped.worker.wait_quietly()  # the failure is recorded: deterministic from here on
     with pytest.raises(RuntimeError, match="bucket 0 \\(params 'layers.0.weight'.*MemoryError"):
         model(_batch(0, 1, WIDTH, torch.float32), 1).square().mean().backward()
     with pytest.raises(RuntimeError, match="bucket 0 .*host out of memory"):  # and step() still says so
@@ -449,10 +444,11 @@ def test_a_worker_error_also_surfaces_at_the_next_hook(failing_kernel):
 
 
 def test_the_worker_thread_ends_with_its_optimizer():
+    before = set(threading.enumerate())
     model, opt = _opt_after_backward()
     opt.step()
-    thread = opt._overlapped.worker.thread
-    assert thread is not None and thread.is_alive()
+    (thread,) = [t for t in threading.enumerate() if t not in before and t.name == "offload_fsdp-host-step"]
+    assert thread.is_alive()
     del opt
     gc.collect()
     thread.join(timeout=30)
@@ -464,17 +460,20 @@ def test_the_worker_thread_ends_with_its_optimizer():
 # -------------------------------------------------------------------------------------- model=
 
 
-def test_model_hooks_wait_for_each_modules_own_buckets_right_before_its_forward():
+def test_model_hooks_wait_for_each_modules_own_buckets_right_before_its_forward(monkeypatch):
     model = _net(layers=3, tied=True)  # layers.2.weight is layers.0.weight
     opt = HybridDeviceOptimizer(model.named_parameters(), 1.0, lr=0.01, bucket_numel=72, model=model)
     owned = {name: sorted(b.index for b in bs) for name, bs in _named_owners(model, opt)}
     # buckets: 0 = layers.0 (72), 1 = layers.1, 2 = layers.2.bias + branch.weight, 3 = branch.bias
     assert owned == {"layers.0": [0], "layers.1": [1], "layers.2": [0, 2], "branch": [2, 3]}
     log: list[tuple[str, object]] = []
-    engine = opt._buckets[0].engine
-    engine.wait_pushed = lambda bucket: log.append(("wait", bucket.index))
-    end_step = engine.end_step
-    engine.end_step = lambda main_waits=True: (log.append(("end_step", main_waits)), end_step(main_waits))
+    monkeypatch.setattr(SyncCopyEngine, "wait_pushed", lambda self, bucket: log.append(("wait", bucket.index)))
+    end_step = SyncCopyEngine.end_step
+    monkeypatch.setattr(
+        SyncCopyEngine,
+        "end_step",
+        lambda self, main_waits=True: (log.append(("end_step", main_waits)), end_step(self, main_waits)),
+    )
     for name, module in model.named_modules():
         if name in owned:  # registered after ours: runs after our wait
             module.register_forward_pre_hook(lambda m, args, name=name: log.append(("forward", name)))
@@ -491,8 +490,15 @@ def test_model_hooks_wait_for_each_modules_own_buckets_right_before_its_forward(
 
 
 def _named_owners(model, opt):
-    names = {id(m): n for n, m in model.named_modules()}
-    return [(names[id(m)], bs) for m, bs in owners_of_buckets(model, opt._buckets)]
+    """(module name, the buckets of the params it registers): the owners without FSDP2 (forward_waits)."""
+    layout = opt.layout()
+    params = [p for group in opt.param_groups for p in group["params"]]
+    bucket_of = {id(p): placed.bucket for p, placed in zip(params, layout.params)}
+    owners: dict[str, set[int]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(name, set()).add(bucket_of[id(p)])
+    return [(n, [b for b in layout.buckets if b.index in bs]) for n, bs in owners.items()]
 
 
 def test_model_without_an_offloaded_param_is_refused_naming_it():
@@ -501,10 +507,11 @@ def test_model_without_an_offloaded_param_is_refused_naming_it():
     with pytest.raises(ValueError, match="parameter 'extra.weight' is offloaded but not a parameter of the model="):
         HybridDeviceOptimizer(params, 1.0, lr=0.01, model=model)
     opt = HybridDeviceOptimizer(model.named_parameters(), 1.0, lr=0.01, model=model)
-    buckets, hooks = len(opt._buckets), len(opt._hook_handles)
+    before = opt.layout()
     with pytest.raises(ValueError, match="is offloaded but not a parameter of the model="):
         opt.add_param_group({"params": [("extra.weight", other.weight)]})
-    assert (len(opt.param_groups), len(opt._buckets), len(opt._hook_handles)) == (1, buckets, hooks)
+    assert len(opt.param_groups) == 1 and opt.layout() == before
+    assert not other.weight._post_accumulate_grad_hooks  # no backward hook on the refused param (torch's dict)
 
 
 def test_model_hooks_keep_results_identical():
@@ -562,7 +569,8 @@ def _fsdp_body(rank: int, world_size: int) -> list[list[torch.Tensor]]:
             overlap_step_with_backward=overlap, model=model if overlap else None,
         )  # fmt: skip
         if overlap:  # model=: the forward pre-hooks sit on the fully_shard units
-            assert all(isinstance(m, FSDPModule) for m, _ in owners_of_buckets(model, opt._buckets))
+            # Private: which modules carry the forward waits shows only in timing, not in results.
+            assert all(isinstance(m, FSDPModule) for m, _ in owners_of_buckets(model, opt._placement.buckets))
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
         for step in range(2):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -570,7 +578,7 @@ def _fsdp_body(rank: int, world_size: int) -> list[list[torch.Tensor]]:
                 model.set_requires_gradient_sync(micro == 1)
                 model(torch.randn(4, 6, generator=gen)).square().mean().backward()
             if overlap:
-                assert opt._overlapped.in_progress, "no update started during the final backward"
+                assert opt.step_in_progress, "no update started during the final backward"
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -597,7 +605,7 @@ def _fsdp_torch_clip_body(rank: int, world_size: int) -> str:
     fully_shard(model, mesh=mesh)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01, bucket_numel=8, overlap_step_with_backward=True)
     model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-    assert opt._overlapped.in_progress
+    assert opt.step_in_progress
     # torch's clip scales FSDP2's DTensor grads with _foreach_mul_, which moves no version counter
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(ValueError, match="changed in place or replaced after its overlapped host update") as info:
@@ -631,7 +639,7 @@ def test_on_an_accelerator_one_step_in_flight_is_bit_identical_and_params_land_b
             x = _batch(step, 0, 256, torch.float32).to(device)
             model(x, step).square().mean().backward()
             if overlap:
-                assert opt._overlapped.in_progress
+                assert opt.step_in_progress
             opt.step()
             opt.zero_grad()
             # One step in flight: this forward is queued while H2D copies may still run; the main

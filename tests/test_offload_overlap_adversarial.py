@@ -8,12 +8,14 @@ mode with itself). Refusals must raise naming the fix.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
 import torch
 
-from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp import HybridDeviceOptimizer, Schedule
+from offload_fsdp.copy_engine import SyncCopyEngine
 from tests.distributed import run_ranks
 from tests.test_offload_overlap import WIDTH, _batch, _net
 
@@ -29,8 +31,8 @@ def _opt(model: torch.nn.Module, overlap: bool, fraction: float = 1.0, **kw) -> 
 def _steps(model, opt, steps: int, seen: list[bool], *, first: int = 0, dtype=torch.float32, set_to_none=True):
     for step in range(first, first + steps):
         model(_batch(step, 0, WIDTH, dtype), step).float().square().mean().backward()
-        if opt._overlapped is not None:
-            seen.append(opt._overlapped.in_progress)
+        if opt.options.schedule is Schedule.OVERLAPPED:
+            seen.append(opt.step_in_progress)
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
 
@@ -103,7 +105,7 @@ def _two_optimizers_over_one_model(overlap: bool, seen: list[bool]) -> torch.nn.
     for step in range(3):
         model(_batch(step, 0, WIDTH, torch.float32), step).square().mean().backward()
         if overlap:
-            seen.append(a._overlapped.in_progress and b._overlapped.in_progress)
+            seen.append(a.step_in_progress and b.step_in_progress)
         a.step()
         b.step()
         a.zero_grad()
@@ -118,7 +120,7 @@ def _a_module_called_twice_in_forward(overlap: bool, seen: list[bool]) -> torch.
         x = model.layers[1](torch.tanh(model.layers[1](model.layers[0](_batch(step, 0, WIDTH, torch.float32)))))
         model.layers[5](torch.tanh(x)).square().mean().backward()
         if overlap:
-            seen.append(opt._overlapped.in_progress)
+            seen.append(opt.step_in_progress)
         opt.step()
         opt.zero_grad()
     return model
@@ -134,7 +136,7 @@ def _two_losses_backward_one_after_the_other(overlap: bool, seen: list[bool]) ->
         first.backward()
         second.backward()
         if overlap:
-            seen.append(opt._overlapped.in_progress)
+            seen.append(opt.step_in_progress)
         opt.step()
         opt.zero_grad()
     return model
@@ -187,10 +189,11 @@ def test_the_overlapped_mode_is_bit_identical_to_the_default_mode_in_this_combin
 def test_offload_fraction_zero_starts_no_worker_and_matches_the_default_mode():
     default, overlapped = _net(), _net()
     _steps(default, _opt(default, False, 0.0), 2, [])
+    before = set(threading.enumerate())
     opt = _opt(overlapped, True, 0.0)
     _steps(overlapped, opt, 2, [])
     assert all(torch.equal(p, q) for p, q in zip(default.parameters(), overlapped.parameters()))
-    assert opt._overlapped.worker.thread is None
+    assert not [t for t in threading.enumerate() if t not in before and t.name == "offload_fsdp-host-step"]
 
 
 def test_backward_twice_with_retain_graph_raises_from_the_second_backward_naming_defer_grad_copies():
@@ -200,7 +203,8 @@ def test_backward_twice_with_retain_graph_raises_from_the_second_backward_naming
     opt = _opt(model, True)
     loss = model(_batch(0, 0, WIDTH, torch.float32), 0).square().mean()
     loss.backward(retain_graph=True)
-    opt._overlapped.worker.wait_quietly()  # deterministic: every update of the first backward has run
+    # Private: no public call waits for the worker without also ending the step (deterministic from here on).
+    opt._schedule.overlapped.worker.wait_quietly()  # every update of the first backward has run
     with pytest.raises(RuntimeError, match="received a gradient in another backward .*defer_grad_copies"):
         loss.backward()
 
@@ -212,7 +216,7 @@ def test_autograd_grad_without_backward_starts_nothing_and_step_matches_the_defa
         opt = _opt(model, overlap)
         loss = model(_batch(0, 0, WIDTH, torch.float32), 0).square().mean()
         grads = torch.autograd.grad(loss, list(model.parameters()))
-        assert opt._overlapped is None or not opt._overlapped.in_progress  # no .grad was accumulated
+        assert not opt.step_in_progress  # no .grad was accumulated
         for p, g in zip(model.parameters(), grads):
             p.grad = g
         opt.step()
@@ -220,16 +224,15 @@ def test_autograd_grad_without_backward_starts_nothing_and_step_matches_the_defa
     assert all(torch.equal(p, q) for p, q in zip(*results))
 
 
-def test_graph_safe_grads_are_staged_once_per_backward_in_the_default_mode():
+def test_graph_safe_grads_are_staged_once_per_backward_in_the_default_mode(monkeypatch):
     model = _net()
     opt = _opt(model, False, graph_safe_grads=True)
     copies: list[int] = []
-    engine = opt._buckets[0].engine
-    real = engine.stage_grad
-    engine.stage_grad = lambda bucket, dst, src: (copies.append(1), real(bucket, dst, src))[1]
+    real = SyncCopyEngine.stage_grad
+    monkeypatch.setattr(SyncCopyEngine, "stage_grad", lambda *a: (copies.append(1), real(*a))[1])
     model(_batch(0, 0, WIDTH, torch.float32), 0).square().mean().backward()
     opt.step()
-    assert len(copies) == len(opt._records), "a grad staged during backward was copied again by step()"
+    assert len(copies) == len(opt.layout().params), "a grad staged during backward was copied again by step()"
 
 
 class _KeepsWeight(torch.autograd.Function):
@@ -243,8 +246,8 @@ class _KeepsWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.opt._overlapped is not None:
-            ctx.opt._overlapped.worker.wait_quietly()
+        # Private: no public call waits for the worker without also raising its failure or ending the step.
+        ctx.opt._schedule.overlapped.worker.wait_quietly() if ctx.opt.options.schedule is Schedule.OVERLAPPED else None
         return grad @ ctx.w, None, None
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.copy_engine import SyncCopyEngine
 
 SHAPES = [(7, 3), (5,), (4, 4), (0, 3), (6,)]  # includes an empty tensor
 CONFIGS = {
@@ -74,7 +75,7 @@ def test_partition_offloads_a_deterministic_whole_parameter_prefix():
     params = [torch.zeros(n, requires_grad=True) for n in (10, 10, 10, 10)]
     for fraction, expected in [(0.0, 0), (0.25, 1), (0.5, 2), (0.6, 2), (1.0, 4)]:
         opt = HybridDeviceOptimizer(params, fraction, lr=0.1)
-        assert [r.offloaded for r in opt._records] == [i < expected for i in range(4)], fraction
+        assert opt.layout().offloaded == tuple(i < expected for i in range(4)), fraction
 
 
 def test_lr_betas_and_weight_decay_changes_take_effect_on_the_next_step():
@@ -273,15 +274,16 @@ def test_closure_loss_is_returned():
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_cache_sized_pieces_that_split_params_give_the_same_update_as_whole_buckets(state_dtype):
     """Piece boundaries (inside params, across params, with a gradless param) must not change the result."""
-    from offload_fsdp.fused_step import FusedScratch
+    from offload_fsdp import fused_step
     from optim import PrecisionPolicy
 
     policy = PrecisionPolicy(exp_avg_dtype=state_dtype, exp_avg_sq_dtype=state_dtype)
     results = []
     for piece in (7, 1 << 18):
         params = _params(torch.bfloat16)
-        opt = HybridDeviceOptimizer(_groups(params), 1.0, lr=0.01, precision=policy)
-        opt._scratch = FusedScratch(piece)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(fused_step, "PIECE_NUMEL", piece)
+            opt = HybridDeviceOptimizer(_groups(params), 1.0, lr=0.01, precision=policy)
         for step in range(3):
             for i, (p, g) in enumerate(zip(params, _grads(step, torch.bfloat16))):
                 p.grad = None if (i == 1 and step == 1) else g
@@ -317,28 +319,33 @@ class _CountingSGD(torch.optim.SGD):
     keeping SGD's step is matched as SGD: offload_fsdp.per_element), so it is delegated per bucket."""
 
     built = 0
+    sizes: list[list[int]] = []
+    """per instance built, the numel of each param it updates"""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, params, *args, **kwargs):
         type(self).built += 1
-        super().__init__(*args, **kwargs)
+        params = list(params)
+        super().__init__(params, *args, **kwargs)
+        type(self).sizes.append([p.numel() for g in self.param_groups for p in g["params"]])
 
     def step(self, closure=None):
         return super().step(closure)
 
 
 def test_a_class_without_fused_kernel_runs_as_one_instance_per_bucket_and_matches_torch():
-    _CountingSGD.built = 0
+    _CountingSGD.built, _CountingSGD.sizes = 0, []
     ours, ref = _params(), _params()
     kw = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
     opt = HybridDeviceOptimizer(_groups(ours), 1.0, cpu_optimizer_cls=_CountingSGD, bucket_numel=24, **kw)
-    buckets = opt._buckets
-    assert len(buckets) >= 2 and max(len(b.records) for b in buckets) >= 2, "the test needs multi-param buckets"
+    buckets = opt.layout().buckets
+    assert len(buckets) >= 2 and max(len(b.params) for b in buckets) >= 2, "the test needs multi-param buckets"
+    assert all(b.kernel is None for b in buckets)
     _CountingSGD.built -= 1  # the explicit form's throw-away instance that validates the hyper-parameters
     assert _CountingSGD.built == len(buckets)
-    assert len({id(b.delegate) for b in buckets}) == len(buckets)
-    for b in buckets:  # each instance updates exactly its bucket's master views
-        inner = [p for g in b.delegate.inner.param_groups for p in g["params"]]
-        assert [p.data_ptr() for p in inner] == [r.master.data_ptr() for r in b.records]
+    params = [p for group in opt.param_groups for p in group["params"]]
+    numel = {placed.name: p.numel() for p, placed in zip(params, opt.layout().params)}
+    # each instance updates exactly its bucket's params (the throw-away instance came first)
+    assert _CountingSGD.sizes[1:] == [[numel[name] for name in b.params] for b in buckets]
     _run(opt, ours, 3, torch.float32)
     _run(torch.optim.SGD(_groups(ref), **kw), ref, 3, torch.float32)
     assert _CountingSGD.built == len(buckets), "stepping builds no further instances"
@@ -346,34 +353,38 @@ def test_a_class_without_fused_kernel_runs_as_one_instance_per_bucket_and_matche
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _record_grad_copies(opt: HybridDeviceOptimizer) -> list[int]:
-    """The list that each D2H grad copy of ``opt`` (one copy engine on CPU) appends its destination to."""
-    copies: list[int] = []
-    engine = opt._buckets[0].engine
-    original = engine.stage_grad
-    engine.stage_grad = lambda bucket, dst, src: (copies.append(dst.data_ptr()), original(bucket, dst, src))
+def _record_grad_copies(monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The list that each D2H grad copy (the CPU's copy engine) appends its (destination, source) to."""
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    original = SyncCopyEngine.stage_grad
+    monkeypatch.setattr(
+        SyncCopyEngine,
+        "stage_grad",
+        lambda self, bucket, dst, src: (copies.append((dst, src)), original(self, bucket, dst, src)),
+    )
     return copies
 
 
-def test_grads_are_staged_during_backward_and_not_copied_again_by_step():
+def test_grads_are_staged_during_backward_and_not_copied_again_by_step(monkeypatch):
     model = _tiny_model()
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
-    copies = _record_grad_copies(opt)
+    copies = _record_grad_copies(monkeypatch)
     model(torch.randn(4, 6)).sum().backward()
     assert len(copies) == 4, "each param's D2H starts from its post-accumulate-grad hook"
-    for r in opt._records:
-        assert torch.equal(r.grad_stage, r.param.grad)
+    assert {id(src) for _, src in copies} == {id(p.grad) for p in model.parameters()}
+    for staged, grad in copies:
+        assert torch.equal(staged, grad)
     opt.step()
     assert len(copies) == 4, "unchanged grads are not copied again"
 
 
-def test_deferred_grad_copies_copy_only_the_final_accumulated_grad_with_the_same_result():
+def test_deferred_grad_copies_copy_only_the_final_accumulated_grad_with_the_same_result(monkeypatch):
     """3 micro-batches: hooks copy each param's grad 3 times; deferring the first two leaves 1 copy."""
     results = {}
     for defer in (False, True):
         model = _tiny_model()
         opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01)
-        copies = _record_grad_copies(opt)
+        copies = _record_grad_copies(monkeypatch)
         gen = torch.Generator().manual_seed(3)
         for _ in range(2):
             batches = [torch.randn(4, 6, generator=gen) for _ in range(3)]
@@ -382,7 +393,6 @@ def test_deferred_grad_copies_copy_only_the_final_accumulated_grad_with_the_same
                     model(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        assert not opt._defer_grad_copies  # restored on exit
         results[defer] = ([p.detach().clone() for p in model.parameters()], len(copies))
     (eager, eager_copies), (deferred, deferred_copies) = results[False], results[True]
     assert (eager_copies, deferred_copies) == (2 * 3 * 4, 2 * 4)
@@ -428,7 +438,7 @@ def test_a_different_device_class_steps_its_share_like_its_plain_class_with_its_
     opt = HybridDeviceOptimizer(
         groups, 0.5, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.SGD, bucket_numel=24, **kw
     )
-    assert [r.offloaded for r in opt._records] == [True, True, False, False, False]
+    assert opt.layout().offloaded == (True, True, False, False, False)
     host_ref = torch.optim.AdamW(ref[:2], **kw)  # the host share: params 0, 1 of group 0
     device_ref = torch.optim.SGD(
         [{"params": ref[2:3], "momentum": 0.9}, {"params": ref[3:], "lr": 0.002, "weight_decay": 0.0}], **kw
@@ -451,7 +461,8 @@ def test_a_different_device_class_steps_its_share_like_its_plain_class_with_its_
 
 def test_a_wrapped_optimizer_and_later_groups_share_with_another_device_class_only_what_the_user_set():
     def device_decay(opt):
-        return [g["weight_decay"] for g in opt._device_delegate.inner.param_groups]
+        # Private: the device class's own group values; the update shows them only through many steps.
+        return [g["weight_decay"] for g in opt._placement.device_delegate.inner.param_groups]
 
     for decay, expected in ((0.01, 0.0), (0.1, 0.1)):  # AdamW's default stays AdamW's; a chosen value is shared
         params = [torch.zeros(4, requires_grad=True) for _ in range(2)]

@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp import HybridDeviceOptimizer, transfer
 from offload_fsdp.transfer_ring import RingCopyEngine
 from tests.fakes.deferred_queues import DeferredEvent, DeferredQueues, SlotOverwritten
 
@@ -242,14 +242,20 @@ def _ring_engines(monkeypatch, slots):
     """Make every optimizer built in this context use a ring engine on the emulated device."""
     engines: list[RingCopyEngine] = []
 
-    def engine_for(self, device):
-        if device not in self._engines:
-            engines.append(RingCopyEngine(device, slots, queues=DeferredQueues(), pin=False))
-            self._engines[device] = engines[-1]
-        return self._engines[device]
+    def engine_for(device, *, transfer_slots):
+        engines.append(RingCopyEngine(device, slots, queues=DeferredQueues(), pin=False))
+        return engines[-1]
 
-    monkeypatch.setattr(HybridDeviceOptimizer, "_engine_for", engine_for)
+    monkeypatch.setattr(transfer, "copy_engine_for", engine_for)  # the one place engines are chosen
     return engines
+
+
+def _made_engines(monkeypatch):
+    """Every copy engine made from now on (by the real factory), in order."""
+    made: list = []
+    real = transfer.copy_engine_for
+    monkeypatch.setattr(transfer, "copy_engine_for", lambda device, **kw: made.append(real(device, **kw)) or made[-1])
+    return made
 
 
 SHAPES = [(7, 13), (7,), (9, 7), (9,), (1, 9), (31,), (4, 5)]
@@ -314,7 +320,8 @@ def test_ring_mode_is_bit_identical_to_full_pinning_with_accumulation_and_a_sche
     with monkeypatch.context() as m:
         engines = _ring_engines(m, slots)
         opt = _build(params, cls, fraction, slots)
-    assert len(opt._buckets) >= 2 and engines and all(b.engine is engines[0] for b in opt._buckets)
+    buckets = opt.layout().buckets
+    assert len(buckets) >= 2 and len(engines) == 1 and {b.copy_engine for b in buckets} == {"RingCopyEngine"}
     _train(opt, params, defer=defer, dtype=dtype)
 
     for a, b in zip(params, ref_params):
@@ -343,7 +350,7 @@ def test_grads_clipped_after_backward_are_recopied_inside_step_through_waiting_s
     real = RingCopyEngine._start_waiting
     monkeypatch.setattr(RingCopyEngine, "_start_waiting", lambda self, key: (waited.append(key), real(self, key)))
     _train(opt, params, dtype=torch.bfloat16, clip=0.1)
-    assert len(waited) >= 3 * (len(opt._buckets) - slots)  # every step: all buckets past the ring waited
+    assert len(waited) >= 3 * (len(opt.layout().buckets) - slots)  # every step: all buckets past the ring waited
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert engines[0].d2h_ring.peak_in_use == slots
 
@@ -362,7 +369,7 @@ def test_a_group_added_later_with_a_larger_bucket_grows_the_slots_and_stays_bit_
         engines = _ring_engines(m, 2)
         params, opt = run(2)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
-    assert engines[0].slot_bytes[0] >= max(b.numel for b in opt._buckets) * 2
+    assert engines[0].slot_bytes[0] >= max(b.numel for b in opt.layout().buckets) * 2
 
 
 def test_a_ring_mode_state_dict_saves_only_state_and_resumes_a_full_pinning_optimizer_bit_identically(monkeypatch):
@@ -403,7 +410,7 @@ def test_buckets_of_mixed_dtypes_and_an_empty_param_share_one_ring_bit_identical
     with monkeypatch.context() as m:
         engines = _ring_engines(m, 1)
         params, opt = run(1)
-    assert {b.grad_dtype for b in opt._buckets} == {torch.float32, torch.bfloat16}
+    assert {b.grad_dtype for b in opt.layout().buckets} == {torch.float32, torch.bfloat16}
     assert engines[0].slot_bytes == (200, 200)  # the largest bucket in bytes: 50 fp32 elements (not 70 bf16)
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
@@ -430,20 +437,21 @@ def test_the_construction_log_reports_the_slots_and_their_pinned_bytes(monkeypat
 
 @pytest.mark.accelerator
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_a_device_ring_pinning_registers_only_the_slots_and_matches_full_pinning(dtype):
+def test_on_a_device_ring_pinning_registers_only_the_slots_and_matches_full_pinning(dtype, monkeypatch):
     from tests.test_offload_cuda import _low_intensity_model, _train
 
     n = 1 << 16
     ref_model, model = (_low_intensity_model(n).to(dtype) for _ in range(2))  # 12 params, one bucket each
     ref = HybridDeviceOptimizer(ref_model.parameters(), 1.0, lr=1e-2, bucket_numel=n)
+    made = _made_engines(monkeypatch)
     opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=1e-2, bucket_numel=n, pinned_transfer_slots=2)
     assert ref.pinned_bytes >= 2 * sum(p.numel() * p.element_size() for p in ref_model.parameters())
-    (engine,) = opt._engines.values()
+    (engine,) = made
     assert isinstance(engine, RingCopyEngine) and engine.arena is not None and engine.arena.pinned
-    assert engine.slot_bytes == (n * dtype.itemsize,) * 2 and len(opt._buckets) == 12
+    assert engine.slot_bytes == (n * dtype.itemsize,) * 2 and len(opt.layout().buckets) == 12
     assert opt.pinned_bytes == engine.reserved_bytes == 4 * n * dtype.itemsize  # 2 slots per direction, nothing else
-    assert opt._host_buffers.pinned.layout.used_bytes == 0  # masters, moments, staging: all pageable
-    assert not any(b.grad_stage.is_pinned() or b.master.is_pinned() for b in opt._buckets)
+    assert opt.layout().arenas[0].used_bytes == 0  # masters, moments, staging: all pageable
+    assert not any(b.pinned for b in opt.layout().buckets)
     # low arithmetic intensity: a forward that ran before its params' H2D landed would read stale values
     ours = _train(model, opt, 4, n, micro_batches=3, clip=0.5)
     theirs = _train(ref_model, ref, 4, n, micro_batches=3, clip=0.5)
@@ -464,23 +472,20 @@ def _fsdp_ring_body(rank: int, world_size: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world_size,))
     results = {}
-    default_engine_for = HybridDeviceOptimizer._engine_for
     for slots in (None, 1):
         model = _shard(_model(), mesh)
-        if slots is not None:  # the emulated device, in this rank's process
-            HybridDeviceOptimizer._engine_for = lambda self, device, s=slots: self._engines.setdefault(  # type: ignore[method-assign]
-                device, RingCopyEngine(device, s, queues=DeferredQueues(), pin=False)
-            )
-        try:
+        with pytest.MonkeyPatch.context() as m:
+            if slots is not None:  # the emulated device, in this rank's process
+                engines = _ring_engines(m, slots)
             opt = HybridDeviceOptimizer(model.parameters(), 1.0, lr=0.01, bucket_numel=8, pinned_transfer_slots=slots)
-        finally:
-            HybridDeviceOptimizer._engine_for = default_engine_for  # type: ignore[method-assign]
         train_fsdp(model, opt, 3, rank, micro_batches=2)
         results[slots] = [p.to_local().clone() for p in model.parameters()]
         if slots is not None:
-            (engine,) = opt._engines.values()
+            (engine,) = engines
             results["peak"] = engine.d2h_ring.peak_in_use
-            results["ring_used"] = isinstance(engine, RingCopyEngine) and len(opt._buckets) > 1
+            results["ring_used"] = {b.copy_engine for b in opt.layout().buckets} == {"RingCopyEngine"} and len(
+                opt.layout().buckets
+            ) > 1
     results["equal"] = all(torch.equal(a, b) for a, b in zip(results[None], results[1]))
     return {k: results[k] for k in ("equal", "peak", "ring_used")}
 

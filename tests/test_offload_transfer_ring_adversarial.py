@@ -111,7 +111,7 @@ def test_zero_grad_between_backward_and_step_frees_the_held_slots_and_the_droppe
         opt = _build(params, torch.optim.AdamW, 1.0, 2)
     (engine,) = engines
     _loss(params, torch.randn(4, 13).bfloat16()).backward()
-    assert len(opt._buckets) > 2 and engine.d2h_ring.in_use == 2  # the hooks' copies hold both slots
+    assert len(opt.layout().buckets) > 2 and engine.d2h_ring.in_use == 2  # the hooks' copies hold both slots
     dropped = [weakref.ref(p.grad) for p in params]
     opt.zero_grad()
     gc.collect()
@@ -127,13 +127,10 @@ def _tied_fsdp_body(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from offload_fsdp import HybridDeviceOptimizer
-    from offload_fsdp.transfer_ring import RingCopyEngine
     from optim.clip import clip_grad_norm_  # torch's on DTensor grads: see the xfail tests below
-    from tests.fakes.deferred_queues import DeferredQueues
 
     mesh = init_device_mesh("cpu", (world_size,))
     final, peaks = {}, []
-    default_engine_for = HybridDeviceOptimizer._engine_for
     for slots in (None, 1):
         torch.manual_seed(0)
         # 5 rows: uneven shards at 2 ranks; the last layer reuses the first one's weight (its
@@ -143,17 +140,14 @@ def _tied_fsdp_body(rank: int, world_size: int) -> dict:
         model[6].weight = model[0].weight
         fully_shard(model[2], mesh=mesh)
         fully_shard(model, mesh=mesh)
-        if slots is not None:  # the emulated device, in this rank's process
-            HybridDeviceOptimizer._engine_for = lambda self, device, s=slots: self._engines.setdefault(  # type: ignore[method-assign]
-                device, RingCopyEngine(device, s, queues=DeferredQueues(), pin=False)
-            )
-        try:
+        engines = []
+        with pytest.MonkeyPatch.context() as m:
+            if slots is not None:  # the emulated device, in this rank's process
+                engines = _ring_engines(m, slots)
             opt = HybridDeviceOptimizer(
                 model.parameters(), 1.0, cpu_optimizer_cls=torch.optim.SGD, lr=0.05, momentum=0.9,
                 bucket_numel=8, pinned_transfer_slots=slots,
             )  # fmt: skip
-        finally:
-            HybridDeviceOptimizer._engine_for = default_engine_for  # type: ignore[method-assign]
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         for step in range(3):
             gen = torch.Generator().manual_seed(100 * step + rank)
@@ -164,7 +158,7 @@ def _tied_fsdp_body(rank: int, world_size: int) -> dict:
             sched.step()
             opt.zero_grad()
         final[slots] = [p.to_local().clone() for p in model.parameters()]
-        peaks += [e.d2h_ring.peak_in_use for e in opt._engines.values() if isinstance(e, RingCopyEngine)]
+        peaks += [e.d2h_ring.peak_in_use for e in engines]
     return {"equal": all(torch.equal(a, b) for a, b in zip(final[None], final[1])), "peaks": peaks}
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from offload_fsdp import HybridDeviceOptimizer
+from offload_fsdp.placement import Placement
 from tests.distributed import run_ranks
 
 WRITES = ["load_state_dict", "copy_", "mul_", "ema_swap"]
@@ -129,24 +130,23 @@ def test_steps_without_writes_do_not_refresh_masters(monkeypatch):
     opt = HybridDeviceOptimizer(model.parameters(), 0.5, lr=0.01)
     _set_grads([model], 0)
     opt.step()  # the first step compares every master once (weights may have been loaded since construction)
-    calls = []
-    monkeypatch.setattr(opt, "_refresh_masters", lambda records: calls.append(records))
+    calls = _counting_refreshes(monkeypatch)
     for step in range(1, 3):
         _set_grads([model], step)
         opt.step()
     assert calls == [], "the optimizer's own write-back must not count as a user write"
 
 
-def _counting_refreshes(opt: HybridDeviceOptimizer) -> list[int]:
-    """Make ``opt`` log the size of every master refresh into the returned list."""
+def _counting_refreshes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every master refresh from now on logs its size (records refreshed) into the returned list."""
     calls: list[int] = []
-    refresh = opt._refresh_masters
+    refresh = Placement.refresh_masters
 
-    def counted(records):
+    def counted(self, records):
         calls.append(len(records))
-        refresh(records)
+        refresh(self, records)
 
-    opt._refresh_masters = counted
+    monkeypatch.setattr(Placement, "refresh_masters", counted)
     return calls
 
 
@@ -162,7 +162,8 @@ def _fsdp_case(mesh, rank: int, dtype: torch.dtype, kind: str, fraction: float) 
     ours, ref = sharded(upcast=False), sharded(upcast=True)  # ref: torch AdamW (for bf16: the master)
     opt = HybridDeviceOptimizer(torch.optim.AdamW(ours.parameters(), **HYPER), fraction)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-    calls = _counting_refreshes(opt)
+    patch = pytest.MonkeyPatch()
+    calls = _counting_refreshes(patch)
     refreshes_without_writes = 0
     for step in range(4):
         if step == 2:
@@ -177,6 +178,7 @@ def _fsdp_case(mesh, rank: int, dtype: torch.dtype, kind: str, fraction: float) 
         opt.zero_grad()
         if step == 1:  # after the first step's one-time pass, before any write
             refreshes_without_writes = len(calls)
+    patch.undo()
     masters = [opt.state[p].get("master_param", p) for p in ours.parameters()]
     diff = max(
         (a.to_local().float() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0

@@ -64,16 +64,14 @@ def test_host_bytes_per_param_of_each_table_row_are_what_the_offloading_optimize
 
     params = [torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype)) for shape in [(7, 5), (13,), (3, 4, 2)]]
     opt = HybridDeviceOptimizer(torch.optim.AdamW(params, lr=0.1), offload_fraction=1, precision=policy)
-    arenas = [opt._host_buffers.pinned, *opt._host_buffers.pageable.values()]
+    arenas = opt.layout().arenas
     numel = sum(p.numel() for p in params)
-    used = sum(a.layout.used_bytes for a in arenas)
-    by_role = {
-        f"{dtype} {role}": a.layout.used_bytes / numel for (dtype, role), a in opt._host_buffers.pageable.items()
-    }
+    used = sum(a.used_bytes for a in arenas)
+    by_role = {a.role: a.used_bytes / numel for a in arenas}
     assert used / numel == bytes_per_param(policy, param_dtype, 1.0).host, f"{label}: host arenas {by_role}"
     # reserved = used + at most one alignment gap (< 64 B) per buffer
     padding = sum(a.reserved_bytes for a in arenas) - used
-    assert 0 <= padding < 64 * sum(len(a.layout.requests) for a in arenas)
+    assert 0 <= padding < 64 * sum(len(a.buffer_numels) for a in arenas)
 
 
 @pytest.mark.parametrize(
@@ -101,8 +99,7 @@ def test_host_bytes_per_param_of_offloaded_sgd_are_what_the_optimizer_allocates(
 
     params = [torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype)) for shape in [(7, 5), (13,)]]
     opt = HybridDeviceOptimizer(torch.optim.SGD(params, lr=0.1, momentum=momentum), offload_fraction=1)
-    arenas = [opt._host_buffers.pinned, *opt._host_buffers.pageable.values()]
-    used = sum(a.layout.used_bytes for a in arenas) / sum(p.numel() for p in params)
+    used = sum(a.used_bytes for a in opt.layout().arenas) / sum(p.numel() for p in params)
     name = "sgd" if momentum else "sgd_no_momentum"
     assert used == bytes_per_param(PrecisionPolicy(), param_dtype, 1.0, name=name).host
 

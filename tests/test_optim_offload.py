@@ -78,7 +78,8 @@ def test_offload_with_te_gives_both_shares_torchs_defaults_for_what_the_user_lef
     fake_transformer_engine.install(monkeypatch)
     params = [torch.nn.Parameter(torch.zeros(4, 4, dtype=BF16)) for _ in range(2)]
     opt = build_optimizer(params, name, offload_fraction=0.5, backend="te", precision=BF16_STATE)
-    device_group = opt._device_delegate.inner.param_groups[0]  # without a GPU, fraction 0.5 splits the CPU params
+    # Private: the device class's own group values; the update shows them only through many steps.
+    device_group = opt._placement.device_delegate.inner.param_groups[0]  # fraction 0.5 splits the CPU params
     host_defaults = opt.cpu_optimizer_cls([torch.zeros(1)]).defaults
     for key in ("lr", "betas", "eps", "weight_decay"):
         assert device_group[key] == opt.param_groups[0][key] == host_defaults[key], key

@@ -54,7 +54,7 @@ def _profiled_trace(path: Path) -> HybridDeviceOptimizer:
 def test_profiled_step_becomes_a_timeline_png_with_one_bar_per_bucket_and_stage(tmp_path):
     trace = tmp_path / "trace.json"
     opt = _profiled_trace(trace)
-    n_buckets = len(opt._buckets)
+    n_buckets = len(opt.layout().buckets)
     assert n_buckets >= 3, "the test needs a multi-bucket pipeline"
 
     out = tmp_path / "timeline.png"
@@ -69,7 +69,7 @@ def test_profiled_step_becomes_a_timeline_png_with_one_bar_per_bucket_and_stage(
         timeline = module.load_timeline(trace, step=step)
         for stage in module.STAGES:
             bars = timeline.bars[stage]
-            assert sorted(b.bucket for b in bars) == [b.index for b in opt._buckets], stage
+            assert sorted(b.bucket for b in bars) == [b.index for b in opt.layout().buckets], stage
             assert all(0 <= b.start <= b.end <= timeline.window[1] for b in bars)
         # the pipeline's order per bucket: grads in, update, params out
         for bucket in timeline.buckets:
