@@ -50,6 +50,11 @@ Parts (``--parts`` picks a subset):
   object in the same run (interleaved rounds, wall and process CPU time); and
   the peak RSS a save adds (a child process) for a state larger than the
   upload part budget (``checkpoint.fsspec_storage.PART_BYTES``).
+* ``tiers``: :class:`checkpoint.TieredCheckpointer` on the demo model (``scripts/demo.py``, FSDP2 +
+  ``HybridDeviceOptimizer(offload_fraction=1)``) at 2 and 4 gloo ranks, each rank a node of its own,
+  local tier in ``/dev/shm``: how long a save blocks the training loop (local only, local + a replica
+  on the next node, durable only) as a fraction of a training step, and until it is committed; and
+  restore times from each rank's own copy, with one rank's copies lost (from its peer), and from durable.
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -847,6 +852,97 @@ def bench_remote(mib: int) -> None:
         server.stop()
 
 
+def _tiers_body(rank: int, world_size: int, root: str, local_root: str, rounds: int) -> dict:
+    """Demo model, FSDP2 + HybridDeviceOptimizer(offload_fraction=1); each rank a "node" of its own."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import demo
+
+    cfg = demo.Config()
+    model, opt, sched = demo.build(cfg, torch.device("cpu"), world_size)
+    data = demo.corpus()
+    nodes = list(range(world_size))
+
+    def train(step: int) -> float:
+        start = time.perf_counter()
+        batch = demo.local_batch(demo.global_batch(data, cfg, step), rank, world_size)
+        demo.lm_loss(model, batch).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    def tiers(name: str, **options) -> checkpoint.TieredCheckpointer:
+        local = Path(local_root) / name / f"node{rank}"
+        return checkpoint.TieredCheckpointer(local, Path(root) / name / "durable", nodes=nodes, **options)
+
+    configs = {
+        "local": tiers("local", local_every=1, durable_every=0, replication=0),
+        "local+replica": tiers("replica", local_every=1, durable_every=0, replication=1),
+        "durable": tiers("durable", local_every=0, durable_every=1),
+    }
+    out: dict[str, list] = {"step": [], **{f"{n} block": [] for n in configs}, **{f"{n} done": [] for n in configs}}
+    step = 0
+    for tier in configs.values():  # first saves allocate the staging buffers
+        step += 1
+        train(step)
+        tier.save(step, model=model, optimizer=opt, extra={"sched": sched.state_dict()})
+        tier.wait()
+    for _ in range(rounds):
+        for name, tier in configs.items():
+            step += 1
+            out["step"].append(train(step))
+            dist.barrier()
+            start = time.perf_counter()
+            tier.save(step, model=model, optimizer=opt, extra={"sched": sched.state_dict()})
+            out[f"{name} block"].append(time.perf_counter() - start)
+            tier.wait()
+            out[f"{name} done"].append(time.perf_counter() - start)
+    replica = configs["local+replica"]
+    for _ in range(rounds):
+        for source in ("local", "peer", "durable"):
+            if source == "peer" and rank == world_size - 1:
+                shutil.rmtree(Path(local_root) / "replica" / f"node{rank}" / f"rank{rank}")  # this node lost its own
+            dist.barrier()
+            start = time.perf_counter()
+            restored = (configs["durable"] if source == "durable" else replica).restore(model=model, optimizer=opt)
+            out.setdefault(f"restore {source}", []).append(time.perf_counter() - start)
+            assert restored is not None and restored.source == source, (source, restored)
+    return out
+
+
+def bench_tiers(root: Path, rounds: int = 3) -> None:
+    from statistics import median
+
+    from tests.distributed import run_ranks
+
+    local_root = Path(tempfile.mkdtemp(prefix="bench_tiers_", dir="/dev/shm" if os.path.isdir("/dev/shm") else root))
+    try:
+        for world_size in (2, 4):
+            load = os.getloadavg()[0]
+            results = run_ranks(
+                _tiers_body,
+                world_size,
+                args=(str(root / f"tiers{world_size}"), str(local_root / str(world_size)), rounds),
+                timeout_s=1800,
+            )
+            worst = {k: [max(r[k][i] for r in results) for i in range(rounds)] for k in results[0]}
+            step = median(worst["step"])
+            print(
+                f"\n== tiers: demo model (scripts/demo.py Config()), FSDP2 + HybridDeviceOptimizer(offload_fraction=1), "
+                f"{world_size} gloo ranks, one node each; local tier {local_root}; medians of {rounds} interleaved "
+                f"rounds, slowest rank; load average {load:.1f} at the start"
+            )
+            print(f"training step: {step:.3f} s")
+            print("save            blocks the loop        until committed (background)")
+            for name in ("local", "local+replica", "durable"):
+                block, done = median(worst[f"{name} block"]), median(worst[f"{name} done"])
+                print(f"{name:15s} {block:7.3f} s {block / step:6.2f} step   {done:7.3f} s {done / step:6.2f} step")
+            for source in ("local", "peer", "durable"):
+                print(f"restore from {source:8s} {median(worst[f'restore {source}']):7.3f} s")
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -922,6 +1018,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_plan_collectives(root, [c for c in args.scaling_params if c <= 1000] or [100])
         if "remote" in args.parts:
             bench_remote(args.remote_mib)
+        if "tiers" in args.parts:
+            bench_tiers(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
