@@ -159,10 +159,11 @@ def is_ours(directory: str | os.PathLike) -> bool:
     return found is not None and found.kind == "directory" and marker is not None and marker.kind == "file"
 
 
-def mark(directory: str | os.PathLike) -> None:
-    """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
+def mark(directory: str | os.PathLike, *, fresh: bool = False) -> None:
+    """Write the marker into ``directory`` (durably: a crash right after must still find it); ``fresh``: the
+    directory was just made under a new name, so no marker can be there yet (one request less on an object store)."""
     marker = locate(directory) / MARKER_NAME
-    if not _is(marker, "file"):
+    if fresh or not _is(marker, "file"):
         store = storage_for(marker)
         stream = store.create(marker)
         try:

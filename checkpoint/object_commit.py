@@ -61,6 +61,7 @@ from checkpoint.atomic import (
 from checkpoint.atomic import resolve_for_load as resolve_renamed
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.save_queue import wait_for_saves
 from checkpoint.storage_backend import Storage, VersionConflict, locate, storage_for
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "is_checkpoint",
     "protocol_for",
     "read_head",
+    "remove_unfinished",
     "resolve_for_load",
 ]
 
@@ -225,7 +227,7 @@ class ObjectCommit(SaveProtocol):
         self.save = f"fsdp-save-{sequence:08d}-{uuid.uuid4().hex[:12]}"
         staged = self.path / self.save
         self.store.make_dir(staged)
-        mark(staged)
+        mark(staged, fresh=True)  # a new save id: nothing of that name exists
         return staged
 
     def _check_target(self) -> None:
@@ -362,9 +364,17 @@ def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
 
 def collect_garbage(path: str | os.PathLike) -> list[str]:
     """Remove what killed or failed saves left at ``path``: every save directory its head does not name
-    (object-store protocol), or the staging directory (renames). Only while no save to ``path`` runs.
-    Returns the names removed."""
-    path = locate(path)
+    (object-store protocol), or the staging directory (renames). Returns the names removed.
+
+    First waits for this process's async save in flight (and any being staged): its save directory is not
+    named by the head until it commits. A save by another process must not run meanwhile (one writer per
+    path: the job that saves runs ``gc``, or runs it between saves)."""
+    wait_for_saves("gc removes unfinished saves")
+    return remove_unfinished(locate(path))
+
+
+def remove_unfinished(path: PurePath) -> list[str]:
+    """:func:`collect_garbage` without waiting for saves in flight: for the writer thread's own retention."""
     store = storage_for(path)
     if store.stat(path) is None:
         raise FileNotFoundError(f"{str(path)!r} does not exist")
@@ -382,10 +392,11 @@ def collect_garbage(path: str | os.PathLike) -> list[str]:
 
 
 def _saves(path: PurePath) -> list[str]:
-    store = storage_for(path)
-    if store.stat(path) is None:
+    try:
+        names = storage_for(path).list(path)
+    except FileNotFoundError:
         return []
-    return sorted(name for name in store.list(path) if _SAVE.match(name))
+    return sorted(name for name in names if _SAVE.match(name))
 
 
 def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:

@@ -14,8 +14,8 @@ from pathlib import PurePath
 
 from checkpoint.atomic import is_committed
 from checkpoint.manifest import MANIFEST_NAME, read_manifest
-from checkpoint.object_commit import HEAD_NAME, collect_garbage, read_head, resolve_for_load
-from checkpoint.save_queue import wait_for_async_save
+from checkpoint.object_commit import HEAD_NAME, read_head, remove_unfinished, resolve_for_load
+from checkpoint.save_queue import wait_for_async_save, wait_for_saves
 from checkpoint.storage_backend import locate, storage_for
 
 __all__ = ["committed_checkpoints", "latest", "retain"]
@@ -64,14 +64,17 @@ def retain(
 
     Never deletes the newest one, anything not committed (a save in progress), nor anything that is
     not a checkpoint; inside a deleted checkpoint only what the save wrote is removed (files a user put
-    there stay). ``wait``: first wait for an async save in flight (it may be about to commit one).
+    there stay). ``wait``: first wait for this process's async saves being staged or in flight (one may be
+    about to commit a checkpoint, or be writing into one that would be deleted); ``False`` only from the
+    save's own writer, after its commit (``keep_last``).
     """
     if keep_last < 1:
         raise ValueError(
             f"keep_last must be at least 1 (the newest committed checkpoint is never deleted), got {keep_last}"
         )
     if wait:
-        wait_for_async_save()
+        wait_for_saves("retention deletes old checkpoints")
+        wait_for_async_save()  # an unobserved failure of that save is raised here, as by the next save
     path = locate(root_or_path, storage_options)
     root = path.parent if _committed_at(path) is not None else path
     found = committed_checkpoints(root)
@@ -88,7 +91,7 @@ def _delete(path: PurePath) -> None:
     head = read_head(path)
     if head is not None:
         store.delete(path / HEAD_NAME)
-        collect_garbage(path)  # every save directory, now that none is committed
+        remove_unfinished(path)  # every save directory, now that none is committed
         return
     directory = resolve_for_load(path)
     listed = sorted(read_manifest(directory).files)

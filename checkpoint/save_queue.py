@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["AsyncSaveError", "lock", "starting", "submit", "wait_for_async_save"]
+__all__ = ["AsyncSaveError", "lock", "starting", "submit", "wait_for_async_save", "wait_for_saves"]
 
 logger = logging.getLogger("checkpoint.async_save")  # the name users filter on for save failures
 
@@ -139,6 +139,17 @@ def wait_for_async_save() -> None:
             "that checkpoint was not committed and this call did not start another save (call it again to go on; "
             "call future.result() on an async save's future to handle its failure where it happens)"
         ) from error
+
+
+def wait_for_saves(why: str) -> None:
+    """Wait for async saves being staged (any thread) and for the one in flight, saying so at WARNING (``why``:
+    what waits, e.g. "gc removes unfinished saves"); their failures are left to their futures and the next save.
+
+    Whatever deletes checkpoint objects calls it first: a save in flight writes objects that are not
+    committed yet, which would otherwise look like a killed save's leftovers. Never call it from the
+    writer thread (it would wait for itself).
+    """
+    _wait_for_saves(why)
 
 
 def _wait_for_saves(why: str) -> _SaveFuture | None:
