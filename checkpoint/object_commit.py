@@ -11,7 +11,7 @@ at ``P`` is then:
   objects, ``.metadata``, its ``manifest.json`` last). Every save writes a new
   one: nothing a reader may be reading is ever overwritten;
 * ``P/`` :data:`HEAD_NAME`: the commit record, one small JSON object naming
-  the committed save (``{"format", "save", "sequence"}``). Writing it is the
+  the committed save (``{"format", "save", "sequence", "committed_ns"}``). Writing it is the
   commit: a reader finds the checkpoint through it and never sees a save whose
   head was not written; the previous save stays loadable until then.
 
@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import socket
+import time
 import uuid
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
@@ -103,6 +104,9 @@ class Head:
     save: str
     sequence: int
     version: Hashable
+    committed_ns: int | None = None
+    """the committing host's clock at the commit, in ns (``None`` in heads written before it was recorded):
+    retention orders checkpoints by it, since an object store's LastModified has whole seconds"""
 
 
 def read_head(path: PurePath) -> Head | None:
@@ -120,12 +124,15 @@ def read_head(path: PurePath) -> Head | None:
         ok = data.get("format") == "fsdp_dtensor" and isinstance(save, str) and _SAVE.match(save)
         if not ok or not isinstance(sequence, int) or int(_SAVE.match(save).group(1)) != sequence:  # type: ignore[union-attr]
             raise ValueError("unexpected fields")
+        committed_ns = data.get("committed_ns")
+        if committed_ns is not None and (type(committed_ns) is not int or committed_ns < 0):
+            raise ValueError(f"committed_ns is {committed_ns!r}, not a non-negative integer")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(
             f"{where}: not a valid commit record ({exc}); restore it from a copy, or remove it and the "
             "checkpoint at this path"
         ) from None
-    return Head(save, sequence, version)
+    return Head(save, sequence, version, committed_ns)
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:
@@ -253,7 +260,8 @@ class ObjectCommit(SaveProtocol):
 
     def publish(self, staged: PurePath) -> None:
         sequence = int(_SAVE.match(staged.name).group(1))  # type: ignore[union-attr]  # named by begin()
-        record = json.dumps({"format": "fsdp_dtensor", "save": staged.name, "sequence": sequence}, sort_keys=True)
+        fields = {"format": "fsdp_dtensor", "save": staged.name, "sequence": sequence, "committed_ns": time.time_ns()}
+        record = json.dumps(fields, sort_keys=True)
         assert self.save == staged.name, "published by the protocol object that began the save"
         with contextlib.ExitStack() as claimed:
             head = self.head

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -310,6 +311,56 @@ def test_latest_and_keep_last_on_local_paths(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step3"]
     with pytest.raises(ValueError, match="keep_last"):
         checkpoint.retain(tmp_path, keep_last=0)
+
+
+def _coarse_clock(root, names, *, when=1_700_000_000, drop_commit_time=False):
+    """Give the heads of ``names`` under ``root`` one whole-second modification time, as an object store's
+    LastModified does for commits within one second; optionally strip the head's own commit time (heads
+    written before it was recorded)."""
+    import json
+
+    for name in names:
+        head = root / name / HEAD_NAME
+        if drop_commit_time:
+            fields = json.loads(head.read_text())
+            del fields["committed_ns"]
+            head.write_text(json.dumps(fields))
+        os.utime(head, (when, when))
+
+
+def test_latest_and_keep_last_order_commits_within_one_second_by_the_heads_commit_time(tmp_path):
+    root = tmp_path / "nfs"
+    checkpoint.mount(root, checkpoint.SharedFileSystemStorage())  # the head protocol, as on an object store
+    try:
+        for step in (9, 10):  # "step10" sorts before "step9" by name: the name must not decide
+            checkpoint.save_state_dict({"w": torch.full((4,), float(step))}, root / f"step{step}")
+        _coarse_clock(root, ["step9", "step10"])
+        assert checkpoint.latest(root) == root / "step10"
+        assert checkpoint.retain(root, keep_last=1) == [root / "step9"]
+        loaded = {"w": torch.zeros(4)}
+        checkpoint.load_state_dict(loaded, checkpoint.latest(root))
+        assert torch.equal(loaded["w"], torch.full((4,), 10.0))
+    finally:
+        checkpoint.unmount(root)
+
+
+def test_keep_last_deletes_nothing_whose_order_against_a_kept_checkpoint_is_unknown(tmp_path, caplog):
+    root = tmp_path / "nfs"
+    checkpoint.mount(root, checkpoint.SharedFileSystemStorage())
+    try:
+        for step in (8, 9, 10):
+            checkpoint.save_state_dict({"w": torch.full((4,), float(step))}, root / f"step{step}")
+        _coarse_clock(root, ["step8"], when=1_600_000_000, drop_commit_time=True)  # older than both below
+        _coarse_clock(root, ["step9", "step10"], drop_commit_time=True)  # same second, no finer record
+        with caplog.at_level(logging.WARNING, logger="checkpoint.retention"):
+            newest = checkpoint.latest(root)
+            deleted = checkpoint.retain(root, keep_last=1)
+        assert newest in (root / "step9", root / "step10")
+        assert "same time" in caplog.text and "step10" in caplog.text and "step9" in caplog.text
+        assert deleted == [root / "step8"]  # "step10" sorts before "step9": by name alone it would go
+        assert (root / "step9").exists() and (root / "step10").exists()
+    finally:
+        checkpoint.unmount(root)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
