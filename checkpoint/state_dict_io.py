@@ -456,8 +456,10 @@ def _save_scale(
     agree(error)
 
 
-def _commit_collective(protocol, staged, world_size, info, metadata: Metadata, files) -> None:
-    commit_staged(protocol.path, metadata, files, world_size, extra_info=info, staged=staged, protocol=protocol)
+def _commit_collective(protocol, staged, world_size, info, metadata: Metadata, files, keys) -> None:
+    commit_staged(
+        protocol.path, metadata, files, world_size, extra_info=info, staged=staged, protocol=protocol, keys=keys
+    )
 
 
 def load_flat(
