@@ -19,7 +19,8 @@ collective::
 See :mod:`checkpoint.atomic` for the crash-safe replace of an existing
 checkpoint and :mod:`checkpoint.layout` for how regions become chunks.
 :func:`async_save` keeps its host staging buffers for the next async save;
-:func:`release_staging_buffers` frees them.
+:func:`release_staging_buffers` frees them. :class:`TieredCheckpointer` saves every few steps to a
+node-local tier replicated to peer nodes, and every many steps to durable storage (:mod:`checkpoint.tiered`).
 """
 
 from checkpoint.api import LoadResult, async_save, load, save
@@ -42,6 +43,7 @@ from checkpoint.state_dict_io import (
     save_state_dict,
 )
 from checkpoint.storage_backend import SharedFileSystemStorage, Storage, locate, mount, unmount
+from checkpoint.tiered import Restored, TieredCheckpointer
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
@@ -61,8 +63,10 @@ __all__ = [
     "Manifest",
     "NotACheckpointError",
     "OpenCheckpoint",
+    "Restored",
     "SharedFileSystemStorage",
     "Storage",
+    "TieredCheckpointer",
     "async_save",
     "collect_garbage",
     "commit",

@@ -48,7 +48,7 @@ from checkpoint.training_state import (
 from offload_fsdp.fresh_state import checkpoint_state
 from offload_fsdp.grad import local_tensor
 
-__all__ = ["LoadResult", "async_save", "load", "save"]
+__all__ = ["LoadResult", "async_save", "load", "rank_local", "save", "training_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class LoadResult(dict):
         self.mismatched_keys = report.mismatched_keys
 
 
-def _training_state(model, optimizer, extra) -> dict[str, Any]:
+def training_state(model, optimizer, extra) -> dict[str, Any]:
+    """What :func:`save` writes: ``{"model": ..., "optimizer": ..., "extra": ...}`` keyed by parameter names."""
     if optimizer is not None and model is None:
         raise ValueError("saving an optimizer needs its model too (state is keyed by parameter names)")
     state: dict[str, Any] = {}
@@ -107,7 +108,7 @@ def save(
 
     Every rank calls it. Options: ``mode`` (``"collective"`` | ``"scale"``),
     ``max_chunk_bytes``, ``process_group``, ``storage_options`` (``path`` may be a URL such as
-    ``s3://bucket/prefix``), ``keep_last`` (retention) (see :func:`checkpoint.save_state_dict`).
+    ``s3://bucket/prefix``), ``keep_last`` (retention), ``lock_timeout`` (see :func:`checkpoint.save_state_dict`).
     With ``async_=True`` returns a future once the state is staged (see
     :func:`checkpoint.async_save`); then ``max_staging_bytes`` bounds the
     staging copies (see :mod:`checkpoint.async_save` for the trade-off), and
@@ -126,7 +127,7 @@ def save(
         if not async_ and name in options:
             raise ValueError(f"{name} only applies to an async save: pass async_=True or call checkpoint.async_save")
     with paused_gc():
-        state = _training_state(model, optimizer, extra)
+        state = training_state(model, optimizer, extra)
     if async_:
         return async_save_state_dict(state, path, **options)
     save_state_dict(state, path, **options)
@@ -154,6 +155,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
     read_once_per_replica: bool = True,
+    rank_local: bool = False,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` into ``model`` / ``optimizer`` in place; returns the saved ``extra``.
 
@@ -181,19 +183,25 @@ def load(
     ``max_read_bytes`` (host memory cap of the reads) and ``read_once_per_replica`` (HSDP / DDP replicas
     read once, receive the rest): see :func:`checkpoint.load_state_dict`.
     ``path`` may be a URL (``s3://bucket/prefix``, any fsspec URL; ``storage_options`` go to its file system).
+    ``rank_local=True``: ``path`` holds this rank's local shards as whole tensors under the usual keys
+    (:func:`rank_local` of the state, as :mod:`checkpoint.tiered` writes them); each is loaded into the
+    local shard of its target (a shape that differs is reported by name); no communication.
     """
     path = locate(path, storage_options)
+    no_dist = no_dist or rank_local
     options = read_options(
         process_group=process_group,
         no_dist=no_dist,
         max_read_bytes=max_read_bytes,
         read_once_per_replica=read_once_per_replica,
     )
-    load = partial(_load, path, model, optimizer, strict, verify, require_manifest, extra, options)
+    load = partial(_load, path, model, optimizer, strict, verify, require_manifest, extra, options, rank_local)
     return load_on_every_rank(load, path, process_group=process_group, no_dist=no_dist)
 
 
-def _load(path, model, optimizer, strict, verify, require_manifest, extra, options: ReadOptions) -> LoadResult:
+def _load(
+    path, model, optimizer, strict, verify, require_manifest, extra, options: ReadOptions, local: bool
+) -> LoadResult:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
     saved = opened.metadata.state_dict_metadata
     targets: dict[str, Any] = {}
@@ -218,6 +226,8 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra, optio
         scope.append("optimizer.state.")
     extra_targets = _extra_placeholders(opened.metadata)
     targets.update(extra_targets)
+    if local:
+        targets = rank_local(targets)  # views of the same storage: filling them fills the model and optimizer
     try:
         if opt_plan is not None:
             opt_plan.check_saved_state(strict)
@@ -236,6 +246,24 @@ def _load(path, model, optimizer, strict, verify, require_manifest, extra, optio
     saved_extra = _unflatten_extra(opened.metadata, extra_targets, values)
     _load_stateful_extra(saved_extra, extra or {}, strict, report)
     return LoadResult(saved_extra, report)
+
+
+def rank_local(tree: Any) -> Any:
+    """``tree`` with every DTensor / flat shard replaced by a plain tensor viewing this rank's local part.
+
+    The result shares storage with ``tree``'s tensors (a load into it fills them in place); it
+    carries no shard description, so a save of it writes each local part whole, as a tensor of its own.
+    """
+    if isinstance(tree, dict):
+        return {k: rank_local(v) for k, v in tree.items()}
+    if type(tree) in (list, tuple):  # plain ones: a named tuple is rebuilt otherwise
+        return type(tree)(rank_local(v) for v in tree)
+    if isinstance(tree, CheckpointShard):
+        return tree.local.detach()
+    if isinstance(tree, torch.Tensor):
+        # detach(): a new tensor object, without the fsdp_shard_spec attribute a flat shard carries
+        return local_tensor(tree).detach()
+    return tree
 
 
 def _tied_targets(

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint.atomic import output_path
+from checkpoint.atomic import DEFAULT_LOCK_TIMEOUT, output_path
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES
 from checkpoint.convert import convert_tree, resolve_stateful
 from checkpoint.safe_unpickle import check_saved_values
@@ -120,6 +120,7 @@ def async_save_state_dict(
     reuse_staging_buffers: bool = True,
     storage_options: dict | None = None,
     keep_last: int | None = None,
+    lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
 ) -> Future:
     """Stage ``state_dict`` now, write and commit it at ``path`` in the background; all ranks call it.
 
@@ -163,6 +164,7 @@ def async_save_state_dict(
                 max_chunk_bytes=max_chunk_bytes,
                 process_group=group,
                 keep_last=keep_last,
+                lock_timeout=lock_timeout,
             )
             if gate is not None:
                 gate.wait_staged(future)

@@ -45,6 +45,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointErro
 from checkpoint.storage_backend import FileStat, locate, storage_for
 
 __all__ = [
+    "DEFAULT_LOCK_TIMEOUT",
     "MARKER_NAME",
     "check_target",
     "is_committed",
@@ -157,10 +159,11 @@ def is_ours(directory: str | os.PathLike) -> bool:
     return found is not None and found.kind == "directory" and marker is not None and marker.kind == "file"
 
 
-def mark(directory: str | os.PathLike) -> None:
-    """Write the marker into ``directory`` (durably: a crash right after must still find it)."""
+def mark(directory: str | os.PathLike, *, fresh: bool = False) -> None:
+    """Write the marker into ``directory`` (durably: a crash right after must still find it); ``fresh``: the
+    directory was just made under a new name, so no marker can be there yet (one request less on an object store)."""
     marker = locate(directory) / MARKER_NAME
-    if not _is(marker, "file"):
+    if fresh or not _is(marker, "file"):
         store = storage_for(marker)
         stream = store.create(marker)
         try:
@@ -317,8 +320,14 @@ _registry_lock = threading.Lock()
 _thread_locks: dict[str, list] = {}  # absolute path -> [lock, users]
 
 
+DEFAULT_LOCK_TIMEOUT = 300.0
+"""Seconds a save waits for another save holding its path's write lock before it gives up
+(``lock_timeout=``): below the default process-group timeouts, so in a job every rank raises the lock's
+error rather than a collective timing out."""
+
+
 @contextlib.contextmanager
-def write_lock(path: str | os.PathLike) -> Iterator[None]:
+def write_lock(path: str | os.PathLike, *, timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
     """Hold the right to write ``path``: other threads and processes saving to it wait until it is released.
 
     Two locks, taken in this order: one per path for this process's threads
@@ -326,33 +335,55 @@ def write_lock(path: str | os.PathLike) -> Iterator[None]:
     the storage's :meth:`~checkpoint.storage_backend.Storage.lock` on
     ``.P.fsdp-ckpt-lock`` beside ``path`` for other processes (local:
     ``fcntl.flock``; on file systems where ``flock`` is not shared between
-    hosts, only processes of one host are ordered).
+    hosts, only processes of one host are ordered). ``timeout``: seconds to wait
+    for them together, then ``TimeoutError`` naming the lock file and its holder;
+    ``None`` waits as long as it takes.
     """
+    if timeout is not None and not timeout >= 0:
+        raise ValueError(f"lock_timeout must be None (wait as long as it takes) or seconds >= 0, got {timeout!r}")
     path = locate(path)
+    deadline = None if timeout is None else time.monotonic() + timeout
     key = os.path.abspath(path)
     with _registry_lock:
         entry = _thread_locks.setdefault(key, [threading.Lock(), 0])
         entry[1] += 1  # users: the entry is dropped with its last one, so the registry stays small
     thread_lock = entry[0]
-    if not thread_lock.acquire(blocking=False):
-        logger.info("waiting for another save to %s in this process to finish", path)
-        thread_lock.acquire()
     try:
-        store = storage_for(path)
+        _acquire_thread_lock(thread_lock, path, timeout)
         try:
-            store.make_dir(path.parent)
-        except (FileExistsError, NotADirectoryError) as exc:
-            raise NotADirectoryError(
-                f"cannot save to {str(path)!r}: a parent of it is a file, not a directory"
-            ) from exc
-        with store.lock(lock_path(path)):
-            yield
+            store = storage_for(path)
+            try:
+                store.make_dir(path.parent)
+            except (FileExistsError, NotADirectoryError) as exc:
+                raise NotADirectoryError(
+                    f"cannot save to {str(path)!r}: a parent of it is a file, not a directory"
+                ) from exc
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.ExitStack() as held:
+                try:
+                    held.enter_context(store.lock(lock_path(path), timeout=left))
+                except TimeoutError as exc:
+                    raise TimeoutError(f"cannot save to {str(path)!r}: {exc}; nothing was written") from None
+                yield
+        finally:
+            thread_lock.release()
     finally:
-        thread_lock.release()
         with _registry_lock:
             entry[1] -= 1
             if entry[1] == 0:
                 del _thread_locks[key]
+
+
+def _acquire_thread_lock(thread_lock: threading.Lock, path: Path, timeout: float | None) -> None:
+    if thread_lock.acquire(blocking=False):
+        return
+    logger.info("waiting for another save to %s in this process to finish", path)
+    if not thread_lock.acquire(timeout=-1 if timeout is None else timeout):
+        raise TimeoutError(
+            f"cannot save to {str(path)!r}: gave up after {timeout:g} s waiting for another save to it in this "
+            "process (another thread) to finish; let it finish, or wait longer (lock_timeout=..., None waits as "
+            "long as it takes); nothing was written"
+        )
 
 
 def recover_interrupted_swap(path: str | os.PathLike, *, complete: Callable[[Path], bool] = is_committed) -> None:

@@ -40,12 +40,13 @@ from checkpoint.atomic import (
 )
 from checkpoint.convert import convert_tree
 from checkpoint.data_file import StorageInfo
-from checkpoint.dcp_metadata import MetadataBuilder, key_identities, write_metadata
+from checkpoint.dcp_metadata import MetadataBuilder, key_identities, shared_values, write_metadata
 from checkpoint.manifest import (
     METADATA_NAME,
     FileRecord,
     KeyRecord,
     Manifest,
+    SharedValues,
     dtype_name,
     verify_files,
     write_manifest,
@@ -59,9 +60,11 @@ from checkpoint.storage_backend import storage_for
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",
+    "ManifestKeys",
     "build_manifest",
     "commit",
     "commit_staged",
+    "manifest_keys",
     "merge_metadata",
     "new_save_id",
     "staged_save_id",
@@ -239,17 +242,43 @@ def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]
     return builder.build(), files
 
 
-def build_manifest(
-    metadata: Metadata, files: dict[str, FileRecord], world_size: int, extra_info: dict | None = None
-) -> Manifest:
+ManifestKeys = tuple[dict[str, KeyRecord], tuple[SharedValues, ...]]
+"""A manifest's ``keys`` and ``shared`` (:func:`manifest_keys`)."""
+
+
+def manifest_keys(metadata: Metadata) -> ManifestKeys:
+    """What a manifest records of ``metadata``'s keys: a record per key (kind, dtype, shape, identity), but for
+    the byte keys it lists by the value they share (:func:`~checkpoint.dcp_metadata.shared_values`).
+
+    Linear in the keys and chunks; a collective save keeps it with its plan while ``.metadata`` is unchanged.
+    """
     keys = {}
-    identities = key_identities(metadata)
+    shared = shared_values(metadata)  # listed once per family, not key by key
+    listed = {key for family in shared for key, _, _ in family.keys()}
+    identities = key_identities(metadata, skip=listed)
     for key, item in metadata.state_dict_metadata.items():
+        if key in listed:
+            continue
         if isinstance(item, TensorStorageMetadata):
             keys[key] = KeyRecord("tensor", dtype_name(item.properties.dtype), tuple(item.size), identities[key])
         else:
             keys[key] = KeyRecord("bytes", identity=identities[key])
-    return Manifest(world_size=world_size, keys=keys, files=dict(files), extra_info=dict(extra_info or {}))
+    return keys, tuple(shared)
+
+
+def build_manifest(
+    metadata: Metadata,
+    files: dict[str, FileRecord],
+    world_size: int,
+    extra_info: dict | None = None,
+    *,
+    keys: ManifestKeys | None = None,
+) -> Manifest:
+    """The manifest of ``metadata`` and ``files``; ``keys``: :func:`manifest_keys` of ``metadata``, if known."""
+    records, shared = manifest_keys(metadata) if keys is None else keys
+    return Manifest(
+        world_size=world_size, keys=records, files=dict(files), extra_info=dict(extra_info or {}), shared=shared
+    )
 
 
 def commit_staged(
@@ -261,9 +290,11 @@ def commit_staged(
     extra_info: dict | None = None,
     staged: PurePath | None = None,
     protocol: SaveProtocol | None = None,
+    keys: ManifestKeys | None = None,
 ) -> None:
     """Prune stray files from the staging dir, write the manifest, publish it at ``path`` (the commit point:
-    the swap by renames, or the head of the object-store protocol).
+    the swap by renames, or the head of the object-store protocol). ``keys``: :func:`manifest_keys` of
+    ``metadata``, if known.
 
     Precondition: ``.metadata`` (written by :func:`~checkpoint.dcp_metadata.write_metadata`, whose
     record ``files`` holds) and every file in ``files`` are durable in the staging directory ``staged``
@@ -278,7 +309,7 @@ def commit_staged(
         if name not in keep and name not in (METADATA_NAME, MARKER_NAME):
             # Leftovers of an earlier, killed save (another world size) or per-rank files now merged.
             store.delete(staged / name)
-    write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info))
+    write_manifest(staged, build_manifest(metadata, keep, world_size, extra_info, keys=keys))
     if protocol is None:
         swap_into_place(staged, path)
     else:

@@ -57,6 +57,10 @@ def to_checkpointable(
     """
     if type(value) in _PLAIN_VALUES:  # most leaves (a group's options per parameter): skip the protocol checks
         return value
+    if type(value) is torch.Tensor:  # exactly a plain tensor: none of the kinds below, only a ShardSpec to look for
+        return _from_tensor(
+            value, name=name, rank=rank, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
+        )
     if isinstance(value, CheckpointShard):
         if value.max_chunk_bytes == max_chunk_bytes:
             return value  # already converted (e.g. staged by an async save, which may be a gated subclass)
@@ -71,6 +75,15 @@ def to_checkpointable(
         return _from_checkpointable(value, name=name, max_chunk_bytes=max_chunk_bytes)
     if not isinstance(value, torch.Tensor):
         return value
+    return _from_tensor(
+        value, name=name, rank=rank, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
+    )
+
+
+def _from_tensor(
+    value: torch.Tensor, *, name: str, rank: int, replicas_on_rank0_only: bool, max_chunk_bytes: int | None
+) -> CheckpointShard:
+    """A tensor that is none of the kinds above: its :class:`ShardSpec`'s region, or the whole tensor."""
     try:
         spec = shard_spec_of(value)
     except (TypeError, ValueError) as exc:
@@ -216,6 +229,12 @@ def _from_sharded_tensor(value: Any, *, name: str, max_chunk_bytes: int | None) 
     return CheckpointShard(local, spec, max_chunk_bytes=max_chunk_bytes)
 
 
+_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
+"""Exact types of leaves that are saved as they are: nothing to resolve, convert or check per value."""
+
+_LEAVES = _SCALARS | {torch.Tensor}
+"""Exact types of leaves that are never Stateful: nothing to resolve in them."""
+
 _NEVER_STATEFUL = frozenset({int, float, str, bool, bytes, type(None), tuple, list, torch.Tensor, dict})
 """Exact types tested before ``Stateful``: a runtime-Protocol ``isinstance`` costs ~50 us (it inspects the
 class statically), which thousands of group options per save would pay."""
@@ -252,10 +271,16 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
             "pass a list (or dict) so it is saved as its state_dict() and loaded in place"
         )
     found: list[tuple[StatefulPath, Any]] = []
+    if type(tree) is dict and all(type(v) in _LEAVES for v in tree.values()):
+        return dict(tree), found  # a param's state or its group's options: nothing to resolve (the common case)
     if isinstance(tree, dict):
         out = {}
         for k in _sorted_keys(tree):
-            out[k], more = resolve_stateful(tree[k], (*path, str(k)))
+            value = tree[k]
+            if type(value) in _LEAVES:
+                out[k] = value
+                continue
+            out[k], more = resolve_stateful(value, (*path, str(k)))
             found += more
         return {k: out[k] for k in tree}, found
     if isinstance(tree, list):
@@ -270,6 +295,8 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
 
 def _sorted_keys(tree: dict) -> list:
     """``tree``'s keys in an order every rank agrees on, whatever the order they were inserted in (DCP's keys are strings)."""
+    if all(type(k) is str for k in tree):
+        return sorted(tree)  # the same order as below, without a Python call per key
     return sorted(tree, key=lambda k: (type(k).__name__, str(k)))
 
 
@@ -316,7 +343,11 @@ def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
         return convert_tree(tree.state_dict(), prefix, **kwargs)
     if isinstance(tree, dict):
         # sorted: Stateful values' state_dict() in the same order on every rank (see resolve_stateful)
-        converted = {k: convert_tree(tree[k], f"{prefix}{k}.", **kwargs) for k in _sorted_keys(tree)}
+        converted = {
+            k: v if type(v) in _SCALARS else convert_tree(v, f"{prefix}{k}.", **kwargs)
+            for k in _sorted_keys(tree)
+            for v in (tree[k],)
+        }
         return {k: converted[k] for k in tree}  # the state dict's own order: the plan's and the files' order
     if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) or _is_stateful(v) for v in tree):
         return [convert_tree(v, f"{prefix}{i}.", **kwargs) for i, v in enumerate(tree)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,10 +30,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from checkpoint.data_file import StorageInfo
-from checkpoint.manifest import METADATA_NAME
+from checkpoint.manifest import METADATA_NAME, SharedValues
 from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
-__all__ = ["MetadataBuilder", "key_identities", "with_storage", "write_metadata"]
+__all__ = ["MetadataBuilder", "key_identities", "shared_key_problem", "shared_values", "with_storage", "write_metadata"]
 
 
 _BYTES = BytesStorageMetadata()  # a field-less marker; one instance serves every key
@@ -161,8 +161,9 @@ def write_metadata(directory: str | os.PathLike, metadata: Metadata | bytes) -> 
     return record[0]
 
 
-def key_identities(metadata: Metadata) -> dict[str, int]:
-    """Every key's identity as ``metadata`` records it, one CRC-32 each (the manifest's ``KeyRecord.identity``).
+def key_identities(metadata: Metadata, skip: Container[str] = ()) -> dict[str, int]:
+    """Every key's identity as ``metadata`` records it, one CRC-32 each (the manifest's ``KeyRecord.identity``),
+    but for the keys in ``skip`` (those a manifest lists as :class:`~checkpoint.manifest.SharedValues`).
 
     It covers the key's name, kind, dtype, global shape and nested path (``planner_data``), every chunk's
     offsets and sizes, and every stored piece's file, byte offset and length; not their order, which
@@ -170,11 +171,15 @@ def key_identities(metadata: Metadata) -> dict[str, int]:
     """
     stored: dict[str, list[str]] = {}
     for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in skip:
+            continue
         at = "" if index.offset is None else ",".join(map(str, index.offset))
         stored.setdefault(index.fqn, []).append(f"{at}@{info.relative_path}:{info.offset}+{info.length}")
     paths = metadata.planner_data or {}
     identities = {}
     for key, item in metadata.state_dict_metadata.items():
+        if key in skip:
+            continue
         if isinstance(item, TensorStorageMetadata):
             shape = ",".join(map(str, item.size))
             kind = f"tensor|{item.properties.dtype}|{shape}"
@@ -185,3 +190,67 @@ def key_identities(metadata: Metadata) -> dict[str, int]:
         text = "|".join([key, kind, repr(paths.get(key)), ";".join(chunks), ";".join(sorted(stored.get(key, ())))])
         identities[key] = zlib.crc32(text.encode("utf-8", "surrogatepass"))
     return identities
+
+
+def shared_values(metadata: Metadata) -> list[SharedValues]:
+    """The byte keys of ``metadata`` a manifest can list by the value they share (:class:`SharedValues`).
+
+    Keys stored at one byte range (an equal value stored once: a param group's options, keyed per
+    parameter) read the value of the range's first key in sorted order, their *source*, whose own
+    record the manifest keeps; each other one is listed when its key is the dotted join of its nested
+    path (as DCP flattens). Families group the names whose fields share the same sources.
+    """
+    by_range: dict[tuple[str, int, int], list[str]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.offset is None:
+            by_range.setdefault((info.relative_path, info.offset, info.length), []).append(index.fqn)
+    paths = metadata.planner_data or {}
+    fields_of: dict[tuple[tuple[str, ...], str], dict[str, str]] = {}
+    for keys in by_range.values():
+        if len(keys) < 2:
+            continue
+        source = min(keys)
+        for key in keys:
+            path = paths.get(key)
+            if key != source and path is not None and _listable(key, path, metadata):
+                fields_of.setdefault((tuple(path[:-2]), path[-2]), {})[path[-1]] = source
+    families: dict[tuple, list[str]] = {}
+    for (under, name), fields in fields_of.items():
+        families.setdefault((under, tuple(sorted(fields.items()))), []).append(name)
+    return [
+        SharedValues(under, tuple(sorted(names)), dict(fields)) for (under, fields), names in sorted(families.items())
+    ]
+
+
+def _listable(key: str, path: Any, metadata: Metadata) -> bool:
+    return (
+        isinstance(path, tuple)
+        and len(path) >= 2
+        and all(type(p) is str for p in path)
+        and ".".join(path) == key
+        and isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata)
+    )
+
+
+def shared_key_problem(metadata: Metadata, key: str, source: str, path: tuple[str, ...]) -> str | None:
+    """What makes ``key`` of ``metadata`` not the shared value a manifest lists it as (:class:`SharedValues`:
+    a byte value stored exactly where ``source`` is, at nested path ``path``), one phrase, or ``None``."""
+    stored = metadata.storage_data or {}
+    where, source_where = stored.get(MetadataIndex(key)), stored.get(MetadataIndex(source))
+    same_range = (
+        where is not None
+        and source_where is not None
+        and (where.relative_path, where.offset, where.length)
+        == (source_where.relative_path, source_where.offset, source_where.length)
+    )
+    if (
+        not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata)
+        or not isinstance(metadata.state_dict_metadata.get(source), BytesStorageMetadata)
+        or not same_range
+        or tuple((metadata.planner_data or {}).get(key) or ()) != tuple(path)
+    ):
+        return (
+            f"{key!r} is not stored as manifest.json recorded it at save (the value of {source!r}, nested at "
+            f"{list(path)}): its byte range or its nested name were changed"
+        )
+    return None

@@ -13,25 +13,31 @@ the standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
 Object stores have no rename, ``flock`` or ``fsync``: saves to a URL use the
 object-store commit protocol (:mod:`checkpoint.object_commit`). Writes stream:
 an object is uploaded in parts of :data:`PART_BYTES` as its bytes are produced
-(multipart upload), so a rank holds about one part per open object; reads are
-ranged GETs of exactly the bytes asked for.
+(multipart upload), at most :data:`UPLOAD_PARTS` parts held per object (on S3;
+other protocols through their own file objects). Reads are ranged GETs of exactly
+the bytes asked for; the ranges a load plans to read whole are fetched ahead,
+:data:`READ_PARALLEL` at once, within the load's ``max_read_bytes``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import os
+import threading
+from collections import deque
 from collections.abc import Callable, Hashable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import PurePosixPath
 from typing import Any, BinaryIO, ClassVar, NoReturn
 
 from checkpoint.content_check import crc32, crc32_combine
 from checkpoint.errors import CheckpointCorruptError
-from checkpoint.storage_backend import CrcStream, FileRecord, FileStat, VersionConflict
+from checkpoint.storage_backend import LOCAL, CrcStream, FileRecord, FileStat, VersionConflict
 
-__all__ = ["PART_BYTES", "FsspecStorage", "url_path"]
+__all__ = ["PART_BYTES", "READ_PARALLEL", "UPLOAD_PARTS", "FsspecStorage", "url_path"]
 
 PART_BYTES = 16 << 20
 """Bytes per uploaded part (S3's minimum is 5 MiB); one part per object in flight is held in memory."""
@@ -42,6 +48,7 @@ _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
 _EXTRAS = {"s3": "s3", "s3a": "s3"}
 """protocol -> the extra of this package that installs its fsspec implementation"""
 
+_put_if_lock = threading.Lock()  # put_if's check and write, on stores without a conditional write
 _stores: dict[str, FsspecStorage] = {}  # protocol + options -> storage (and its fsspec instance), made once
 
 
@@ -141,6 +148,9 @@ class FsspecStorage:
         self._directories = protocol not in _OBJECT_STORES
         self._rooted = fs.root_marker == "/"
         self._s3 = protocol in ("s3", "s3a")
+        self.conditional_put = self._s3
+        """S3's conditional PUT makes :meth:`put_if` one atomic step; elsewhere it checks, then writes"""
+        self._buckets: set[str] = set()  # buckets make_dir found
         self.path_type = type(f"{protocol.capitalize()}Path", (_UrlPath,), {"storage": self})
 
     def path(self, rest: str) -> PurePosixPath:
@@ -160,6 +170,8 @@ class FsspecStorage:
     # -- writes --
 
     def create(self, path: str | os.PathLike) -> CrcStream:
+        if self._s3:
+            return _S3Upload(self, path)
         with self._errors(path):
             raw = self.fs.open(self.key(path), "wb", block_size=PART_BYTES)
         return _UploadStream(raw, self, path)
@@ -172,9 +184,10 @@ class FsspecStorage:
 
     def put_if(self, path: str | os.PathLike, data: bytes, *, version: Hashable | None) -> None:
         """S3: a conditional PUT (``If-Match`` the version read, ``If-None-Match: *`` for a new object), so
-        of two commits racing on one URL exactly one lands. Other stores: the version is checked, then the
-        object written (two steps: one writer per URL is then the caller's to arrange, see
-        ``docs/checkpoint_format.md``)."""
+        of two commits racing on one URL exactly one lands. ``file://``: a new object is created by an exclusive
+        link. Other cases: the version is checked, then the object written, atomically only between this
+        process's threads (``conditional_put`` is ``False``: the object-store protocol orders committers with an
+        exclusively created claim, see :mod:`checkpoint.object_commit`)."""
         key = self.key(path)
         if self._s3:
             condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": str(version)}
@@ -187,9 +200,13 @@ class FsspecStorage:
                     raise VersionConflict(f"{self.url(path)} was written by another save meanwhile") from None
                 raise
             return
-        if self.version(path) != version:
-            raise VersionConflict(f"{self.url(path)} was written by another save meanwhile")
-        self.write_file(path, data)
+        if version is None and self.protocol == "file":  # a local file system: created by an exclusive link
+            LOCAL.put_if(self.key(path), data, version=None)
+            return
+        with _put_if_lock:  # other stores: atomic between this process's threads only
+            if self.version(path) != version:
+                raise VersionConflict(f"{self.url(path)} was written by another save meanwhile")
+            self.write_file(path, data)
 
     # -- reads --
 
@@ -199,16 +216,13 @@ class FsspecStorage:
             raise FileNotFoundError(f"{self.url(path)} does not exist")
         if found.kind != "file":
             raise CheckpointCorruptError(f"{self.url(path)}: {found.description}, not an object; nothing was read")
-        known = {"size": found.size} if self._s3 else {}  # s3fs would ask the server for it again
-        with self._errors(path):
-            # no read-ahead cache: every read is one ranged GET of exactly what the reader asked for
-            return self.fs.open(self.key(path), "rb", cache_type="none", **known)
+        return _RangedFile(self, path, found.size)  # type: ignore[return-value]  # a BinaryIO in what readers use
 
     def read_into(self, f: BinaryIO, buffers: list, offset: int) -> int:
         views = [memoryview(b).cast("B") for b in buffers]
         with self._errors(getattr(f, "path", "an object")):
             f.seek(offset)
-            data = f.read(sum(len(v) for v in views))  # one ranged GET for head, data and tail
+            data = f.read(sum(len(v) for v in views))  # one ranged GET (or planned block) for head, data and tail
         done = 0
         for view in views:
             piece = data[done : done + len(view)]
@@ -232,6 +246,13 @@ class FsspecStorage:
         return FileStat("file", int(info.get("size") or 0), "an object", modified=_modified(info))
 
     def version(self, path: str | os.PathLike) -> Hashable | None:
+        if self._s3:  # one HEAD; s3fs's info() would also list the name as a prefix when it is absent
+            bucket, key, _ = self.fs.split_path(self.key(path))
+            try:
+                with self._errors(path):
+                    return str(self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"])
+            except FileNotFoundError:
+                return None
         info = self._info(path)
         if info is None or info.get("type") == "directory":
             return None
@@ -265,6 +286,8 @@ class FsspecStorage:
                 self.fs.makedirs(self.key(path), exist_ok=True)
             return
         bucket = self.key(path).split("/", 1)[0]
+        if bucket in self._buckets:
+            return
         try:
             with self._errors(path):
                 self.fs.info(bucket)
@@ -273,6 +296,7 @@ class FsspecStorage:
                 f"bucket {bucket!r} of {self.url(path)} does not exist (or these credentials cannot see it); "
                 "create it, or check AWS_ENDPOINT_URL and the credentials"
             ) from None
+        self._buckets.add(bucket)  # checked once per process: a save's every directory is in one bucket
 
     def remove_dir(self, path: str | os.PathLike) -> None:
         if self._directories:
@@ -293,7 +317,7 @@ class FsspecStorage:
     def sync_dir(self, path: str | os.PathLike) -> None:
         pass  # an object is durable once its upload completed
 
-    def lock(self, path: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
+    def lock(self, path: str | os.PathLike, *, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
         raise OSError(f"{self.url(path)}: object stores have no lock (saves here commit with put_if)")
 
     @contextlib.contextmanager
@@ -317,6 +341,132 @@ class FsspecStorage:
             raise ConnectionError(
                 f"{where}: the storage did not answer ({_short(exc)}); check AWS_ENDPOINT_URL / the network"
             ) from exc
+
+
+READ_BLOCK_BYTES = 8 << 20
+"""A planned read is fetched in ranged GETs of about this many bytes (an item cut in even blocks)"""
+_MERGE_BYTES = 1 << 20
+"""Adjacent planned ranges are fetched in one GET while together at most this size (small tensors)"""
+READ_PARALLEL = 8
+"""Ranged GETs of one object in flight at once, at most"""
+
+_read_pool: ThreadPoolExecutor | None = None
+
+
+class _RangedFile(io.RawIOBase):
+    """One object opened for reading: each read is a ranged GET of exactly what was asked for, unless the
+    reader planned its reads (:meth:`plan_reads`): then they are fetched ahead, concurrently."""
+
+    def __init__(self, store: FsspecStorage, path: Any, size: int) -> None:
+        self._store = store
+        self.path = store.url(path)
+        self._key = store.key(path)
+        self._size = size
+        self._pos = 0
+        self._planned: deque[tuple[int, int]] = deque()  # blocks (start, end) not fetched yet, in order
+        self._blocks: deque[tuple[int, int, Future]] = deque()  # blocks fetched or being fetched, in order
+        self._budget: Any = None
+
+    def plan_reads(self, ranges: list[tuple[int, int]], budget: Any) -> None:
+        """The ``(offset, length)`` ranges the caller will read next, in increasing order: fetched ahead,
+        :data:`READ_PARALLEL` ranged GETs at once, each block (about :data:`READ_BLOCK_BYTES`) held in
+        ``budget`` (a :class:`checkpoint.reader.ReadBudget`: a block is fetched only while it fits under the
+        cap, and released once read past). Reads outside the plan are ranged GETs of their own."""
+        self._budget = budget
+        for offset, length in ranges:
+            end = min(offset + length, self._size)
+            step = -(
+                -(end - offset) // max(round((end - offset) / READ_BLOCK_BYTES), 1)
+            )  # even blocks, no tiny last one
+            while offset < end:
+                stop = min(offset + step, end)
+                if self._planned and self._planned[-1][1] == offset and stop - self._planned[-1][0] <= _MERGE_BYTES:
+                    offset = self._planned.pop()[0]  # adjacent and small: one GET
+                self._planned.append((offset, stop))
+                offset = stop
+        self._fetch_ahead()
+
+    def _fetch_ahead(self) -> None:
+        global _read_pool
+        if _read_pool is None:
+            _read_pool = ThreadPoolExecutor(max_workers=READ_PARALLEL, thread_name_prefix="checkpoint-s3-read")
+        while self._planned and len(self._blocks) < READ_PARALLEL:
+            start, end = self._planned[0]
+            cap = self._budget.cap
+            if self._blocks and cap is not None and self._budget.held + end - start > cap:
+                return  # fetched when an earlier block is read past
+            self._budget.hold(end - start)
+            self._planned.popleft()
+            self._blocks.append((start, end, _read_pool.submit(self._fetch, start, end)))
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        """One ranged GET of ``[start, end)`` (keywords: s3fs's third positional parameter is a version id)."""
+        return self._store.fs.cat_file(self._key, start=start, end=end)
+
+    def _drop_before(self, position: int) -> None:
+        if self._budget is None:
+            return  # nothing planned
+        while self._blocks and self._blocks[0][1] <= position:
+            start, end, fetched = self._blocks.popleft()
+            wait([fetched])
+            self._budget.done(end - start, [])
+        while self._planned and self._planned[0][1] <= position:
+            self._planned.popleft()  # skipped by the reader
+        self._fetch_ahead()
+
+    def _planned_bytes(self, start: int, end: int) -> bytes | None:
+        """``[start, end)`` from the fetched blocks, or ``None`` when they do not hold all of it."""
+        pieces = []
+        at = start
+        for first, last, fetched in self._blocks:
+            if last <= at or first > at:
+                if first > at:
+                    return None
+                continue
+            data = fetched.result()
+            pieces.append(memoryview(data)[at - first : min(end, last) - first])
+            at = min(end, last)
+            if at == end:
+                return data if len(pieces) == 1 and len(pieces[0]) == len(data) else b"".join(pieces)
+        return None
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._pos + size, self._size)
+        if end <= self._pos:
+            return b""
+        with self._store._errors(self.path):
+            self._drop_before(self._pos)
+            data = self._planned_bytes(self._pos, end)
+            if data is None:
+                data = self._fetch(self._pos, end)
+        self._pos += len(data)
+        self._drop_before(self._pos)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence] + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed and self._budget is not None:
+            self._planned.clear()
+            self._drop_before(self._size + 1)  # the blocks' bytes leave the budget
+        super().close()
 
 
 class _UploadStream(CrcStream):
@@ -364,6 +514,114 @@ class _UploadStream(CrcStream):
 
     def flush(self) -> None:
         pass  # parts go out as they fill; the last one on finish
+
+
+class _S3Upload(_UploadStream):
+    """An S3 object uploaded as its bytes come: :data:`UPLOAD_PARTS` parts in flight at once, each
+    :data:`PART_BYTES`; one ``PUT`` when the object is smaller than a part.
+
+    s3fs's own file object sends its parts one after another, and each part is held three times
+    (its buffer, the part read out of it, and the request body botocore wraps in a ``BytesIO``
+    that aiohttp then un-shares). Here a part is copied once, into a ``BytesIO`` that owns its
+    bytes and becomes the request body as it is: at most :data:`UPLOAD_PARTS` parts are held,
+    the one being filled included.
+    """
+
+    def __init__(self, store: FsspecStorage, path: Any) -> None:
+        super().__init__(None, store, path)
+        self._bucket, self._key, _ = store.fs.split_path(store.key(path))
+        self._part = io.BytesIO()
+        self._upload_id: str | None = None
+        self._sending: list[Future] = []  # part requests in flight, in part order
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            room = PART_BYTES - self._part.tell()
+            self._part.write(view[:room])
+            view = view[room:]
+            if self._part.tell() == PART_BYTES:
+                self._send_part()
+
+    def _send_part(self) -> None:
+        with self._store._errors(self._path):
+            if self._upload_id is None:
+                self._upload_id = self._call("create_multipart_upload")["UploadId"]
+            # at most UPLOAD_PARTS - 1 parts in flight: the one being filled next is the other one held
+            while len(pending := [f for f in self._sending if not f.done()]) >= UPLOAD_PARTS - 1:
+                wait(pending, return_when=FIRST_COMPLETED)
+            for sent in self._sending:
+                if sent.done():
+                    sent.result()  # a part that failed fails the upload now, not at its end
+            _return_freed_memory()
+        body, self._part = self._part, io.BytesIO()
+        body.seek(0)
+        number = len(self._sending) + 1
+        self._sending.append(
+            _upload_pool().submit(self._call, "upload_part", PartNumber=number, UploadId=self._upload_id, Body=body)
+        )
+
+    def _call(self, method: str, **kwargs: Any) -> dict:
+        return self._store.fs.call_s3(method, Bucket=self._bucket, Key=self._key, **kwargs)
+
+    def finish(self) -> FileRecord:
+        with self._store._errors(self._path):
+            if self._upload_id is None:  # smaller than a part: one PUT
+                self._part.seek(0)
+                self._call("put_object", Body=self._part)
+            else:
+                if self._part.tell():
+                    self._send_part()
+                parts = [_part_record(number, sent.result()) for number, sent in enumerate(self._sending, 1)]
+                self._call("complete_multipart_upload", UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+        self._part = io.BytesIO()
+        io.RawIOBase.close(self)
+        return FileRecord(size=self.size, crc32=self.crc)
+
+    def abort(self) -> None:
+        wait(self._sending)
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._call("abort_multipart_upload", UploadId=self._upload_id)
+        self._part = io.BytesIO()
+        io.RawIOBase.close(self)
+
+
+UPLOAD_PARTS = 3
+"""Parts of one object held at once by an S3 upload: the one being filled and those being sent."""
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _upload_pool() -> ThreadPoolExecutor:
+    """Threads that wait for part requests (s3fs runs them on its event loop; each call blocks its caller)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=4 * UPLOAD_PARTS, thread_name_prefix="checkpoint-s3-upload")
+    return _pool
+
+
+def _return_freed_memory() -> None:
+    """Hand the memory of sent parts back to the OS. glibc raises its mmap threshold to the size of the
+    first part freed, so later parts come from the heap and stay resident once freed: at 8 parts the
+    process held one part more than the parts in use. ``malloc_trim`` releases them (a no-op elsewhere)."""
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+        except (AttributeError, OSError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None
+
+
+def _part_record(number: int, answer: dict) -> dict:
+    """What ``complete_multipart_upload`` needs of one part: its number, ETag and checksum if the server sent one."""
+    record = {"PartNumber": number, "ETag": answer["ETag"]}
+    record.update({k: v for k, v in answer.items() if k.startswith("Checksum") and k != "ChecksumType"})
+    return record
 
 
 def _bytes_of(data: bytes | str | Callable[[BinaryIO], object]) -> bytes:

@@ -33,6 +33,7 @@ __all__ = [
     "KeyRecord",
     "Manifest",
     "NotACheckpointError",
+    "SharedValues",
     "check_relative_name",
     "checksum_file",
     "dtype_name",
@@ -81,6 +82,37 @@ class KeyRecord:
 
 
 @dataclass(frozen=True)
+class SharedValues:
+    """Byte keys that read one stored value each, listed once instead of key by key.
+
+    For every ``name`` and every ``field``: key ``<under>.<name>.<field>`` (DCP's dotted flattening of
+    its nested path ``(*under, name, field)``) is a pickled value stored exactly where key
+    ``fields[field]`` is (the same file and byte range). What torch's flattened optimizer layout
+    (``flatten_optimizer_state_dict=True``) makes of a param group: its options keyed once per
+    parameter, one value each. A load checks each such key against its source key, whose identity the
+    manifest pins (:func:`checkpoint.opener.consistency_problems`), as strictly as a key of its own.
+    """
+
+    under: tuple[str, ...]
+    """the path above the names, e.g. ``("optimizer", "param_groups")``"""
+    names: tuple[str, ...]
+    """e.g. the parameters' FQNs"""
+    fields: dict[str, str]
+    """field (e.g. ``lr``) -> the key whose stored value every name's key of that field reads"""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "under", tuple(self.under))
+        object.__setattr__(self, "names", tuple(self.names))
+
+    def keys(self):
+        """``(key, source key, nested path)`` of every key listed."""
+        for name in self.names:
+            for field_name, source in self.fields.items():
+                path = (*self.under, name, field_name)
+                yield ".".join(path), source, path
+
+
+@dataclass(frozen=True)
 class Manifest:
     world_size: int
     """number of ranks that wrote the checkpoint"""
@@ -92,6 +124,12 @@ class Manifest:
     version: int = FORMAT_VERSION
     extra_info: dict[str, object] = field(default_factory=dict)
     """free-form JSON-able facts a writer wants to record (e.g. the writer's options)"""
+    shared: tuple[SharedValues, ...] = ()
+    """byte keys listed by the value they share instead of in :attr:`keys` (absent before 2026-11)"""
+
+    def shared_keys(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """Every key of :attr:`shared`: key -> (its source key, its nested path)."""
+        return {key: (source, path) for family in self.shared for key, source, path in family.keys()}
 
     def to_json(self) -> str:
         """Sorted keys, one line per key and per file (``json``'s C encoder for each; ``indent`` would
@@ -104,6 +142,8 @@ class Manifest:
             "version": self.version,
             "world_size": self.world_size,
         }
+        if self.shared:  # absent when empty: a manifest without shared values reads as before
+            data["shared"] = [{"fields": f.fields, "names": list(f.names), "under": list(f.under)} for f in self.shared]
         return _json_lines(data, depth=0) + "\n"
 
     @classmethod
@@ -132,6 +172,7 @@ class Manifest:
             format=data["format"],
             version=data["version"],
             extra_info=dict(data.get("extra_info", {})),
+            shared=tuple(SharedValues(**f) for f in data.get("shared", ())),
         )
 
 
@@ -162,7 +203,7 @@ def _schema_problem(data: object) -> str | None:
     """What is wrong with parsed manifest JSON, one phrase, or ``None``."""
     if not isinstance(data, dict):
         return f"a JSON {type(data).__name__}, not an object"
-    unknown = set(data) - {"format", "version", "world_size", "keys", "files", "extra_info"}
+    unknown = set(data) - {"format", "version", "world_size", "keys", "files", "extra_info", "shared"}
     if unknown:
         return f"unknown fields {sorted(unknown)}"
     if data.get("format") != FORMAT_NAME:
@@ -184,6 +225,27 @@ def _schema_problem(data: object) -> str | None:
         problem = check_relative_name(name) or _file_problem(record)
         if problem is not None:
             return f"file {name[:200]!r}: {problem}"
+    shared = data.get("shared", [])
+    if not isinstance(shared, list):
+        return "shared is not a list"
+    for family in shared:
+        problem = _shared_problem(family)
+        if problem is not None:
+            return f"shared: {problem}"
+    return None
+
+
+def _shared_problem(family: object) -> str | None:
+    def strings(x: object) -> bool:
+        return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+    if not isinstance(family, dict) or set(family) != {"under", "names", "fields"}:
+        return "not a list of objects of under, names, fields"
+    fields = family["fields"]
+    if not (strings(family["under"]) and len(family["under"]) <= 64 and strings(family["names"])):
+        return "under and names are not lists of strings"
+    if not (isinstance(fields, dict) and all(isinstance(v, str) for v in fields.values())):
+        return "fields is not an object of key names"
     return None
 
 

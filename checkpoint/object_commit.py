@@ -11,7 +11,7 @@ at ``P`` is then:
   objects, ``.metadata``, its ``manifest.json`` last). Every save writes a new
   one: nothing a reader may be reading is ever overwritten;
 * ``P/`` :data:`HEAD_NAME`: the commit record, one small JSON object naming
-  the committed save (``{"format", "save", "sequence"}``). Writing it is the
+  the committed save (``{"format", "save", "sequence", "committed_ns"}``). Writing it is the
   commit: a reader finds the checkpoint through it and never sees a save whose
   head was not written; the previous save stays loadable until then.
 
@@ -38,12 +38,16 @@ import json
 import logging
 import os
 import re
+import socket
+import time
 import uuid
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import NoReturn
 
 from checkpoint.atomic import (
+    DEFAULT_LOCK_TIMEOUT,
     MARKER_NAME,
     check_target,
     is_committed,
@@ -58,9 +62,11 @@ from checkpoint.atomic import (
 from checkpoint.atomic import resolve_for_load as resolve_renamed
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.manifest import MANIFEST_NAME
+from checkpoint.save_queue import wait_for_saves
 from checkpoint.storage_backend import Storage, VersionConflict, locate, storage_for
 
 __all__ = [
+    "CLAIM_PREFIX",
     "HEAD_NAME",
     "ConcurrentSaveError",
     "Head",
@@ -69,6 +75,7 @@ __all__ = [
     "is_checkpoint",
     "protocol_for",
     "read_head",
+    "remove_unfinished",
     "resolve_for_load",
 ]
 
@@ -76,6 +83,12 @@ logger = logging.getLogger(__name__)
 
 HEAD_NAME = "fsdp-ckpt-head.json"
 """The commit record of a checkpoint saved by the object-store protocol."""
+CLAIM_PREFIX = "fsdp-ckpt-claim-"
+"""``<prefix><the save the head names, or "first">``: held (created only if absent, removed after) by the save
+replacing that head, on stores without a conditional write (``Storage.conditional_put`` false: a shared file
+system, ``file://``, ``memory://``). One name per head replaced: a claim left by a save killed after its head
+was written names a head no save replaces any more, and does not block the next one."""
+_CLAIM = re.compile(r"fsdp-ckpt-claim-(fsdp-save-\d{8,}-[0-9a-f]{12}|first)\Z")
 _SAVE = re.compile(r"fsdp-save-(\d{8,})-[0-9a-f]{12}\Z")
 _HEAD_BYTES = 1 << 16
 
@@ -91,6 +104,9 @@ class Head:
     save: str
     sequence: int
     version: Hashable
+    committed_ns: int | None = None
+    """the committing host's clock at the commit, in ns (``None`` in heads written before it was recorded):
+    retention orders checkpoints by it, since an object store's LastModified has whole seconds"""
 
 
 def read_head(path: PurePath) -> Head | None:
@@ -108,12 +124,15 @@ def read_head(path: PurePath) -> Head | None:
         ok = data.get("format") == "fsdp_dtensor" and isinstance(save, str) and _SAVE.match(save)
         if not ok or not isinstance(sequence, int) or int(_SAVE.match(save).group(1)) != sequence:  # type: ignore[union-attr]
             raise ValueError("unexpected fields")
+        committed_ns = data.get("committed_ns")
+        if committed_ns is not None and (type(committed_ns) is not int or committed_ns < 0):
+            raise ValueError(f"committed_ns is {committed_ns!r}, not a non-negative integer")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(
             f"{where}: not a valid commit record ({exc}); restore it from a copy, or remove it and the "
             "checkpoint at this path"
         ) from None
-    return Head(save, sequence, version)
+    return Head(save, sequence, version, committed_ns)
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:
@@ -131,11 +150,16 @@ def is_checkpoint(path: PurePath) -> bool:
     return storage_for(path).stat(path / HEAD_NAME) is not None or is_committed(path)
 
 
-def protocol_for(path: str | os.PathLike) -> SaveProtocol:
-    """How a save to ``path`` commits: renames where the storage has atomic ones, else the object-store protocol."""
+def protocol_for(path: str | os.PathLike, *, lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> SaveProtocol:
+    """How a save to ``path`` commits: renames where the storage has atomic ones, else the object-store protocol.
+
+    ``lock_timeout``: how long the rename protocol waits for another save's write lock
+    (:func:`~checkpoint.atomic.write_lock`); the object-store protocol takes no lock."""
     path = locate(path)
     store = storage_for(path)
-    return RenameCommit(path, store) if store.renames_atomically else ObjectCommit(path, store)
+    if store.renames_atomically:
+        return RenameCommit(path, store, lock_timeout=lock_timeout)
+    return ObjectCommit(path, store)
 
 
 class SaveProtocol:
@@ -164,12 +188,20 @@ class SaveProtocol:
         """Remove what a failed save wrote. Never raises."""
         raise NotImplementedError
 
+    def lost(self, staged: PurePath) -> Exception | None:
+        """Why a save that failed while writing ``staged`` failed, when another save took its staging away."""
+        return None
+
 
 class RenameCommit(SaveProtocol):
     """:mod:`checkpoint.atomic`: a staging directory beside the path, the swap by renames, an ``flock``."""
 
+    def __init__(self, path: PurePath, store: Storage, *, lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> None:
+        super().__init__(path, store)
+        self.lock_timeout = lock_timeout
+
     def begin(self, held: contextlib.ExitStack) -> PurePath:
-        held.enter_context(write_lock(self.path))  # held until committed: one writer per path
+        held.enter_context(write_lock(self.path, timeout=self.lock_timeout))  # held until committed
         check_target(self.path)
         return make_staging(self.path)
 
@@ -202,7 +234,7 @@ class ObjectCommit(SaveProtocol):
         self.save = f"fsdp-save-{sequence:08d}-{uuid.uuid4().hex[:12]}"
         staged = self.path / self.save
         self.store.make_dir(staged)
-        mark(staged)
+        mark(staged, fresh=True)  # a new save id: nothing of that name exists
         return staged
 
     def _check_target(self) -> None:
@@ -212,7 +244,7 @@ class ObjectCommit(SaveProtocol):
             return
         if found.kind != "directory":
             raise FileExistsError(f"cannot save to {str(self.path)!r}: it is a file; save to another path")
-        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name))
+        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name) and not _CLAIM.match(name))
         if not others:
             return
         what = (
@@ -228,18 +260,61 @@ class ObjectCommit(SaveProtocol):
 
     def publish(self, staged: PurePath) -> None:
         sequence = int(_SAVE.match(staged.name).group(1))  # type: ignore[union-attr]  # named by begin()
-        record = json.dumps({"format": "fsdp_dtensor", "save": staged.name, "sequence": sequence}, sort_keys=True)
+        fields = {"format": "fsdp_dtensor", "save": staged.name, "sequence": sequence, "committed_ns": time.time_ns()}
+        record = json.dumps(fields, sort_keys=True)
         assert self.save == staged.name, "published by the protocol object that began the save"
-        version = self.head.version if self.head is not None else None
+        with contextlib.ExitStack() as claimed:
+            head = self.head
+            if not getattr(self.store, "conditional_put", False):
+                # put_if checks, then writes: two committers could both pass the check (and a version such as
+                # an inode number can come back). Committers take turns by an exclusively created claim, and
+                # compare the head's save name, never reused, with the one this save read.
+                claimed.enter_context(self._claim(staged))
+                head = read_head(self.path)
+                if (head and head.save) != (self.head and self.head.save):
+                    self._lost(staged)
+            version = head.version if head is not None else None
+            try:
+                self.store.put_if(self.path / HEAD_NAME, record.encode(), version=version)
+            except VersionConflict:
+                self._lost(staged)
+        remove_replaced(self.path, sequence, keep=staged.name)
+        if not getattr(self.store, "conditional_put", False):
+            _remove_claims(self.path, below=sequence)
+
+    def _lost(self, staged: PurePath) -> NoReturn:
+        self.abandon(staged)
+        raise self._concurrent() from None
+
+    def _concurrent(self) -> ConcurrentSaveError:
+        return ConcurrentSaveError(
+            f"another save committed {str(self.path)!r} while this one was writing; the checkpoint there is "
+            "that save's, this one's objects were removed (one writer per path: save elsewhere, or again)"
+        )
+
+    def lost(self, staged: PurePath) -> Exception | None:
+        # A committed save removes the saves it replaced, marker last: one of the same sequence still writing too.
+        return self._concurrent() if staged.name == self.save and not is_ours(staged) else None
+
+    @contextlib.contextmanager
+    def _claim(self, staged: PurePath) -> Iterator[None]:
+        """Hold the claim on the head this save read (created only if absent) while it checks and writes the head."""
+        claim = self.path / _claim_name(self.head)
+        holder = {"save": staged.name, "pid": os.getpid(), "host": socket.gethostname()}
         try:
-            self.store.put_if(self.path / HEAD_NAME, record.encode(), version=version)
+            self.store.put_if(claim, json.dumps(holder).encode(), version=None)
         except VersionConflict:
             self.abandon(staged)
             raise ConcurrentSaveError(
-                f"another save committed {str(self.path)!r} while this one was writing; the checkpoint there is "
-                "that save's, this one's objects were removed (one writer per path: save elsewhere, or again)"
+                f"another save is committing {str(self.path)!r} right now ({_claim_holder(claim)}); this one's "
+                "objects were removed (one writer per path: save elsewhere, or again). If no other save to this "
+                f"path is running, a save was killed while committing: `fsdp-ckpt gc {self.path}` removes its claim"
             ) from None
-        remove_replaced(self.path, sequence, keep=staged.name)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                self.store.delete(claim, missing_ok=True)
 
     def abandon(self, staged: PurePath | None) -> None:
         # Its own save directory, by its unique name: removed even when a racing save's cleanup already took
@@ -247,6 +322,41 @@ class ObjectCommit(SaveProtocol):
         if staged is not None and staged.name == self.save:
             with contextlib.suppress(OSError):
                 self.store.remove_tree(staged)
+
+
+def _claim_name(head: Head | None) -> str:
+    return CLAIM_PREFIX + (head.save if head is not None else "first")
+
+
+def _remove_claims(path: PurePath, *, below: int | None = None) -> list[str]:
+    """Remove the claims at ``path`` on heads of a sequence ``below`` (all: ``None``): those heads were replaced,
+    so whoever holds such a claim can no longer commit; a later head's claim may be held by a live save.
+    Never raises."""
+    store = storage_for(path)
+    removed = []
+    try:
+        for name in store.list(path):
+            found = _CLAIM.match(name)
+            if found and (below is None or found.group(1) == "first" or _sequence(found.group(1)) < below):
+                store.delete(path / name, missing_ok=True)
+                removed.append(name)
+    except OSError as exc:
+        logger.warning("could not remove stale commit claims under %s (%s); `fsdp-ckpt gc %s` does", path, exc, path)
+    return removed
+
+
+def _sequence(save: str) -> int:
+    return int(_SAVE.match(save).group(1))  # type: ignore[union-attr]  # a save name, matched by the caller
+
+
+def _claim_holder(claim: PurePath) -> str:
+    """What the claim at ``claim`` says of the save holding it, for an error message."""
+    try:
+        with storage_for(claim).open_read(claim) as f:
+            holder = json.loads(f.read(_HEAD_BYTES))
+        return f"{claim} is held by save {holder['save']}, pid {holder['pid']} on host {holder['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{claim} exists"
 
 
 def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
@@ -262,9 +372,17 @@ def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
 
 def collect_garbage(path: str | os.PathLike) -> list[str]:
     """Remove what killed or failed saves left at ``path``: every save directory its head does not name
-    (object-store protocol), or the staging directory (renames). Only while no save to ``path`` runs.
-    Returns the names removed."""
-    path = locate(path)
+    (object-store protocol), or the staging directory (renames). Returns the names removed.
+
+    First waits for this process's async save in flight (and any being staged): its save directory is not
+    named by the head until it commits. A save by another process must not run meanwhile (one writer per
+    path: the job that saves runs ``gc``, or runs it between saves)."""
+    wait_for_saves("gc removes unfinished saves")
+    return remove_unfinished(locate(path))
+
+
+def remove_unfinished(path: PurePath) -> list[str]:
+    """:func:`collect_garbage` without waiting for saves in flight: for the writer thread's own retention."""
     store = storage_for(path)
     if store.stat(path) is None:
         raise FileNotFoundError(f"{str(path)!r} does not exist")
@@ -278,14 +396,15 @@ def collect_garbage(path: str | os.PathLike) -> list[str]:
     removed = [name for name in _saves(path) if head is None or name != head.save]
     for name in removed:
         _remove_save(path / name, marked_only=False)
-    return removed
+    return removed + _remove_claims(path)  # any left by a save killed while committing
 
 
 def _saves(path: PurePath) -> list[str]:
-    store = storage_for(path)
-    if store.stat(path) is None:
+    try:
+        names = storage_for(path).list(path)
+    except FileNotFoundError:
         return []
-    return sorted(name for name in store.list(path) if _SAVE.match(name))
+    return sorted(name for name in names if _SAVE.match(name))
 
 
 def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from checkpoint.content_check import ContentCheck, crc32
-from checkpoint.dcp_metadata import key_identities
+from checkpoint.dcp_metadata import key_identities, shared_key_problem
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import (
     MANIFEST_NAME,
@@ -217,11 +217,18 @@ def unlisted_files(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[
 def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     """Keys ``.metadata`` and the manifest disagree on: presence, kind / dtype / shape, identity."""
     problems = []
+    shared = manifest.shared_keys()
     # manifests written before 2026-11 record no identities: nothing to compare, and nothing to compute
-    identities = key_identities(metadata) if any(r.identity is not None for r in manifest.keys.values()) else {}
+    with_identities = any(r.identity is not None for r in manifest.keys.values())
+    identities = key_identities(metadata, skip=shared) if with_identities else {}
     names: dict[torch.dtype, str] = {}  # dtype_name per dtype, once: a few dtypes among tens of thousands of keys
     for key, item in metadata.state_dict_metadata.items():
         record = manifest.keys.get(key)
+        if record is None and key in shared:
+            problem = shared_key_problem(metadata, key, *shared[key])
+            if problem is not None:
+                problems.append(problem)
+            continue
         saved: tuple[str, str | None, tuple[int, ...] | None]
         if isinstance(item, TensorStorageMetadata):
             dtype = item.properties.dtype
@@ -238,7 +245,7 @@ def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
                 f"{key!r} is not stored as {MANIFEST_NAME} recorded it at save (its chunks, their byte ranges, "
                 "its dtype or its nested name were changed)"
             )
-    extra = sorted(set(manifest.keys) - set(metadata.state_dict_metadata))
+    extra = sorted((set(manifest.keys) | set(shared)) - set(metadata.state_dict_metadata))
     if extra:
         problems.append(f"{MANIFEST_NAME} lists keys {extra[:5]} it does not hold")
     return problems

@@ -147,6 +147,7 @@ class DirectReader(FileSystemReader):
             path = locate(self.path) / relative_path
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with self._store.open_read(path) as f:
+                self._plan_reads(f, items)
                 self._read_file(f, path, items, planner)
         future: TorchFuture = TorchFuture()
         future.set_result(None)
@@ -156,10 +157,13 @@ class DirectReader(FileSystemReader):
         """Every item of one file, in file order; runs of small whole chunks next to each other in one read."""
         tensor_locations: dict[int, tuple[int, int] | None] = {}
         batch: list[_WholeChunk] = []
+        # A file that fetches ahead (an object store's) serves each planned range from blocks held within
+        # max_read_bytes; one read spanning several would be fetched again, whole, past that cap.
+        batching = getattr(f, "plan_reads", None) is None
         for item in items:
             info: StorageInfo = self.storage_data[item.storage_index]
             whole = None if item.type == LoadItemType.BYTE_IO else self._whole_chunk(info, item, planner)
-            if whole is not None and whole.size < _SLICE_BYTES:
+            if whole is not None and batching and whole.size < _SLICE_BYTES:
                 if batch and not _extends(batch, whole):
                     self._read_batch(f, batch, planner)
                     batch = []
@@ -183,6 +187,25 @@ class DirectReader(FileSystemReader):
             self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
         if batch:
             self._read_batch(f, batch, planner)
+
+    def _plan_reads(self, f, items: list[ReadItem]) -> None:
+        """Tell a file that fetches ahead (an object store's, :mod:`checkpoint.fsspec_storage`) the byte ranges
+        of the items read whole, in order: it fetches them concurrently, holding them in :attr:`budget`. Items
+        read in part (a reshard) are left out: only the bytes they need are read, when they are needed."""
+        plan_reads = getattr(f, "plan_reads", None)
+        if plan_reads is None:
+            return
+        ranges = []
+        for item in items:
+            info: StorageInfo = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO or self._reads_whole(item):
+                ranges.append((info.offset, info.length))
+        plan_reads(sorted(set(ranges)), self.budget)
+
+    def _reads_whole(self, item: ReadItem) -> bool:
+        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)  # byte items are read whole
+        return not any(item.storage_offsets) and tuple(item.lengths) == _chunk_sizes(md, item)
 
     def _verified(self, name: str, offset: int, data) -> list[Future]:
         """Hand ``data`` to the streamed check; the CRC-32 sums still running on it (it must stay alive until then)."""

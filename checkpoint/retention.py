@@ -14,8 +14,8 @@ from pathlib import PurePath
 
 from checkpoint.atomic import is_committed
 from checkpoint.manifest import MANIFEST_NAME, read_manifest
-from checkpoint.object_commit import HEAD_NAME, collect_garbage, read_head, resolve_for_load
-from checkpoint.save_queue import wait_for_async_save
+from checkpoint.object_commit import HEAD_NAME, read_head, remove_unfinished, resolve_for_load
+from checkpoint.save_queue import wait_for_async_save, wait_for_saves
 from checkpoint.storage_backend import locate, storage_for
 
 __all__ = ["committed_checkpoints", "latest", "retain"]
@@ -25,7 +25,11 @@ logger = logging.getLogger(__name__)
 
 def committed_checkpoints(root: str | os.PathLike, *, storage_options: dict | None = None) -> list[PurePath]:
     """The committed checkpoints directly under ``root``, oldest commit first (ties by name)."""
-    root = locate(root, storage_options)
+    return [child for _, child in _by_commit_time(locate(root, storage_options))]
+
+
+def _by_commit_time(root: PurePath) -> list[tuple[float, PurePath]]:
+    """(commit time, checkpoint) for each committed checkpoint under ``root``, oldest first, ties by name."""
     store = storage_for(root)
     if store.stat(root) is None:
         return []
@@ -35,16 +39,29 @@ def committed_checkpoints(root: str | os.PathLike, *, storage_options: dict | No
         when = _committed_at(child)
         if when is not None:
             found.append((when, name, child))
-    return [child for _, _, child in sorted(found)]
+    return [(when, child) for when, _, child in sorted(found)]
 
 
 def _committed_at(path: PurePath) -> float | None:
     """When the checkpoint at ``path`` was committed, or ``None`` when it holds none."""
     store = storage_for(path)
-    record = store.stat(path / HEAD_NAME) or (store.stat(path / MANIFEST_NAME) if is_committed(path) else None)
+    record = store.stat(path / HEAD_NAME)
+    if record is not None and record.kind == "file":
+        head = read_head(path)
+        # The head's own clock in ns: an object store's LastModified has whole seconds, so two commits in
+        # one second would otherwise be ordered by name.
+        if head is not None and head.committed_ns is not None:
+            return head.committed_ns / 1e9
+    elif is_committed(path):
+        record = store.stat(path / MANIFEST_NAME)
     if record is None or record.kind != "file":
         return None
     return record.modified if record.modified is not None else 0.0
+
+
+def _tied(found: list[tuple[float, PurePath]], at: int) -> list[PurePath]:
+    """The checkpoints committed at the same time as ``found[at]``, itself included."""
+    return [child for when, child in found if when == found[at][0]]
 
 
 def latest(root: str | os.PathLike, *, storage_options: dict | None = None) -> PurePath | None:
@@ -52,8 +69,19 @@ def latest(root: str | os.PathLike, *, storage_options: dict | None = None) -> P
 
     A save still running, killed or failed is never returned: only what a load would accept.
     """
-    found = committed_checkpoints(root, storage_options=storage_options)
-    return found[-1] if found else None
+    found = _by_commit_time(locate(root, storage_options))
+    if not found:
+        return None
+    tied = _tied(found, -1)
+    if len(tied) > 1:
+        logger.warning(
+            "latest: %s were committed at the same time as far as the storage records it (a clock or file "
+            "system with coarse times); taking %s, the last by name: pass the checkpoint path explicitly if "
+            "that is not the newest",
+            ", ".join(map(str, tied)),
+            found[-1][1],
+        )
+    return found[-1][1]
 
 
 def retain(
@@ -64,18 +92,33 @@ def retain(
 
     Never deletes the newest one, anything not committed (a save in progress), nor anything that is
     not a checkpoint; inside a deleted checkpoint only what the save wrote is removed (files a user put
-    there stay). ``wait``: first wait for an async save in flight (it may be about to commit one).
+    there stay). ``wait``: first wait for this process's async saves being staged or in flight (one may be
+    about to commit a checkpoint, or be writing into one that would be deleted); ``False`` only from the
+    save's own writer, after its commit (``keep_last``).
     """
     if keep_last < 1:
         raise ValueError(
             f"keep_last must be at least 1 (the newest committed checkpoint is never deleted), got {keep_last}"
         )
     if wait:
-        wait_for_async_save()
+        wait_for_saves("retention deletes old checkpoints")
+        wait_for_async_save()  # an unobserved failure of that save is raised here, as by the next save
     path = locate(root_or_path, storage_options)
     root = path.parent if _committed_at(path) is not None else path
-    found = committed_checkpoints(root)
-    doomed = found[: max(len(found) - keep_last, 0)]
+    found = _by_commit_time(root)
+    cut = max(len(found) - keep_last, 0)
+    doomed = [child for _, child in found[:cut]]
+    if cut:
+        # Never delete what might be newer than a kept checkpoint: ties with the oldest kept one stay.
+        spared = [child for child in _tied(found, cut) if child in doomed]
+        if spared:
+            logger.warning(
+                "retention: keeping %s too: committed at the same time as %s as far as the storage records it, "
+                "so which is newer is unknown",
+                ", ".join(map(str, spared)),
+                found[cut][1],
+            )
+            doomed = [child for child in doomed if child not in spared]
     for checkpoint in doomed:
         _delete(checkpoint)
         logger.info("retention: deleted %s (keeping the %d newest)", checkpoint, keep_last)
@@ -88,7 +131,7 @@ def _delete(path: PurePath) -> None:
     head = read_head(path)
     if head is not None:
         store.delete(path / HEAD_NAME)
-        collect_garbage(path)  # every save directory, now that none is committed
+        remove_unfinished(path)  # every save directory, now that none is committed
         return
     directory = resolve_for_load(path)
     listed = sorted(read_manifest(directory).files)

@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from checkpoint.convert import resolve_stateful
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import CheckpointCorruptError, check_relative_name
 from checkpoint.pickle_budget import value_problem
@@ -398,21 +397,23 @@ def check_weights_only(key: str, value: Any) -> None:
 
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+_LEAVES = frozenset({int, float, str, bool, type(None), torch.Tensor})
 
 
 def check_saved_values(state_dict: dict[str, Any]) -> None:
     """:func:`check_weights_only` on every non-tensor leaf of a state dict about to be saved.
 
-    Checks what is written: Stateful values as their ``state_dict()``
-    (:func:`~checkpoint.convert.resolve_stateful`), walked as ``convert_tree`` walks.
+    Precondition: Stateful values are resolved to their ``state_dict()`` (what is written;
+    :func:`~checkpoint.convert.resolve_stateful`). Walked as ``convert_tree`` walks.
     """
-    _check_leaves(resolve_stateful(state_dict)[0])
+    _check_leaves(state_dict)
 
 
 def _check_leaves(tree: Any, prefix: str = "") -> None:
     if isinstance(tree, dict):
         for k, v in tree.items():
-            _check_leaves(v, f"{prefix}{k}.")
+            if type(v) not in _LEAVES:  # a scalar or tensor loads weights-only: no key name built per leaf
+                _check_leaves(v, f"{prefix}{k}.")
     elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
         for i, v in enumerate(tree):
             _check_leaves(v, f"{prefix}{i}.")

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from checkpoint.commit import ManifestKeys, manifest_keys
 from checkpoint.data_file import StorageInfo, data_file_name
 from checkpoint.dcp_metadata import MetadataBuilder, with_storage, write_metadata
 from checkpoint.manifest import METADATA_NAME, FileRecord
@@ -110,6 +111,10 @@ class GlobalPlan:
     """per rank, where its items landed in the last save"""
     pickled: bytes | None = None
     """the last save's ``.metadata`` bytes"""
+    metadata: Metadata | None = None
+    """the last save's ``Metadata``"""
+    keys: ManifestKeys | None = None
+    """what the last save's manifest recorded of its keys (:func:`~checkpoint.commit.manifest_keys`)"""
 
 
 def plan_layouts(layouts: list[list[Entry]]) -> tuple[GlobalPlan, list[list[int]]]:
@@ -185,8 +190,8 @@ class PlannedSave:
     """One collective save of ``state_dict`` into the staging directory ``directory``; see the module docstring.
 
     ``convert(state_dict)`` gives the :class:`CheckpointShard` tree; ``prepare()`` runs on the coordinator
-    (rank 0) before any rank writes; ``commit(metadata, files)`` on the coordinator once every data file
-    and ``.metadata`` are durable (``files``: their records).
+    (rank 0) before any rank writes; ``commit(metadata, files, keys)`` on the coordinator once every data file
+    and ``.metadata`` are durable (``files``: their records; ``keys``: :func:`~checkpoint.commit.manifest_keys`).
     """
 
     def __init__(
@@ -195,7 +200,7 @@ class PlannedSave:
         *,
         convert: Callable[[dict], dict],
         prepare: Callable[[], None],
-        commit: Callable[[Metadata, dict[str, FileRecord]], None],
+        commit: Callable[[Metadata, dict[str, FileRecord], ManifestKeys], None],
         group: dist.ProcessGroup | None,
         distributed: bool,
         path,
@@ -345,6 +350,16 @@ class PlannedSave:
             if moved is not None:
                 plan.storage[rank] = moved
                 changed = True
+        if changed:  # else the last save's .metadata and manifest records, unchanged (no item moved)
+            plan.metadata = self._metadata(plan)
+            plan.pickled = pickle.dumps(plan.metadata)
+            plan.keys = manifest_keys(plan.metadata)
+        assert plan.pickled is not None and plan.metadata is not None and plan.keys is not None
+        files[METADATA_NAME] = write_metadata(self.directory, plan.pickled)
+        self.commit(plan.metadata, files, plan.keys)
+
+    @staticmethod
+    def _metadata(plan: GlobalPlan) -> Metadata:
         # One object per stored range, so the keys of a value stored once (a group's options) share it
         # in the pickled .metadata (a memo reference instead of a copy per key).
         infos: dict[tuple[str, int, int], StorageInfo] = {}
@@ -353,12 +368,7 @@ class PlannedSave:
             for indices, places in zip(plan.indices, plan.storage)
             for index, where in zip(indices, places or ())
         }
-        metadata = with_storage(plan.skeleton, stored)
-        if changed:
-            plan.pickled = pickle.dumps(metadata)
-        assert plan.pickled is not None
-        files[METADATA_NAME] = write_metadata(self.directory, plan.pickled)
-        self.commit(metadata, files)
+        return with_storage(plan.skeleton, stored)
 
     # --- collectives (none in one process) ---
 

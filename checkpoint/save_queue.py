@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["AsyncSaveError", "lock", "starting", "submit", "wait_for_async_save"]
+__all__ = ["AsyncSaveError", "lock", "starting", "submit", "wait_for_async_save", "wait_for_saves"]
 
 logger = logging.getLogger("checkpoint.async_save")  # the name users filter on for save failures
 
@@ -60,6 +60,8 @@ class _SaveFuture(Future):
         super().__init__()
         self.path = path
         self.observed = False
+        self.in_group = dist.is_available() and dist.is_initialized()
+        """whether a process group was there when the save was submitted (one gone since is a likely cause)"""
 
     def result(self, timeout: float | None = None):
         self.observed = True
@@ -77,16 +79,17 @@ def _run(future: _SaveFuture, save, *args, **kwargs) -> None:
     try:
         save(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - handed to the future, logged, raised by the next save
-        logger.error("async checkpoint save to %s failed: %s", future.path, _failure(exc))
+        logger.error("async checkpoint save to %s failed: %s", future.path, _failure(exc, future.in_group))
         future.set_exception(exc)
     else:
         future.set_result(None)
 
 
-def _failure(error: BaseException) -> str:
-    """``error`` in one line, with the fix when it is the usual cause: the process group destroyed under the save."""
+def _failure(error: BaseException, in_group: bool) -> str:
+    """``error`` in one line, with the fix when it is the usual cause: the process group (there when the save
+    was submitted: ``in_group``) destroyed under the save."""
     text = f"{type(error).__name__}: {error}"
-    if dist.is_available() and not dist.is_initialized():
+    if in_group and not (dist.is_available() and dist.is_initialized()):
         text += (
             " (the process group was destroyed while the save was in flight: call checkpoint.wait_for_async_save() "
             "before dist.destroy_process_group())"
@@ -138,6 +141,17 @@ def wait_for_async_save() -> None:
         ) from error
 
 
+def wait_for_saves(why: str) -> None:
+    """Wait for async saves being staged (any thread) and for the one in flight, saying so at WARNING (``why``:
+    what waits, e.g. "gc removes unfinished saves"); their failures are left to their futures and the next save.
+
+    Whatever deletes checkpoint objects calls it first: a save in flight writes objects that are not
+    committed yet, which would otherwise look like a killed save's leftovers. Never call it from the
+    writer thread (it would wait for itself).
+    """
+    _wait_for_saves(why)
+
+
 def _wait_for_saves(why: str) -> _SaveFuture | None:
     """Wait for saves being staged (any thread) and then for the save in flight; returns it, done, if any."""
     with _staging:
@@ -158,7 +172,7 @@ def _lost(future: _SaveFuture | None) -> bool:
     logger.error(
         "the process exits, and its last async checkpoint save, to %s, did not commit (%s)",
         future.path,
-        _failure(error),
+        _failure(error, future.in_group),
     )
     return True
 

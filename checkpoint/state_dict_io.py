@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from checkpoint.atomic import (
+    DEFAULT_LOCK_TIMEOUT,
     output_path,
 )
 from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_staged, new_save_id, staged_save_id
@@ -59,7 +60,7 @@ from checkpoint.convert import (
 )
 from checkpoint.errors import some_of
 from checkpoint.gc_pause import paused_gc
-from checkpoint.object_commit import protocol_for
+from checkpoint.object_commit import ConcurrentSaveError, protocol_for
 from checkpoint.opener import (
     CheckpointCorruptError,
     OpenCheckpoint,
@@ -234,6 +235,7 @@ def save_state_dict(
     process_group: dist.ProcessGroup | None = None,
     storage_options: dict | None = None,
     keep_last: int | None = None,
+    lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
 ) -> None:
     """Save ``state_dict`` (this rank's part) as a committed checkpoint at ``path``; all ranks call it.
 
@@ -252,7 +254,9 @@ def save_state_dict(
     file system): it is saved by the object-store protocol (:mod:`checkpoint.object_commit`; there a
     second save racing on the same path fails with :class:`~checkpoint.object_commit.ConcurrentSaveError`
     instead of waiting). ``keep_last=N``: once committed, only the ``N`` newest committed checkpoints
-    beside ``path`` are kept (:func:`checkpoint.retention.retain`).
+    beside ``path`` are kept (:func:`checkpoint.retention.retain`). ``lock_timeout``: seconds to wait for
+    another save holding ``path``'s write lock (default :data:`~checkpoint.atomic.DEFAULT_LOCK_TIMEOUT`),
+    then ``TimeoutError`` naming its lock file and holder, nothing written; ``None`` waits as long as it takes.
     """
     path = output_path(path, storage_options)  # resolved once: a local path or a URL, bound to its storage
     wait_for_async_save()
@@ -265,6 +269,7 @@ def save_state_dict(
             process_group=process_group,
             keep_last=keep_last,
             check_values=True,
+            lock_timeout=lock_timeout,
         )
 
 
@@ -286,6 +291,7 @@ def write_state_dict(
     keep_last: int | None = None,
     check_values: bool = False,
     distributed: bool | None = None,
+    lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT,
 ) -> None:
     """:func:`save_state_dict` without waiting for an async save (what the async writer thread runs).
 
@@ -308,7 +314,8 @@ def write_state_dict(
     )
     if check_values:
         convert = partial(_checked_then, convert)
-    protocol = protocol_for(path)  # the storage, resolved once: renames and a lock, or the object-store commit
+    # the storage, resolved once: renames and a lock, or the object-store commit
+    protocol = protocol_for(path, lock_timeout=lock_timeout)
     with contextlib.ExitStack() as held:
         prepared: list = []
 
@@ -343,7 +350,10 @@ def write_state_dict(
                 )
         except BaseException as exc:
             if prepared:
+                lost = protocol.lost(prepared[0]) if not isinstance(exc, ConcurrentSaveError) else None
                 protocol.abandon(prepared[0])  # every rank has stopped writing: DCP / agree() raised on all of them
+                if lost is not None:
+                    raise lost from exc  # its files vanished under it: the raw error would not say why
             if not isinstance(exc, CheckpointException):
                 raise
             raise_unwrapped(exc, path, rank if distributed else 0)
@@ -447,8 +457,10 @@ def _save_scale(
     agree(error)
 
 
-def _commit_collective(protocol, staged, world_size, info, metadata: Metadata, files) -> None:
-    commit_staged(protocol.path, metadata, files, world_size, extra_info=info, staged=staged, protocol=protocol)
+def _commit_collective(protocol, staged, world_size, info, metadata: Metadata, files, keys) -> None:
+    commit_staged(
+        protocol.path, metadata, files, world_size, extra_info=info, staged=staged, protocol=protocol, keys=keys
+    )
 
 
 def load_flat(

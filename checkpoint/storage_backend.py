@@ -39,9 +39,11 @@ import io
 import logging
 import os
 import shutil
+import socket
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -104,6 +106,11 @@ class Storage(Protocol):
     shared file system without trustworthy ``flock`` / rename): the object-store protocol
     (:mod:`checkpoint.object_commit`), which needs only whole-object writes and :meth:`put_if`."""
 
+    conditional_put: bool
+    """``True``: :meth:`put_if` is one atomic step (S3's conditional PUT); ``False`` (or absent): it checks the
+    version, then writes, so the object-store protocol makes committers take turns through an object
+    :meth:`put_if` creates only if absent (atomic on a file system: an exclusive ``link``)."""
+
     def create(self, path: str | os.PathLike) -> CrcStream:
         """A new object at ``path`` (replacing any), written sequentially; its ``finish`` makes it durable."""
         ...
@@ -154,8 +161,11 @@ class Storage(Protocol):
         """Make the renames inside ``path`` durable."""
         ...
 
-    def lock(self, path: str | os.PathLike) -> contextlib.AbstractContextManager[None]:
-        """Hold the lock object ``path`` against other processes (created if needed, removed on release)."""
+    def lock(self, path: str | os.PathLike, *, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Hold the lock object ``path`` against other processes (created if needed, removed on release).
+
+        ``timeout``: seconds to wait for another holder, then ``TimeoutError`` naming ``path`` (and the
+        holder, where recorded); ``None`` waits as long as it takes."""
         ...
 
     def put_if(self, path: str | os.PathLike, data: bytes, *, version: Hashable | None) -> None:
@@ -296,6 +306,7 @@ class LocalStorage:
     """:class:`Storage` on the local (POSIX) file system."""
 
     renames_atomically = True
+    conditional_put = False
 
     def create(self, path: str | os.PathLike) -> CrcStream:
         # unbuffered: writes go straight to the OS, and the CRC sees every byte once
@@ -392,11 +403,12 @@ class LocalStorage:
         fsync_dir(path)
 
     @contextlib.contextmanager
-    def lock(self, path: str | os.PathLike) -> Iterator[None]:
+    def lock(self, path: str | os.PathLike, *, timeout: float | None = None) -> Iterator[None]:
         """``fcntl.flock`` on the file ``path`` (on file systems where ``flock`` is not shared between
-        hosts, only processes of one host are ordered). The file is removed on release; a waiter that
-        then holds a removed file locks the new one instead."""
-        fd = _flock(Path(path))
+        hosts, only processes of one host are ordered). The holder writes its pid and host into the file
+        (what a waiter that gives up names). The file is removed on release; a waiter that then holds a
+        removed file locks the new one instead."""
+        fd = _flock(Path(path), timeout)
         try:
             yield
         finally:
@@ -437,37 +449,85 @@ class SharedFileSystemStorage(LocalStorage):
     renames_atomically = False
 
 
-def _flock(lock: Path) -> int:
-    """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed)."""
+def _flock(lock: Path, timeout: float | None = None) -> int:
+    """An fd holding ``flock`` on ``lock``, the file now at that name (not one a previous holder removed),
+    with this process's pid and host written in it. ``TimeoutError`` after ``timeout`` seconds of waiting."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause, warned = 0.01, False
     while True:
+        fd = _open_lock_file(lock)
         try:
-            # O_NOFOLLOW: a link at the lock name would make the save create or lock a file wherever it points
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        except OSError as exc:
-            kinds = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}
-            if exc.errno not in kinds:
-                raise
-            raise FileExistsError(
-                f"{str(lock)!r} is {kinds[exc.errno]}, in the way of this save's lock file (not made by a save, "
-                "left alone); move it away"
-            ) from None
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                logger.warning("waiting for another process's save (%s is locked)", lock)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+            if _try_flock(fd):
+                if _still_at(lock, fd):
+                    _record_holder(fd)
                     return fd
-            except FileNotFoundError:
-                pass
+            else:
+                if not warned:
+                    logger.warning("waiting for another process's save (%s is locked by %s)", lock, _holder(fd))
+                    warned = True
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise _lock_timeout(lock, timeout, _holder(fd))
+                # Polled, not a blocking flock: a blocking one cannot be given up at a deadline.
+                time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - time.monotonic())))
+                pause = min(pause * 2, 0.5)
         except BaseException:
             os.close(fd)
             raise
-        os.close(fd)  # the holder we waited for removed this file: lock the one at the name now
+        os.close(fd)  # locked by another, or the holder we waited for removed this file: try the name again
+
+
+def _open_lock_file(lock: Path) -> int:
+    try:
+        # O_NOFOLLOW: a link at the lock name would make the save create or lock a file wherever it points
+        return os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as exc:
+        kinds = {errno.ELOOP: "a symbolic link", errno.EISDIR: "a directory"}
+        if exc.errno not in kinds:
+            raise
+        raise FileExistsError(
+            f"{str(lock)!r} is {kinds[exc.errno]}, in the way of this save's lock file (not made by a save, "
+            "left alone); move it away"
+        ) from None
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True
+
+
+def _still_at(lock: Path, fd: int) -> bool:
+    """Whether the locked file is still the one at ``lock`` (a holder removes it on release)."""
+    try:
+        return os.stat(lock).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _record_holder(fd: int) -> None:
+    with contextlib.suppress(OSError):  # only what an error message says; the lock is held without it
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock file open as ``fd``, as its holder recorded it."""
+    try:
+        text = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text if text.startswith("pid ") else "a process that recorded no pid (an older version)"
+
+
+def _lock_timeout(lock: Path, timeout: float | None, holder: str) -> TimeoutError:
+    return TimeoutError(
+        f"gave up after {timeout:.1f} s waiting for the lock file {str(lock)!r}, held by {holder}; let that "
+        "process finish (or stop it), or wait longer (lock_timeout=..., None waits as long as it takes)"
+    )
 
 
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)  # what Path.exists() reads as "not there"

@@ -202,7 +202,7 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, osd: dict[str, Any], fqn
         # Per parameter, without param_names: that list repeated for every parameter grows with N^2.
         hyper = {k: v for k, v in osd_group.items() if k not in ("params", PARAM_NAMES)}
         for fqn in names:
-            groups[fqn] = dict(hyper)
+            groups[fqn] = hyper  # one dict per group, shared: a save walks and pickles it once (read only)
         # Once per group: what get_state_dict's default (unflattened) layout asks dcp.load for.
         indexed[str(g_index)] = {**{k: v for k, v in osd_group.items() if k != "params"}, "params": list(names)}
     return OptimizerEntries(state, groups, index_of, members, indexed)

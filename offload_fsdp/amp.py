@@ -6,7 +6,7 @@ and maybe skipping on its own. HybridDeviceOptimizer needs it because GradScaler
 with ``torch._amp_foreach_non_finite_check_and_unscale_``, which bumps no version counter:
 the backward hooks' host copies of the still-scaled grads would look current to ``step()``
 (:meth:`offload_fsdp.transfer.Transfer.stage_grad`'s key). The overlapped schedule uses
-the same attributes to refuse GradScaler.
+the same attributes to refuse GradScaler, or, with ``speculative_clipping``, to redo every bucket.
 """
 
 from __future__ import annotations
@@ -17,11 +17,17 @@ import torch
 
 from offload_fsdp.records import ParamShard
 
-__all__ = ["grad_scaler_skips_step", "refuse_grad_scaler"]
+__all__ = ["grad_scaler_in_use", "grad_scaler_skips_step", "refuse_grad_scaler"]
 
 
 def _scaler_args(optimizer: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return getattr(optimizer, "found_inf", None), getattr(optimizer, "grad_scale", None)
+
+
+def grad_scaler_in_use(optimizer: Any) -> bool:
+    """True when ``GradScaler.step`` is calling this ``step()`` (it set ``found_inf`` / ``grad_scale``)."""
+    found_inf, grad_scale = _scaler_args(optimizer)
+    return found_inf is not None or grad_scale is not None
 
 
 def grad_scaler_skips_step(optimizer: Any, records: list[ParamShard]) -> bool:
@@ -49,12 +55,12 @@ def grad_scaler_skips_step(optimizer: Any, records: list[ParamShard]) -> bool:
 
 def refuse_grad_scaler(optimizer: Any) -> None:
     """``ValueError`` when ``GradScaler.step`` called this step (overlapped schedule): the updates already ran."""
-    found_inf, grad_scale = _scaler_args(optimizer)
-    if found_inf is not None or grad_scale is not None:
+    if grad_scaler_in_use(optimizer):
         optimizer.found_inf = optimizer.grad_scale = None
         raise ValueError(
             "AMP's GradScaler.step is not supported with overlap_step_with_backward=True: the host updates "
             "ran during backward on still-scaled gradients, before GradScaler could unscale them or skip a "
-            "step with inf/NaN gradients (the buckets updated so far used them: restore from a checkpoint); train "
-            "in bf16 without a GradScaler, or build the optimizer without overlap_step_with_backward"
+            "step with inf/NaN gradients (the buckets updated so far used them: restore from a checkpoint); build "
+            "the optimizer with speculative_clipping=True (each bucket is then restored and redone after "
+            "backward), train in bf16 without a GradScaler, or build it without overlap_step_with_backward"
         )

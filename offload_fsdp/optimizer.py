@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from offload_fsdp.buckets import HostBucket
+from offload_fsdp.core_binding import HostCores
 from offload_fsdp.defaults import DeviceDefaults, class_defaults, same_value
 from offload_fsdp.delegate import hyperparameters
 from offload_fsdp.forward_waits import owners_of_buckets, register_forward_waits
@@ -45,6 +46,7 @@ from offload_fsdp.placement import Placement
 from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, param_name
 from offload_fsdp.schedule import AfterBackward, OverlappedSchedule, StepSchedule
+from offload_fsdp.speculative import SpeculationCounts, SpeculativeClip
 from offload_fsdp.trace import PhaseTrace
 from offload_fsdp.transfer import Transfer
 from offload_fsdp.wrapping import WrappedLink
@@ -172,6 +174,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             and what this mode cannot honour (``step(closure)``, ``GradScaler``, clipping, ...)
             is refused naming the fix (:attr:`OffloadOptions.schedule`, ``docs/offload.md``,
             "Overlapped host step"). :attr:`step_in_progress` says when a backward started updates.
+        speculative_clipping / clip_snapshot_bytes: clipping (and GradScaler) in that mode: buckets
+            snapshotted before their update, committed or redone in ``step()``, bit-identical
+            (:attr:`OffloadOptions.speculative_clipping`; :attr:`speculation_counts`).
+        bind_host_cores: host-update threads bound to this local rank's own cores
+            (:attr:`OffloadOptions.bind_host_cores`; :attr:`host_cores`, the INFO construction line).
         model: the model holding the params (after ``fully_shard``). When given, each module
             owning offloaded params (an FSDP2 unit, else the registering module) gets a forward
             pre-hook waiting only for its own buckets' H2D, instead of the main stream waiting
@@ -206,6 +213,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         graph_safe_grads: bool = False,
         overlap_step_with_backward: bool = False,
+        speculative_clipping: bool = False,
+        clip_snapshot_bytes: int | None = None,
+        bind_host_cores: bool | None = None,
         model: torch.nn.Module | None = None,
         options: OffloadOptions | None = None,
         **defaults: Any,
@@ -217,6 +227,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pin_cpu_params=pin_cpu_params, overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
             pinned_transfer_slots=pinned_transfer_slots, bucket_numel=bucket_numel,
             graph_safe_grads=graph_safe_grads, overlap_step_with_backward=overlap_step_with_backward,
+            speculative_clipping=speculative_clipping, clip_snapshot_bytes=clip_snapshot_bytes,
+            bind_host_cores=bind_host_cores,
         )  # fmt: skip
         opts = self.options = OffloadOptions.choose(options, keywords)
         groups, opt_defaults, cpu_cls, wrapped, explicit = _resolve_groups(
@@ -235,6 +247,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.precision = policy_with_fp32_update(opts.precision, param_update_in_fp32)
         self.overlap = opts.overlap_cpu_optimizer_d2h_h2d
         self.graph_safe_grads = opts.graph_safe_grads
+        self._host_cores = HostCores(opts.bind_host_cores)
         self._trace, self._transfer, self._host, self._placement, self._grads, self._schedule = _compose(
             self, opts, model
         )
@@ -257,6 +270,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def pinned_bytes(self) -> int:
         """Page-locked host bytes this optimizer holds: bucket buffers (default) or transfer slots."""
         return self._placement.pinned_bytes + self._transfer.pinned_bytes
+
+    @property
+    def speculation_counts(self) -> SpeculationCounts | None:
+        """What ``speculative_clipping`` did so far (committed / redone / deferred buckets); None without it."""
+        return self._schedule.speculation_counts
+
+    @property
+    def host_cores(self) -> frozenset[int] | None:
+        """The cores the host updates' threads are bound to (``bind_host_cores``), or None when unbound."""
+        return self._host_cores.cores
 
     @property
     def step_in_progress(self) -> bool:
@@ -285,7 +308,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._hook_handles.extend(_grad_hooks(self, records))
         self._schedule.watch(records, self)
         self._hook_handles.extend(register_forward_waits(waits, _wait_pushed))
-        _log_partition(self._placement, records, buckets, what, self._transfer.transfer_slots)
+        _log_partition(self._placement, records, buckets, what, self._transfer.transfer_slots,
+                       self._host_cores.description)  # fmt: skip
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As torch; after construction the new group also gets its own host buffers and hooks.
@@ -386,8 +410,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             placement.step_device([(r, g) for r, g in active if not r.offloaded])
             for bucket in placement.buckets:
                 bucket_active = [r for r in bucket.records if id(r) in grads and id(r) not in done]
-                if bucket_active:
-                    self._host.update(bucket, bucket_active)
+                if bucket_active:  # on this rank's cores (bind_host_cores); its H2D queued from here
+                    self._host_cores.run(functools.partial(self._host.update, bucket, bucket_active), bucket.device)
                     transfer.push(bucket, bucket_active)
         finally:
             transfer.end_step(engines)
@@ -558,9 +582,14 @@ def _state_without(
 
 
 def _log_partition(
-    placement: Placement, records: list[ParamShard], buckets: list[HostBucket], what: str, slots: int | None
+    placement: Placement,
+    records: list[ParamShard],
+    buckets: list[HostBucket],
+    what: str,
+    slots: int | None,
+    cores: str,
 ) -> None:
-    """The INFO line of each placement (construction, a group added)."""
+    """The INFO line of each placement (construction, a group added); ``cores``: the host step's binding."""
 
     def nbytes(rs: list[ParamShard]) -> int:
         return sum(r.numel * r.param.element_size() for r in rs)
@@ -574,11 +603,11 @@ def _log_partition(
         "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
         "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
         "(page-locked: %s); pageable host bytes %d; pinned_transfer_slots=%s, page-locked slot bytes %d "
-        "(optimizer.pinned_bytes: the total)",
+        "(optimizer.pinned_bytes: the total); host step cores %s",
         what, placement.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
         len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
         pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
-        slots, sum(e.pinned_bytes for e in engines),
+        slots, sum(e.pinned_bytes for e in engines), cores,
     )  # fmt: skip
 
 
@@ -651,6 +680,10 @@ def _compose(
             lambda i: groups()[i],
             push=transfer.push,
             restore_master=placement.copy_master_from_param,
+            on_worker_start=opt._host_cores.bind_this_thread,
+            speculation=SpeculativeClip(opts.clip_snapshot_bytes, placement.forget)
+            if opts.speculative_clipping
+            else None,
         )
     return trace, transfer, host, placement, grads, schedule
 

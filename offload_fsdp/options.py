@@ -123,6 +123,17 @@ class OffloadOptions:
     bucket, hyper-parameters changed between backward and ``step()``."""
     host_step: HostStepChoice | None = None
     """the Adam(W) host kernel's step (:class:`HostStepChoice`); None: ``$OFFLOAD_FSDP_HOST_STEP``, else ``AUTO``"""
+    speculative_clipping: bool = False
+    """overlapped schedule only: snapshot each host bucket before its update during backward, so that
+    ``optim.clip_grad_norm_`` (or any edit of the grads before ``step()``) is honoured: the update is committed
+    when the grads it used are unchanged (a clip coefficient of 1), else restored and redone in ``step()``
+    (:mod:`offload_fsdp.speculative`)"""
+    clip_snapshot_bytes: int | None = None
+    """host bytes the snapshots of one step may hold (None: no bound); a bucket that does not fit is updated by
+    ``step()`` after the clip instead (counted in ``optimizer.speculation_counts``)"""
+    bind_host_cores: bool | None = None
+    """bind the host step's threads to this local rank's own cores (:mod:`offload_fsdp.core_binding`); None: when
+    the node has at least two local ranks and two allowed cores for each, and the user set no affinity"""
 
     def __post_init__(self) -> None:
         self.offload_fraction = check_fraction(self.offload_fraction)
@@ -132,6 +143,18 @@ class OffloadOptions:
         self.schedule = Schedule(self.schedule)
         if self.host_step is not None:
             self.host_step = HostStepChoice(self.host_step)
+        if self.speculative_clipping and self.schedule is not Schedule.OVERLAPPED:
+            raise ValueError(
+                "speculative_clipping=True applies to overlap_step_with_backward=True only: the default schedule "
+                "updates after backward and honours gradient clipping without snapshots; drop speculative_clipping"
+            )
+        if self.clip_snapshot_bytes is not None and (
+            isinstance(self.clip_snapshot_bytes, bool) or not isinstance(self.clip_snapshot_bytes, int)
+            or self.clip_snapshot_bytes < 0
+        ):  # fmt: skip
+            raise ValueError(f"clip_snapshot_bytes must be None or an int >= 0, got {self.clip_snapshot_bytes!r}")
+        if self.bind_host_cores is not None and not isinstance(self.bind_host_cores, bool):
+            raise ValueError(f"bind_host_cores must be None, True or False, got {self.bind_host_cores!r}")
         if self.schedule is Schedule.OVERLAPPED and not self.overlap_cpu_optimizer_d2h_h2d:
             raise ValueError(
                 "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "

@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
     from offload_fsdp.copy_engine import CopyEngine
     from offload_fsdp.records import ParamShard
+    from offload_fsdp.speculative import SpeculativeClip
 
-__all__ = ["HostWorker", "OverlappedStep", "refuse_overlapped"]
+__all__ = ["HostWorker", "OverlappedStep", "refuse_overlapped", "speculation_of"]
 
 _STOP = object()
 _DEFER_HINT = (
@@ -51,26 +52,42 @@ _DEFER_HINT = (
     "(or, under FSDP2, set_requires_gradient_sync(False)) so only the final backward starts updates"
 )
 
-# param -> (the optimizer that updates it during backward, weakly; the param's name); read by optim's clipping.
+# param -> (the optimizer that updates it during backward, weakly; the param's name; its SpeculativeClip or None);
+# read by optim's clipping.
 _OVERLAPPED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def refuse_overlapped(params: Iterable[Any], what: str) -> None:
-    """``ValueError`` when one of ``params`` is updated during backward by an overlapped optimizer.
+    """``ValueError`` when one of ``params`` is updated during backward by an overlapped optimizer
+    built without ``speculative_clipping`` (with it, ``step()`` redoes what an edit of the grads invalidated).
 
     ``what`` names the refused operation (e.g. ``"optim.clip_grad_norm_"``). Such a
     param's update may already have run with the unclipped grad when the norm becomes
     known, so a norm-based edit of its grad cannot be honoured; nothing is silently changed.
     """
     for p in params:
-        owner, name = _OVERLAPPED.get(p, (None, "")) if isinstance(p, torch.Tensor) else (None, "")
-        if owner is not None and owner() is not None:
+        entry = _live_entry(p)
+        if entry is not None and entry[1] is None:
             raise ValueError(
-                f"{what} was given parameter {name!r} of a HybridDeviceOptimizer built with "
+                f"{what} was given parameter {entry[0]!r} of a HybridDeviceOptimizer built with "
                 "overlap_step_with_backward=True: their host update starts during backward, before the norm "
-                "of all gradients is known. Build the optimizer without overlap_step_with_backward to clip, "
-                "or train without gradient clipping in this mode"
+                "of all gradients is known. Build the optimizer with speculative_clipping=True (updates are "
+                "snapshotted and redone when the clip changes a gradient), or without overlap_step_with_backward"
             )
+
+
+def _live_entry(param: Any) -> tuple[str, SpeculativeClip | None] | None:
+    """(name, speculative clipping or None) of ``param`` under a live overlapped optimizer, else None."""
+    owner, name, speculation = (
+        _OVERLAPPED.get(param, (None, "", None)) if isinstance(param, torch.Tensor) else (None, "", None)
+    )
+    return (name, speculation) if owner is not None and owner() is not None else None
+
+
+def speculation_of(param: Any) -> SpeculativeClip | None:
+    """The speculative clipping of the live overlapped optimizer updating ``param``, if it has one."""
+    entry = _live_entry(param)
+    return entry[1] if entry is not None else None
 
 
 @dataclass
@@ -79,8 +96,12 @@ class _Failure:
     error: BaseException
 
 
-def _run_jobs(jobs: queue.Queue, failures: list[_Failure]) -> None:
+def _run_jobs(jobs: queue.Queue, failures: list[_Failure], on_start: Callable[[], None]) -> None:
     """The worker thread's loop. It holds no reference to the optimizer between jobs."""
+    try:
+        on_start()  # before the first job creates threads of its own (they inherit its core binding)
+    except BaseException as exc:  # noqa: BLE001 - the jobs are then skipped and step() raises it
+        failures.append(_Failure("the host worker's start (core binding)", exc))
     # Grad mode is thread-local: the host update must not record autograd history.
     torch.set_grad_enabled(False)
     while True:
@@ -116,7 +137,8 @@ class HostWorker:
     is collected (or at interpreter exit), so it never outlives its optimizer.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[], None] = lambda: None) -> None:
+        self._on_start = on_start  # run on the thread as it starts (core binding)
         self._jobs: queue.Queue = queue.Queue()
         self._failures: list[_Failure] = []
         self._thread: threading.Thread | None = None
@@ -127,7 +149,10 @@ class HostWorker:
         if self._thread is None or self._pid != os.getpid():  # a forked child has no copy of the thread
             self._jobs, self._pid = queue.Queue(), os.getpid()
             self._thread = threading.Thread(
-                target=_run_jobs, args=(self._jobs, self._failures), name="offload_fsdp-host-step", daemon=True
+                target=_run_jobs,
+                args=(self._jobs, self._failures, self._on_start),
+                name="offload_fsdp-host-step",
+                daemon=True,
             )
             self._thread.start()
             weakref.finalize(self, _stop, self._jobs, self._thread)
@@ -195,8 +220,11 @@ class OverlappedStep:
         prepare: Callable[[HostBucket], None],
         update: Callable[[HostBucket, list[ParamShard]], None],
         group: Callable[[int], dict[str, Any]],
+        on_worker_start: Callable[[], None] = lambda: None,
+        speculation: SpeculativeClip | None = None,
     ) -> None:
-        self.worker = HostWorker()
+        self.worker = HostWorker(on_worker_start)
+        self.speculation = speculation  # speculative_clipping: snapshots before updates, settled in step()
         self._prepare, self._update, self._group = prepare, update, group
         self._ready: dict[int, set[int]] = {}
         """bucket index -> ids of its records whose final grad is staged this step"""
@@ -215,7 +243,7 @@ class OverlappedStep:
         ref = weakref.ref(owner)
         for r in records:
             if r.offloaded:
-                _OVERLAPPED[r.param] = (ref, r.name)
+                _OVERLAPPED[r.param] = (ref, r.name, self.speculation)
 
     @property
     def in_progress(self) -> bool:
@@ -242,7 +270,8 @@ class OverlappedStep:
         # Every record counted, and each one's staged grad is still its current grad (a count left
         # from a backward whose grads were zeroed since must not start an update on stale staging).
         if len(ready) == len(bucket.records) and all(_staged_is_current(r) for r in bucket.records):
-            self._start(bucket)
+            if self.speculation is None or self.speculation.reserve(bucket):  # else step() updates it
+                self._start(bucket)
 
     def _watch_backward(self) -> None:
         """Note that a backward is running until autograd runs its final callbacks, which it skips when it raises."""
@@ -299,6 +328,8 @@ class OverlappedStep:
         # The current device is per thread: the worker's default need not be this rank's device.
         if bucket.device.type != "cpu" and bucket.device.index is not None:
             torch.accelerator.set_device_index(bucket.device.index)
+        if self.speculation is not None:
+            self.speculation.take(bucket)
         self._update(bucket, records)
         self._updated.append(bucket)
 
@@ -308,14 +339,17 @@ class OverlappedStep:
         updated, self._updated = self._updated, []
         return updated
 
-    def finish_backward(self) -> set[int]:
+    def finish_backward(self, *, keep: bool = True) -> set[int]:
         """Wait for the queued updates; check that they used what ``step()`` would use.
 
-        Returns the ids of the records updated during backward. Raises (naming the
+        Returns the ids of the records updated during backward and kept. Raises (naming the
         param or group and the fix) when a started record's grad changed or went
-        away since its update began, or a started bucket's hyper-parameters changed.
+        away since its update began, or a started bucket's hyper-parameters changed;
+        with ``speculation`` a bucket whose grads changed (every one if not ``keep``) is restored instead and
+        left to ``step()``.
         """
         self.worker.wait()
+        redo: set[int] = set()
         for bucket, snapshot in self._started.values():
             group_index = bucket.records[0].group_index
             now = hyperparameters(self._group(group_index))
@@ -327,13 +361,23 @@ class OverlappedStep:
                     "overlap_step_with_backward=True step the LR scheduler (or edit param_groups) after "
                     "optimizer.step(), not between backward and step"
                 )
-            for r in bucket.records:
-                self._check_grad_unchanged(r)
-        return set(self._started_records)
+            speculation = self.speculation
+            settled = speculation.settle(bucket, self._grad_unchanged, keep=keep) if speculation is not None else None
+            if settled:
+                redo.add(bucket.index)
+            elif settled is None:
+                for r in bucket.records:
+                    self._check_grad_unchanged(r)
+        self._updated = [b for b in self._updated if b.index not in redo]
+        return {id(r) for b, _ in self._started.values() if b.index not in redo for r in b.records}
 
     @staticmethod
-    def _check_grad_unchanged(r: ParamShard) -> None:
-        if not _staged_is_current(r) or (not r.grad_edits_move_key and not _staged_equals_grad(r)):
+    def _grad_unchanged(r: ParamShard) -> bool:
+        return _staged_is_current(r) and (r.grad_edits_move_key or _staged_equals_grad(r))
+
+    @classmethod
+    def _check_grad_unchanged(cls, r: ParamShard) -> None:
+        if not cls._grad_unchanged(r):
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
                 "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "
@@ -352,6 +396,8 @@ class OverlappedStep:
         """Forget this step's readiness and started buckets (after ``step()``, successful or not)."""
         self.worker.wait_quietly()
         self.worker.forget_failures()
+        if self.speculation is not None:
+            self.speculation.end_step()
         self._ready.clear()
         self._started.clear()
         self._started_records.clear()

@@ -16,11 +16,12 @@ from typing import Any, Protocol
 
 import torch
 
-from offload_fsdp.amp import grad_scaler_skips_step, refuse_grad_scaler
+from offload_fsdp.amp import grad_scaler_in_use, grad_scaler_skips_step, refuse_grad_scaler
 from offload_fsdp.buckets import HostBucket
 from offload_fsdp.copy_engine import CopyEngine
 from offload_fsdp.overlap import OverlappedStep
 from offload_fsdp.records import ParamShard
+from offload_fsdp.speculative import SpeculationCounts, SpeculativeClip
 
 __all__ = ["AfterBackward", "OverlappedSchedule", "StepSchedule"]
 
@@ -33,6 +34,11 @@ class StepSchedule(Protocol):
     @property
     def begun_engines(self) -> dict[int, CopyEngine]:
         """copy engines whose ``begin_step`` ran during backward (step() must not run it again)"""
+        ...
+
+    @property
+    def speculation_counts(self) -> SpeculationCounts | None:
+        """What speculative clipping did so far; None when the schedule does not speculate."""
         ...
 
     def watch(self, records: Iterable[ParamShard], owner: object) -> None:
@@ -76,6 +82,7 @@ class AfterBackward:
 
     def __init__(self) -> None:
         self.begun_engines: dict[int, CopyEngine] = {}
+        self.speculation_counts: SpeculationCounts | None = None
 
     def watch(self, records: Iterable[ParamShard], owner: object) -> None:
         pass
@@ -133,13 +140,20 @@ class OverlappedSchedule:
         *,
         push: Push,
         restore_master: Callable[[ParamShard], None],
+        on_worker_start: Callable[[], None] = lambda: None,
+        speculation: SpeculativeClip | None = None,
     ) -> None:
-        self.overlapped = OverlappedStep(prepare, update, group)
+        self.overlapped = OverlappedStep(prepare, update, group, on_worker_start, speculation)
         self._push, self._restore_master = push, restore_master
 
     @property
     def begun_engines(self) -> dict[int, CopyEngine]:
         return self.overlapped.begun_engines
+
+    @property
+    def speculation_counts(self) -> SpeculationCounts | None:
+        speculation = self.overlapped.speculation
+        return speculation.counts if speculation is not None else None
 
     def watch(self, records: Iterable[ParamShard], owner: object) -> None:
         self.overlapped.register(records, owner)
@@ -160,8 +174,15 @@ class OverlappedSchedule:
                     "during the backward before step(), not inside the closure; call loss.backward() and then "
                     "step() without a closure, or build the optimizer without overlap_step_with_backward"
                 )
-            refuse_grad_scaler(optimizer)
-            return None, self.overlapped.finish_backward(), False  # raises a worker's error, naming the bucket
+            if self.overlapped.speculation is None:
+                refuse_grad_scaler(optimizer)
+            # With speculative clipping GradScaler is allowed: the updates ran on scaled grads, all are redone.
+            amp = grad_scaler_in_use(optimizer)
+            done = self.overlapped.finish_backward(keep=not amp)  # raises a worker's error, naming the bucket
+            if amp and grad_scaler_skips_step(optimizer, records):
+                self.overlapped.discard()  # inf/NaN: nothing applied, as torch skips the step
+                return None, set(), True
+            return None, done, False
         except BaseException:
             self.abandon()
             raise

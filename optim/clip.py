@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.overlap import refuse_overlapped
 from offload_fsdp.shard_spec import shard_spec_of
+from offload_fsdp.speculative import clip_notes
 
 __all__ = ["clip_grad_norm_", "grad_norm"]
 
@@ -242,7 +243,9 @@ def clip_grad_norm_(
     """
     norm_type = _check_norm_type(norm_type)
     params = [params] if torch.is_tensor(params) else list(params)
-    refuse_overlapped(params, "optim.clip_grad_norm_")  # their update may have run before the norm is known
+    # Their update may have run before the norm is known: refused, or redone unless the coefficient is 1.
+    refuse_overlapped(params, "optim.clip_grad_norm_")
+    speculating = clip_notes(params)
     buckets = _bucket(params, mesh_or_group)  # the gradients are collected once, for the norm and the scaling
     total = _total_norm(buckets, norm_type, foreach)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -263,4 +266,6 @@ def clip_grad_norm_(
             # not nn.utils.clip_grads_with_norm_: it scales `p.grad` only, not decoupled grads or local
             # shards of DTensor grads; renamed -> clip_grad_norm_ raises
             torch._foreach_mul_(group, scale)
+    for speculation, theirs, keys_before in speculating:
+        speculation.note_clip(theirs, keys_before, coefficient)
     return total

@@ -50,6 +50,11 @@ Parts (``--parts`` picks a subset):
   object in the same run (interleaved rounds, wall and process CPU time); and
   the peak RSS a save adds (a child process) for a state larger than the
   upload part budget (``checkpoint.fsspec_storage.PART_BYTES``).
+* ``tiers``: :class:`checkpoint.TieredCheckpointer` on the demo model (``scripts/demo.py``, FSDP2 +
+  ``HybridDeviceOptimizer(offload_fraction=1)``) at 2 and 4 gloo ranks, each rank a node of its own,
+  local tier in ``/dev/shm``: how long a save blocks the training loop (local only, local + a replica
+  on the next node, durable only) as a fraction of a training step, and until it is committed; and
+  restore times from each rank's own copy, with one rank's copies lost (from its peer), and from durable.
 * ``merge``: by simulation, no real ranks: the per-rank metadata of R ranks x T
   tensors (each tensor row-sharded over all ranks) built in one process; time
   of our commit merge (+ validation) vs DCP's central planning (dedup + global
@@ -755,6 +760,8 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 state = _state(int(sys.argv[2]) << 20)
+# a small save first: the storage's libraries (s3fs, botocore's service models) are loaded before the baseline
+checkpoint.save_state_dict({"w": torch.ones(4)}, sys.argv[1] + "-warm-up")
 before, peak, done = rss(), [0], threading.Event()
 def sample():  # the resident set while the save runs, every 2 ms
     while not done.is_set():
@@ -775,7 +782,7 @@ def bench_remote(mib: int) -> None:
 
     import fsspec
 
-    from checkpoint.fsspec_storage import PART_BYTES
+    from checkpoint.fsspec_storage import PART_BYTES, UPLOAD_PARTS
     from tests.s3_server import MotoServer, environment, make_bucket
 
     server = MotoServer()
@@ -815,7 +822,10 @@ def bench_remote(mib: int) -> None:
                 wall, cpu = time.perf_counter(), time.process_time()
                 fn(key)
                 times.setdefault(name, []).append((time.perf_counter() - wall, time.process_time() - cpu))
-        print(f"\n== remote: {nbytes / 2**20:.0f} MiB to s3:// on moto_server (127.0.0.1), best of 2 after a warm-up")
+        print(
+            f"\n== remote: {nbytes / 2**20:.0f} MiB to s3:// on moto_server (127.0.0.1), best of 2 after a warm-up "
+            f"(load: {os.getloadavg()[0]:.1f})"
+        )
         best = {name: min(t[1:]) for name, t in times.items()}
         for name, (wall, cpu) in best.items():
             print(f"{name:10s} {wall:6.2f} s ({nbytes / wall / 2**20:6.1f} MiB/s), process CPU {cpu:6.2f} s")
@@ -835,10 +845,102 @@ def bench_remote(mib: int) -> None:
             before, after = int(out[-2]), int(out[-1])
             print(
                 f"peak RSS while writing the {nbytes / 2**20:.0f} MiB state ({who}): +{(after - before) / 2**20:.0f} MiB "
-                f"over the process before (upload part {PART_BYTES >> 20} MiB; {nbytes // PART_BYTES} parts)"
+                f"over the process after a small save (part budget {UPLOAD_PARTS} parts held x {PART_BYTES >> 20} MiB "
+                f"= {UPLOAD_PARTS * PART_BYTES >> 20} MiB; {nbytes // PART_BYTES} parts)"
             )
     finally:
         server.stop()
+
+
+def _tiers_body(rank: int, world_size: int, root: str, local_root: str, rounds: int) -> dict:
+    """Demo model, FSDP2 + HybridDeviceOptimizer(offload_fraction=1); each rank a "node" of its own."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import demo
+
+    cfg = demo.Config()
+    model, opt, sched = demo.build(cfg, torch.device("cpu"), world_size)
+    data = demo.corpus()
+    nodes = list(range(world_size))
+
+    def train(step: int) -> float:
+        start = time.perf_counter()
+        batch = demo.local_batch(demo.global_batch(data, cfg, step), rank, world_size)
+        demo.lm_loss(model, batch).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    def tiers(name: str, **options) -> checkpoint.TieredCheckpointer:
+        local = Path(local_root) / name / f"node{rank}"
+        return checkpoint.TieredCheckpointer(local, Path(root) / name / "durable", nodes=nodes, **options)
+
+    configs = {
+        "local": tiers("local", local_every=1, durable_every=0, replication=0),
+        "local+replica": tiers("replica", local_every=1, durable_every=0, replication=1),
+        "durable": tiers("durable", local_every=0, durable_every=1),
+    }
+    out: dict[str, list] = {"step": [], **{f"{n} block": [] for n in configs}, **{f"{n} done": [] for n in configs}}
+    step = 0
+    for tier in configs.values():  # first saves allocate the staging buffers
+        step += 1
+        train(step)
+        tier.save(step, model=model, optimizer=opt, extra={"sched": sched.state_dict()})
+        tier.wait()
+    for _ in range(rounds):
+        for name, tier in configs.items():
+            step += 1
+            out["step"].append(train(step))
+            dist.barrier()
+            start = time.perf_counter()
+            tier.save(step, model=model, optimizer=opt, extra={"sched": sched.state_dict()})
+            out[f"{name} block"].append(time.perf_counter() - start)
+            tier.wait()
+            out[f"{name} done"].append(time.perf_counter() - start)
+    replica = configs["local+replica"]
+    for _ in range(rounds):
+        for source in ("local", "peer", "durable"):
+            if source == "peer" and rank == world_size - 1:
+                shutil.rmtree(Path(local_root) / "replica" / f"node{rank}" / f"rank{rank}")  # this node lost its own
+            dist.barrier()
+            start = time.perf_counter()
+            restored = (configs["durable"] if source == "durable" else replica).restore(model=model, optimizer=opt)
+            out.setdefault(f"restore {source}", []).append(time.perf_counter() - start)
+            assert restored is not None and restored.source == source, (source, restored)
+    return out
+
+
+def bench_tiers(root: Path, rounds: int = 3) -> None:
+    from statistics import median
+
+    from tests.distributed import run_ranks
+
+    local_root = Path(tempfile.mkdtemp(prefix="bench_tiers_", dir="/dev/shm" if os.path.isdir("/dev/shm") else root))
+    try:
+        for world_size in (2, 4):
+            load = os.getloadavg()[0]
+            results = run_ranks(
+                _tiers_body,
+                world_size,
+                args=(str(root / f"tiers{world_size}"), str(local_root / str(world_size)), rounds),
+                timeout_s=1800,
+            )
+            worst = {k: [max(r[k][i] for r in results) for i in range(rounds)] for k in results[0]}
+            step = median(worst["step"])
+            print(
+                f"\n== tiers: demo model (scripts/demo.py Config()), FSDP2 + HybridDeviceOptimizer(offload_fraction=1), "
+                f"{world_size} gloo ranks, one node each; local tier {local_root}; medians of {rounds} interleaved "
+                f"rounds, slowest rank; load average {load:.1f} at the start"
+            )
+            print(f"training step: {step:.3f} s")
+            print("save            blocks the loop        until committed (background)")
+            for name in ("local", "local+replica", "durable"):
+                block, done = median(worst[f"{name} block"]), median(worst[f"{name} done"])
+                print(f"{name:15s} {block:7.3f} s {block / step:6.2f} step   {done:7.3f} s {done / step:6.2f} step")
+            for source in ("local", "peer", "durable"):
+                print(f"restore from {source:8s} {median(worst[f'restore {source}']):7.3f} s")
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -916,6 +1018,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_plan_collectives(root, [c for c in args.scaling_params if c <= 1000] or [100])
         if "remote" in args.parts:
             bench_remote(args.remote_mib)
+        if "tiers" in args.parts:
+            bench_tiers(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -30,6 +30,15 @@ construct the optimizer (allocation, page-locking, master copies) and
 ``step()`` time of each (``--bucket-numel`` sets the bucket, hence slot, size).
 ``construction_cost`` is the same measurement for other scripts.
 
+``--bind`` runs only the core-binding comparison (``bind_host_cores``): at 1 and 2
+local ranks (processes started here with ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` set,
+each with ``--numel`` params of its own, bf16 params and grads, fp32 state), every
+rank times ``step()`` of an optimizer bound to its cores and of an unbound one over
+the same params, in interleaved rounds that start together on all ranks (a barrier),
+with ``torch.set_num_threads`` = its share of the cores in both. Printed: the
+fastest and median step of each, the unbound / bound ratio, and each one's process
+CPU time per step.
+
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
 start / end of every bucket's D2H, host step and H2D in ms from the step's
@@ -48,6 +57,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `pyth
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
 from offload_fsdp.compiled_step import HOST_STEP_ENV, compiled_step_available  # noqa: E402
 from offload_fsdp.copy_engine import StreamCopyEngine  # noqa: E402
+from offload_fsdp.core_binding import format_cores  # noqa: E402
 from offload_fsdp.optimizer import DEFAULT_BUCKET_NUMEL  # noqa: E402
 from optim import PrecisionPolicy  # noqa: E402
 
@@ -483,6 +494,49 @@ def record_timeline(args: argparse.Namespace) -> None:
           f"max/step = {max(busy.values()) / step_ms:.2f}; wrote {args.timeline_json}")  # fmt: skip
 
 
+def _bind_rank(rank: int, world: int, args: argparse.Namespace, barrier: Any, results: Any) -> None:
+    """One local rank of ``--bind``: best / median ``step()`` seconds and CPU seconds, bound and unbound."""
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    params = _params(_shapes(int(args.numel), args.tensors), torch.bfloat16, "cpu")
+    opts = {bound: HybridDeviceOptimizer(params, 1.0, lr=1e-3, bind_host_cores=bound) for bound in (True, False)}
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(args.repeats + 1):  # the first round warms up (state, compiled step)
+        for bound, opt in opts.items():
+            barrier.wait()  # every rank steps at once: the contention binding is meant to remove
+            wall, cpu = time.perf_counter(), time.process_time()
+            opt.step()
+            times[bound].append((time.perf_counter() - wall, time.process_time() - cpu))
+    cores = {bound: opt.host_cores for bound, opt in opts.items()}
+    results.put((rank, {b: t[1:] for b, t in times.items()}, cores[True]))
+
+
+def bench_bind(args: argparse.Namespace) -> None:
+    import multiprocessing
+    import statistics
+
+    ctx = multiprocessing.get_context("spawn")
+    print(f"--bind: {args.numel / 1e6:.1f}M bf16 params per rank, {args.repeats} rounds; "
+          f"{len(os.sched_getaffinity(0))} allowed cores; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(f"{'local ranks':>11s} {'rank':>4s} {'cores':>6s} {'bound ms':>9s} {'unbound ms':>10s} "
+          f"{'median b/u ms':>14s} {'unbound/bound':>13s} {'cpu ms b/u':>11s}")  # fmt: skip
+    for world in (1, 2):
+        barrier, results = ctx.Barrier(world), ctx.Queue()
+        procs = [ctx.Process(target=_bind_rank, args=(r, world, args, barrier, results)) for r in range(world)]
+        for p in procs:
+            p.start()
+        rows = sorted(results.get(timeout=1800) for _ in procs)
+        for p in procs:
+            p.join()
+        for rank, times, cores in rows:
+            best = {b: min(w for w, _ in t) for b, t in times.items()}
+            median = {b: statistics.median(w for w, _ in t) for b, t in times.items()}
+            cpu = {b: statistics.median(c for _, c in t) for b, t in times.items()}
+            print(f"{world:11d} {rank:4d} {format_cores(cores or ()):>6s} {best[True] * 1e3:9.1f} "
+                  f"{best[False] * 1e3:10.1f} {median[True] * 1e3:6.1f}/{median[False] * 1e3:<7.1f} "
+                  f"{median[False] / median[True]:13.2f} {cpu[True] * 1e3:5.0f}/{cpu[False] * 1e3:<5.0f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--numel", type=float, default=50e6, help="total parameters (default 50M)")
@@ -503,6 +557,8 @@ def main() -> None:
     parser.add_argument("--ring-slots", type=int, default=None, metavar="N",
                         help="on an accelerator, also compare full pinning with pinned_transfer_slots=N: "
                              "pinned bytes, construction time, step time")  # fmt: skip
+    parser.add_argument("--bind", action="store_true",
+                        help="only compare step() with and without bind_host_cores at 1 and 2 local ranks")  # fmt: skip
     parser.add_argument(
         "--write-check-only",
         action="store_true",
@@ -513,6 +569,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.timeline_json:
         record_timeline(args)
+        return
+    if args.bind:
+        bench_bind(args)
         return
     if not args.write_check_only:
         bench_cpu(args)

@@ -24,12 +24,20 @@ efficiency ``(T_backward + T_host) / T_iteration`` (2.0 ideal when the two are e
 time): near 2 for the overlapped mode when it really got two cores, well under 1
 when other load starved it (then no figure of that run means much). Every figure
 comes from the same run on one machine; on a shared machine they are noisy.
+
+``--clip`` (part 1 with gradient clipping, ``optim.clip_grad_norm_`` between backward
+and ``step()``): the default mode with clipping against the overlapped mode with
+``speculative_clipping=True`` where the clip never fires (coefficient 1: every bucket
+committed), fires every step (every bucket restored and redone in ``step()``) and
+fires on 1% of the steps. Mean ms per iteration over ``--clip-iters`` iterations per
+mode, run in interleaved blocks of 10 (so "1%" fires once per 100 iterations), 1 thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `python scripts/...` finds the packages
 
+import optim  # noqa: E402
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -148,6 +157,59 @@ def part1(args: argparse.Namespace) -> None:
           f"(ideal {(t_backward + t_host) / max(t_backward, t_host):.2f} = sum / max; 1.0 = no overlap)")  # fmt: skip
 
 
+def _clipped_iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                       fires: Callable[[int], bool]) -> Callable[[], None]:  # fmt: skip
+    count = [0]
+
+    def run() -> None:
+        _backward(model, x)
+        optim.clip_grad_norm_(model.parameters(), 1e-6 if fires(count[0]) else 1e9)
+        opt.step()
+        opt.zero_grad()
+        count[0] += 1
+
+    return run
+
+
+def part1_clip(args: argparse.Namespace) -> None:
+    """Mean ms per iteration with clipping: default mode vs the overlapped mode's speculative clipping."""
+    width, layers = args.width, args.layers
+    bucket_numel = args.bucket_numel or width * width + width
+    torch.set_num_threads(1)
+    batch = _calibrate_batch(width, layers, bucket_numel) if args.batch == "auto" else int(args.batch)
+    x = torch.randn(batch, width)
+    model, opt = _offloaded(width, layers, bucket_numel, overlap=False)
+    modes = {"default mode + clip (fires every step)": _clipped_iteration(model, opt, x, lambda i: True)}
+    speculating = {}
+    for label, fires in (("never fires", lambda i: False), ("fires every step", lambda i: True),
+                         ("fires 1% of steps", lambda i: i % 100 == 50)):  # fmt: skip
+        model = _model(width, layers)
+        spec = HybridDeviceOptimizer(model.parameters(), 1.0, bucket_numel=bucket_numel, overlap_step_with_backward=True,
+                                     speculative_clipping=True, **HYPER)  # fmt: skip
+        speculating[label] = spec
+        modes[f"overlapped + speculative clip, {label}"] = _clipped_iteration(model, spec, x, fires)
+    print(f"--clip: {layers} x Linear({width}, {width}) fp32, batch {batch}, AdamW, 1 thread, mean of "
+          f"{args.clip_iters} iterations per mode in blocks of 10; load {os.getloadavg()[0]:.2f}")  # fmt: skip
+    for fn in modes.values():
+        fn()  # warm-up
+    wall = dict.fromkeys(modes, 0.0)
+    cpu = dict.fromkeys(modes, 0.0)
+    for _ in range(max(1, args.clip_iters // 10)):
+        for name, fn in modes.items():
+            start, cpu_start = time.perf_counter(), time.process_time()
+            for _ in range(10):
+                fn()
+            wall[name] += time.perf_counter() - start
+            cpu[name] += time.process_time() - cpu_start
+    iters = max(1, args.clip_iters // 10) * 10
+    reference = wall["default mode + clip (fires every step)"]
+    for name in modes:
+        print(f"  {name:52s} {wall[name] / iters * 1e3:8.1f} ms/iter  {wall[name] / reference:5.2f}x default+clip  "
+              f"cores used {cpu[name] / wall[name]:.2f}")  # fmt: skip
+    for label, spec in speculating.items():
+        print(f"  speculation counts, {label}: {spec.speculation_counts}")
+
+
 def part2(argv: list[str]) -> None:
     """The pipeline model (``scripts/overlap_pipeline_model.py``, its own script), called with ``argv``."""
     try:
@@ -170,7 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-numel", type=int, default=0, help="host bucket size (default: one layer)")
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds; the fastest per mode is reported")
     parser.add_argument("--model", action="store_true", help="part 2: run the pipeline model with the rest of argv")
-    part1(parser.parse_args(argv))
+    parser.add_argument("--clip", action="store_true", help="part 1 with gradient clipping (speculative_clipping)")
+    parser.add_argument("--clip-iters", type=int, default=100, help="--clip: iterations per mode (default 100)")
+    args = parser.parse_args(argv)
+    if args.clip:
+        part1_clip(args)
+        return
+    part1(args)
 
 
 if __name__ == "__main__":

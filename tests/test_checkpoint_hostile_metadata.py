@@ -33,6 +33,9 @@ _SAVED = {
     "n": 7,
     "opt": {"lr": 0.5, "eps": 0.25},
     "extra": {"first": "one", "second": "two"},
+    # one value keyed twice (a param group's options in torch's flattened layout): stored once, and the
+    # manifest lists "groups.b.lr" by the value it shares with "groups.a.lr"
+    "groups": {"a": {"lr": 0.125}, "b": {"lr": 0.125}},
 }
 
 
@@ -44,6 +47,7 @@ def _target() -> dict:
         "n": None,
         "opt": {"lr": None, "eps": None},
         "extra": {"first": None, "second": None},
+        "groups": {"a": {"lr": None}, "b": {"lr": None}},
     }
 
 
@@ -114,6 +118,20 @@ def float32_relabelled_int32_in_the_manifest_too(md) -> None:
     another_dtype_than_the_manifest(md)
 
 
+def a_shared_value_pointed_at_another_value(md) -> None:
+    md.storage_data[MetadataIndex("groups.b.lr")] = md.storage_data[MetadataIndex("opt.eps")]
+
+
+def a_shared_value_renested(md) -> None:
+    md.planner_data["groups.b.lr"] = ("groups", "c", "lr")
+
+
+def the_source_of_a_shared_value_moved_with_it(md) -> None:
+    # both keys still share one range, but not the one the manifest pinned for the source
+    md.storage_data[MetadataIndex("groups.a.lr")] = md.storage_data[MetadataIndex("opt.eps")]
+    md.storage_data[MetadataIndex("groups.b.lr")] = md.storage_data[MetadataIndex("opt.eps")]
+
+
 _RELABELLINGS = {
     two_same_size_chunks_swapped: "'w'",
     two_row_blocks_swapped: "'w'",
@@ -121,6 +139,9 @@ _RELABELLINGS = {
     two_option_values_swapped: "'opt.lr'",
     two_extra_names_swapped: "'extra.first'",
     float32_relabelled_int32_in_the_manifest_too: "'w'",
+    a_shared_value_pointed_at_another_value: "'groups.b.lr'",
+    a_shared_value_renested: "'groups.b.lr'",
+    the_source_of_a_shared_value_moved_with_it: "'groups.a.lr'",
 }
 
 
@@ -185,6 +206,8 @@ def test_the_unedited_checkpoint_loads_exactly_and_verifies(good, capsys):
     assert torch.equal(target["w"], _SAVED["w"]) and torch.equal(target["b"], _SAVED["b"])
     assert torch.equal(target["v"], _SAVED["v"]) and target["n"] == 7
     assert target["opt"] == _SAVED["opt"] and target["extra"] == _SAVED["extra"]
+    assert target["groups"] == _SAVED["groups"]
+    assert read_manifest(good).shared_keys() == {"groups.b.lr": ("groups.a.lr", ("groups", "b", "lr"))}
     assert cli_main(["verify", str(good)]) == 0
     assert capsys.readouterr().out.startswith("OK")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -312,6 +313,56 @@ def test_latest_and_keep_last_on_local_paths(tmp_path):
         checkpoint.retain(tmp_path, keep_last=0)
 
 
+def _coarse_clock(root, names, *, when=1_700_000_000, drop_commit_time=False):
+    """Give the heads of ``names`` under ``root`` one whole-second modification time, as an object store's
+    LastModified does for commits within one second; optionally strip the head's own commit time (heads
+    written before it was recorded)."""
+    import json
+
+    for name in names:
+        head = root / name / HEAD_NAME
+        if drop_commit_time:
+            fields = json.loads(head.read_text())
+            del fields["committed_ns"]
+            head.write_text(json.dumps(fields))
+        os.utime(head, (when, when))
+
+
+def test_latest_and_keep_last_order_commits_within_one_second_by_the_heads_commit_time(tmp_path):
+    root = tmp_path / "nfs"
+    checkpoint.mount(root, checkpoint.SharedFileSystemStorage())  # the head protocol, as on an object store
+    try:
+        for step in (9, 10):  # "step10" sorts before "step9" by name: the name must not decide
+            checkpoint.save_state_dict({"w": torch.full((4,), float(step))}, root / f"step{step}")
+        _coarse_clock(root, ["step9", "step10"])
+        assert checkpoint.latest(root) == root / "step10"
+        assert checkpoint.retain(root, keep_last=1) == [root / "step9"]
+        loaded = {"w": torch.zeros(4)}
+        checkpoint.load_state_dict(loaded, checkpoint.latest(root))
+        assert torch.equal(loaded["w"], torch.full((4,), 10.0))
+    finally:
+        checkpoint.unmount(root)
+
+
+def test_keep_last_deletes_nothing_whose_order_against_a_kept_checkpoint_is_unknown(tmp_path, caplog):
+    root = tmp_path / "nfs"
+    checkpoint.mount(root, checkpoint.SharedFileSystemStorage())
+    try:
+        for step in (8, 9, 10):
+            checkpoint.save_state_dict({"w": torch.full((4,), float(step))}, root / f"step{step}")
+        _coarse_clock(root, ["step8"], when=1_600_000_000, drop_commit_time=True)  # older than both below
+        _coarse_clock(root, ["step9", "step10"], drop_commit_time=True)  # same second, no finer record
+        with caplog.at_level(logging.WARNING, logger="checkpoint.retention"):
+            newest = checkpoint.latest(root)
+            deleted = checkpoint.retain(root, keep_last=1)
+        assert newest in (root / "step9", root / "step10")
+        assert "same time" in caplog.text and "step10" in caplog.text and "step9" in caplog.text
+        assert deleted == [root / "step8"]  # "step10" sorts before "step9": by name alone it would go
+        assert (root / "step9").exists() and (root / "step10").exists()
+    finally:
+        checkpoint.unmount(root)
+
+
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_dcp_save_and_load_through_our_storage_classes_write_a_checkpoint_checkpoint_load_reads(
     where, tmp_path, request
@@ -348,9 +399,62 @@ def test_every_cli_command_reads_s3_and_writes_local_and_reshard_writes_s3(s3_bu
     assert "0 unfinished" in cli("gc", url).stdout
     bad = cli("inspect", "nosuch://bucket/ck", check=2)
     assert "unsupported URL scheme" in bad.stderr
-    # export writes local files only: a URL output is refused, not written to a directory named "s3:"
-    assert "is a local path" in cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", check=2).stderr
     assert not (Path.cwd() / "s3:").exists()
+
+
+def test_export_writes_to_s3_and_import_reads_from_s3_bit_exact(s3_bucket, tmp_path, cli, monkeypatch):
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # the local stand-ins, checked below to be gone
+    state = {"model": {"w": torch.randn(6, 4), "b": torch.randn(4)}, "extra": {"step": 5}}
+    url = f"{s3_bucket}/cli/ck"
+    checkpoint.save_state_dict(state, url)
+    cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", "--model-only", "--max-shard-size", "64")
+    names = _objects(f"{s3_bucket}/hf")
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+    for name in names[:2]:  # read back with safetensors itself
+        cli_copy = tmp_path / name
+        cli_copy.write_bytes(_read(f"{s3_bucket}/hf/{name}"))
+        for key, value in load_file(cli_copy).items():
+            assert torch.equal(value, state["model"][key])
+    assert "already exists" in cli("export", url, f"{s3_bucket}/hf", "--format", "safetensors", check=2).stderr
+    cli("export", url, f"{s3_bucket}/ck.pt", "--format", "torch")
+    (tmp_path / "ck.pt").write_bytes(_read(f"{s3_bucket}/ck.pt"))
+    loaded = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert torch.equal(loaded["model.w"], state["model"]["w"]) and loaded["extra.step"] == 5
+
+    # import: an HF directory at a URL, and one safetensors file at a URL
+    cli("import", f"{s3_bucket}/hf", str(tmp_path / "from_dir"))
+    save_file({"w": state["model"]["w"]}, tmp_path / "one.safetensors")
+    _write(f"{s3_bucket}/single/one.safetensors", (tmp_path / "one.safetensors").read_bytes())
+    cli("import", f"{s3_bucket}/single/one.safetensors", f"{s3_bucket}/from_file", "--world-size", "2")
+    for where in (str(tmp_path / "from_dir"), f"{s3_bucket}/from_file"):
+        target = {"model": {"w": torch.zeros(6, 4)}}
+        checkpoint.load_state_dict(target, where, strict=False)
+        assert torch.equal(target["model"]["w"], state["model"]["w"])
+    assert "does not exist" in cli("import", f"{s3_bucket}/nothing", str(tmp_path / "x"), check=2).stderr
+    assert [p for p in (tmp_path / "tmp").iterdir() if p.name.startswith("fsdp-ckpt-")] == []  # stand-ins removed
+
+
+def _read(url: str) -> bytes:
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    return fs.cat_file(key)
+
+
+def _write(url: str, data: bytes) -> None:
+    import fsspec
+
+    fs, key = fsspec.core.url_to_fs(url, use_listings_cache=False)
+    fs.pipe_file(key, data)
 
 
 def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_renames(tmp_path):
@@ -367,3 +471,127 @@ def test_a_shared_file_system_mount_saves_by_the_object_store_protocol_without_r
     names = sorted(p.name for p in (root / "ck").iterdir())
     assert names[0] == HEAD_NAME and len(names) == 2 and names[1].startswith("fsdp-save-00000002-")
     assert sorted(p.name for p in root.iterdir()) == ["ck"]  # no staging, swap or lock names beside it
+
+
+def test_gc_and_retention_wait_for_an_async_save_in_flight_and_delete_nothing_it_writes(s3_bucket, monkeypatch):
+    import logging
+    import threading
+
+    import checkpoint.storage as storage_module
+    from checkpoint.async_save import async_save_state_dict
+
+    root = f"{s3_bucket}/inflight"
+    url = f"{root}/ck"
+    # saved first and named first: the older one even where commit times tie (S3 keeps whole seconds)
+    checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, f"{root}/a-old")
+    checkpoint.save_state_dict({"w": torch.full((8,), 1.0)}, url)
+    writing, release = threading.Event(), threading.Event()
+    real_write = storage_module.write_tensor
+
+    def write_when_released(stream, tensor):
+        writing.set()  # the save directory and its marker exist, not yet named by the head
+        release.wait(timeout=120)
+        real_write(stream, tensor)
+
+    monkeypatch.setattr(storage_module, "write_tensor", write_when_released)
+    waited = {}
+
+    class Waits(logging.Handler):
+        def emit(self, record):
+            waited[record.getMessage().rsplit("before ", 1)[-1]] = threading.current_thread().name
+
+    handler = Waits(level=logging.WARNING)
+    logging.getLogger("checkpoint.async_save").addHandler(handler)
+    try:
+        future = async_save_state_dict({"w": torch.full((8,), 2.0)}, url)
+        assert writing.wait(timeout=120)
+        results = {}
+        gc = threading.Thread(target=lambda: results.update(gc=checkpoint.collect_garbage(url)), name="gc")
+        keep = threading.Thread(target=lambda: results.update(kept=checkpoint.retain(root, keep_last=1)), name="keep")
+        for thread in (gc, keep):
+            thread.start()
+        # each one either says it waits, or (the bug) runs to its end while the save is held mid-write
+        while not (len(waited) == 2 or not gc.is_alive() or not keep.is_alive()):
+            time.sleep(0.01)
+        assert waited == {"gc removes unfinished saves": "gc", "retention deletes old checkpoints": "keep"}
+        release.set()
+        future.result(timeout=120)
+        gc.join(timeout=120)
+        keep.join(timeout=120)
+    finally:
+        release.set()
+        logging.getLogger("checkpoint.async_save").removeHandler(handler)
+    target = {"w": torch.zeros(8)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((8,), 2.0))
+    assert results["gc"] == [] and [str(p) for p in results["kept"]] == [f"{root}/a-old"]
+
+
+class _WatchedFileSystem:
+    """The storage's own fsspec file system, counting the ranged GETs of data objects in flight at once (and
+    their bytes); the first two meet at a barrier, so a reader that fetches one at a time fails here."""
+
+    def __init__(self, fs, *, meet: bool = True) -> None:
+        import threading
+
+        self._fs = fs
+        self._lock = threading.Lock()
+        self._meet = threading.Barrier(2, timeout=60) if meet else None
+        self.calls = self.active = self.most = self.active_bytes = self.most_bytes = self.total_bytes = 0
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if not str(path).endswith(".distcp"):
+            return self._fs.cat_file(path, start=start, end=end, **kwargs)
+        with self._lock:
+            self.calls += 1
+            first_two = self.calls <= 2 and self._meet is not None
+            self.total_bytes += end - start
+            self.active += 1
+            self.active_bytes += end - start
+            self.most, self.most_bytes = max(self.most, self.active), max(self.most_bytes, self.active_bytes)
+        try:
+            if first_two:
+                self._meet.wait()  # type: ignore[union-attr]
+            return self._fs.cat_file(path, start=start, end=end, **kwargs)
+        finally:
+            with self._lock:
+                self.active -= 1
+                self.active_bytes -= end - start
+
+
+@pytest.mark.parametrize("max_read_bytes", [(5 << 20) // 2, None], ids=["capped", "uncapped"])
+def test_a_load_fetches_ranges_in_parallel_within_max_read_bytes_and_exactly(s3_bucket, monkeypatch, max_read_bytes):
+    from checkpoint.storage_backend import locate
+
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(6)}  # 1 MiB each
+    state["small"] = torch.arange(7)
+    url = f"{s3_bucket}/parallel/ck"
+    checkpoint.save_state_dict(state, url)
+    store = locate(url).storage
+    watched = _WatchedFileSystem(store.fs)
+    monkeypatch.setattr(store, "fs", watched)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    checkpoint.load_state_dict(target, url, max_read_bytes=max_read_bytes)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert watched.most >= 2
+    if max_read_bytes is not None:
+        assert watched.most_bytes <= max_read_bytes
+
+
+def test_a_load_of_part_of_a_chunk_from_s3_gets_only_the_bytes_it_needs(s3_bucket, monkeypatch):
+    from checkpoint.storage_backend import locate
+
+    full = torch.randn(64, 4096)  # 1 MiB, one chunk
+    url = f"{s3_bucket}/part/ck"
+    checkpoint.save_state_dict({"w": full}, url)
+    store = locate(url).storage
+    watched = _WatchedFileSystem(store.fs, meet=False)
+    monkeypatch.setattr(store, "fs", watched)
+    rows = checkpoint.shard(torch.zeros(8, 4096), (64, 4096), offsets=(40, 0))  # 8 of its 64 rows (128 KiB)
+    # verify="sizes": the default ("crc") also reads the rest of the object, to check its CRC-32
+    checkpoint.load_state_dict({"w": rows}, url, verify="sizes")
+    assert torch.equal(rows.local, full[40:48])
+    assert 8 * 4096 * 4 <= watched.total_bytes < 8 * 4096 * 4 + (16 << 10)  # those rows and the archive's directory

@@ -120,3 +120,46 @@ def test_strict_load_of_torch_default_layout_names_the_params_its_optimizer_did_
         checkpoint.load(
             tmp_path / "plain", model=model2, optimizer=torch.optim.AdamW(model2.parameters()), require_manifest=False
         )
+
+
+def _stepped_groups(seed: int, lrs: tuple[float, float], decays: tuple[float, float]):
+    model = _model(seed)
+    groups = [
+        {"params": list(model[0].parameters()), "lr": lrs[0], "weight_decay": decays[0]},
+        {"params": list(model[2].parameters()), "lr": lrs[1], "weight_decay": decays[1]},
+    ]
+    opt = torch.optim.AdamW(groups)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _options_by_name(model, opt) -> dict[str, tuple[float, float]]:
+    group_of = {id(p): (g["lr"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    return {name: group_of[id(p)] for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["torch_default", "flattened"])
+def test_options_differing_per_group_are_stored_once_per_group_and_read_by_plain_dcp_load_and_ours(tmp_path, flatten):
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    # torch's flattened layout keys each option per parameter: the manifest lists those keys once per
+    # group (its parameters and the keys whose one stored value they read), not key by key
+    opened = checkpoint.open_checkpoint(tmp_path / "ours")
+    option_keys = [k for k in opened.metadata.state_dict_metadata if k.startswith("optimizer.param_groups.")]
+    listed = [k for k in opened.manifest.keys if k.startswith("optimizer.param_groups.")]
+    per_group = len(opt.state_dict()["param_groups"][0]) + 1  # options, params and param_names of one group
+    assert len(listed) <= 2 * per_group < len(option_keys)
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    plain_model, plain_opt = _stepped_groups(1, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(plain_model, plain_opt, options=options)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=tmp_path / "ours", no_dist=True)
+    set_state_dict(plain_model, plain_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert _options_by_name(plain_model, plain_opt) == _options_by_name(model, opt)
+
+    ours_model, ours_opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    checkpoint.load(tmp_path / "ours", model=ours_model, optimizer=ours_opt)
+    assert _options_by_name(ours_model, ours_opt) == _options_by_name(model, opt)
+    _assert_same(model, opt, ours_model, ours_opt)

@@ -206,6 +206,7 @@ class _MemoryStorage:
     """
 
     renames_atomically = True
+    conditional_put = False
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
@@ -314,7 +315,7 @@ class _MemoryStorage:
         pass
 
     @contextlib.contextmanager
-    def lock(self, path):
+    def lock(self, path, *, timeout=None):
         with self._locks.setdefault(os.path.abspath(path), threading.Lock()):
             yield
 

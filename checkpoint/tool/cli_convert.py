@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ from checkpoint.durable import durable_replace
 from checkpoint.manifest import open_regular
 from checkpoint.storage_backend import locate
 from checkpoint.tool.cli_report import CliError, Progress, human_bytes
-from checkpoint.tool.cli_source import local_path, open_source
+from checkpoint.tool.cli_source import open_source
+from checkpoint.tool.remote_copy import check_output, download, remove, stand_in, upload
 from checkpoint.tool.rewrite import write_checkpoint
 from checkpoint.tool.safetensors_io import (
     SafetensorsSource,
@@ -144,15 +145,22 @@ def cmd_export(args: argparse.Namespace) -> int:
         reader.finish()  # their bytes' CRC-32, before they reach the output
     specs = [(out_name(t), out_dtype(t), t.shape) for t in tensors]
     total = sum(Entry(n, "tensor", d, s).nbytes for n, d, s in specs)
-    dst = local_path(args.dst, "an export's output (safetensors / torch files)")
+    dst, remote = _export_output(args)
     start = time.perf_counter()
-    with contextlib.ExitStack() as held:
-        # one writer per output path, held by process 0 until the output is committed
-        group.together(lambda: held.enter_context(write_lock(dst)), only_rank0=True)
-        if args.format == "safetensors":
-            where, bar = _export_safetensors(args, reader, dst, specs, tensors, object_values, out_name, cast)
-        else:
-            where, bar = _export_torch_file(args, reader, dst, specs, tensors, object_values, out_name, cast)
+    try:
+        with contextlib.ExitStack() as held:
+            # one writer per output path, held by process 0 until the output is committed
+            group.together(lambda: held.enter_context(write_lock(dst)), only_rank0=True)
+            if args.format == "safetensors":
+                where, bar = _export_safetensors(args, reader, dst, specs, tensors, object_values, out_name, cast)
+            else:
+                where, bar = _export_torch_file(args, reader, dst, specs, tensors, object_values, out_name, cast)
+            if remote is not None:
+                group.together(lambda: upload(dst, remote, force=args.force), only_rank0=True)
+                where = where.replace(str(dst), str(remote))
+    finally:
+        if remote is not None and group.rank == 0:
+            remove(dst.parent)
     bar.close()
     seconds = time.perf_counter() - start
     if group.rank == 0:
@@ -162,6 +170,22 @@ def cmd_export(args: argparse.Namespace) -> int:
             + (f" with {group.size} processes" if group.size > 1 else "")
         )
     return 0
+
+
+def _export_output(args: argparse.Namespace) -> tuple[Path, PurePath | None]:
+    """Where the export is written: ``args.dst``, or for a URL a local stand-in uploaded after (and the URL)."""
+    located = locate(args.dst)
+    if isinstance(located, Path):
+        return located, None
+    local = stand_in(located, "export")
+
+    def prepare() -> None:
+        check_output(located, args.force)
+        remove(local)  # what a killed export to this URL left
+        local.mkdir(parents=True)
+
+    args.group.together(prepare, only_rank0=True)
+    return local / located.name, located
 
 
 def _without_tied_aliases(reader: Any, targets: list[Target]) -> list[Target]:
@@ -327,7 +351,19 @@ def _json_objects(objects: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    src = local_path(args.src, "an import source (a Hugging Face directory or file)")
+    located = locate(args.src)
+    if isinstance(located, Path):
+        return _import_from(located, args)
+    local = stand_in(located, "import")  # a URL: its weight files are downloaded first
+    try:
+        args.group.together(lambda: download(located, local), only_rank0=True)
+        return _import_from(local / located.name, args)
+    finally:
+        if args.group.rank == 0:
+            remove(local)
+
+
+def _import_from(src: Path, args: argparse.Namespace) -> int:
     if not src.exists():
         raise FileNotFoundError(f"import source {str(src)!r} does not exist; check the path")
     if not src.is_dir():

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from checkpoint.manifest import CheckpointCorruptError
 from checkpoint.object_commit import resolve_for_load
-from checkpoint.storage_backend import locate
 from checkpoint.tool.cli_report import PROG, CliError, human_bytes
 from checkpoint.tool.stream import CheckpointReader
 
-__all__ = ["local_path", "open_source"]
+__all__ = ["open_source"]
 
 logger = logging.getLogger(__name__)
-
-
-def local_path(path: str, what: str) -> Path:
-    """``path`` as a local path, for a command whose files are local only: a URL is a clear error
-    (never a local directory named ``s3:``)."""
-    located = locate(path)
-    if not isinstance(located, Path):
-        raise CliError(f"{path}: {what} is a local path; copy it from / to {path} with your storage's own tools")
-    return located
 
 
 def open_source(path: str, *, warn: bool = True, check_sizes: bool = True) -> CheckpointReader:
