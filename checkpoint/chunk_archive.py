@@ -102,7 +102,7 @@ class ArchiveLayout:
     def tail_size(self) -> int:
         return len(self.tail(0))  # the CRC changes bytes, never lengths
 
-    def data_crc(self, tail: bytes) -> int:
+    def data_crc(self, tail: bytes | bytearray) -> int:
         """The data CRC-32 recorded in a tail read back from a file."""
         return _DESCRIPTOR.unpack_from(tail)[1]
 

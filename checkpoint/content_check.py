@@ -109,20 +109,27 @@ class ContentCheck:
         Returns the sum still running on a helper thread (a large piece): the
         caller keeps ``data`` alive and unchanged until it is done; ``None``: summed already.
         """
-        view = memoryview(data).cast("B")
-        if not len(view):
+        return self.add_run(name, offset, [data])
+
+    def add_run(self, name: str, offset: int, buffers: list) -> Future | None:
+        """``buffers`` (bytes-like) were read one after another from ``name`` at ``offset``: one piece, summed
+        as one (a batched read of many small chunks costs one sum and one record, not one per buffer).
+        Returns as :meth:`add` does."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        length = sum(len(v) for v in views)
+        if not length:
             return None
         crc: int | Future
-        if len(view) < _INLINE_BYTES:
-            crc = crc32(view)
+        if length < _INLINE_BYTES:
+            crc = _crc_of_run(views)
         else:
             if ContentCheck._pool is None:
                 ContentCheck._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc-read")
-            crc = ContentCheck._pool.submit(crc32, view)
+            crc = ContentCheck._pool.submit(_crc_of_run, views)
         with self._lock:
             pieces = self._pieces.setdefault(name, {})
-            if offset not in pieces or pieces[offset][0] < len(view):
-                pieces[offset] = (len(view), crc)
+            if offset not in pieces or pieces[offset][0] < length:
+                pieces[offset] = (length, crc)
         return crc if isinstance(crc, Future) else None
 
     def finish(self) -> None:
@@ -156,6 +163,13 @@ class ContentCheck:
                 f"{path}: CRC-32 does not match the manifest (the file is corrupt); values read from it may be "
                 "wrong: restore the file from a copy or re-save the checkpoint, and load again"
             )
+
+
+def _crc_of_run(views: list[memoryview]) -> int:
+    crc = 0
+    for view in views:
+        crc = crc32(view, crc)
+    return crc
 
 
 def _crc_of_range(f, start: int, length: int, path: Path) -> int:

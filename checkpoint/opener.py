@@ -20,6 +20,7 @@ from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from checkpoint.content_check import ContentCheck, crc32
@@ -220,6 +221,7 @@ def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     # manifests written before 2026-11 record no identities: nothing to compare, and nothing to compute
     with_identities = any(r.identity is not None for r in manifest.keys.values())
     identities = key_identities(metadata, skip=shared) if with_identities else {}
+    names: dict[torch.dtype, str] = {}  # dtype_name per dtype, once: a few dtypes among tens of thousands of keys
     for key, item in metadata.state_dict_metadata.items():
         record = manifest.keys.get(key)
         if record is None and key in shared:
@@ -229,9 +231,11 @@ def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
             continue
         saved: tuple[str, str | None, tuple[int, ...] | None]
         if isinstance(item, TensorStorageMetadata):
-            saved = ("tensor", dtype_name(item.properties.dtype), tuple(item.size))
+            dtype = item.properties.dtype
+            name = names.get(dtype) or names.setdefault(dtype, dtype_name(dtype))
+            saved = ("tensor", name, tuple(item.size))
         else:
-            saved = ("bytes", None, None)
+            saved = _BYTES_RECORD
         if record is None or (record.kind, record.dtype, record.shape) != saved:
             problems.append(f"{key!r} is {saved} here but {record} in {MANIFEST_NAME}")
         elif identities and record.identity is None:
@@ -245,6 +249,9 @@ def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     if extra:
         problems.append(f"{MANIFEST_NAME} lists keys {extra[:5]} it does not hold")
     return problems
+
+
+_BYTES_RECORD = ("bytes", None, None)
 
 
 def _entry(index: MetadataIndex) -> str:

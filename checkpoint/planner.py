@@ -57,10 +57,16 @@ def metadata_problems(metadata: Metadata, *, overlap: bool = True) -> list[str]:
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             continue
+        if len(md.chunks) == 1 and _is_whole(md.chunks[0], md.size):
+            continue  # one chunk that is the whole tensor (most keys): nothing to cut or cover
         problem = chunk_problem(key, tuple(md.size), [(c.offsets, c.sizes) for c in md.chunks], overlap=overlap)
         if problem is not None:
             problems.append(problem)
     return problems
+
+
+def _is_whole(chunk, shape) -> bool:
+    return chunk.sizes == shape and not any(chunk.offsets) and len(chunk.offsets) == len(shape)
 
 
 def chunk_problem(

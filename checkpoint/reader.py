@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
-from checkpoint.chunk_archive import archive_layout
+from checkpoint.chunk_archive import ArchiveLayout, archive_layout
 from checkpoint.content_check import ContentCheck
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
@@ -50,6 +50,9 @@ DEFAULT_MAX_READ_BYTES = 256 << 20
 _SLICE_BYTES = 8 << 20
 """A whole chunk is read in slices of this size: each one's CRC-32 is summed while the next is read, so a
 verified load waits only for the last slice's sum"""
+
+_BATCH_CHUNKS = 340
+"""Whole chunks per batched read: head, data and tail are 3 buffers each, and one ``preadv`` takes at most 1,024"""
 
 _EOCD = struct.Struct("<4s4H2LH")
 _CENTRAL = struct.Struct("<4s6H3L5H2L")
@@ -145,25 +148,45 @@ class DirectReader(FileSystemReader):
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with self._store.open_read(path) as f:
                 self._plan_reads(f, items)
-                tensor_locations: dict[int, tuple[int, int] | None] = {}
-                for item in items:
-                    info: StorageInfo = self.storage_data[item.storage_index]
-                    if item.type == LoadItemType.BYTE_IO:
-                        self.budget.hold(info.length)
-                        f.seek(info.offset)
-                        data = _read_exact(f, info.length, path)
-                        summing = self._verified(relative_path, info.offset, data)
-                        planner.load_bytes(item, io.BytesIO(data))
-                        self.budget.done(info.length, summing)
-                        continue
-                    if self._read_known_archive(f, info, item, planner):
-                        continue
-                    if info.offset not in tensor_locations:
-                        tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
-                    self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
+                self._read_file(f, path, items, planner)
         future: TorchFuture = TorchFuture()
         future.set_result(None)
         return future
+
+    def _read_file(self, f, path: Path, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Every item of one file, in file order; runs of small whole chunks next to each other in one read."""
+        tensor_locations: dict[int, tuple[int, int] | None] = {}
+        batch: list[_WholeChunk] = []
+        # A file that fetches ahead (an object store's) serves each planned range from blocks held within
+        # max_read_bytes; one read spanning several would be fetched again, whole, past that cap.
+        batching = getattr(f, "plan_reads", None) is None
+        for item in items:
+            info: StorageInfo = self.storage_data[item.storage_index]
+            whole = None if item.type == LoadItemType.BYTE_IO else self._whole_chunk(info, item, planner)
+            if whole is not None and batching and whole.size < _SLICE_BYTES:
+                if batch and not _extends(batch, whole):
+                    self._read_batch(f, batch, planner)
+                    batch = []
+                batch.append(whole)
+                continue
+            if batch:
+                self._read_batch(f, batch, planner)
+                batch = []
+            if item.type == LoadItemType.BYTE_IO:
+                self.budget.hold(info.length)
+                f.seek(info.offset)
+                data = _read_exact(f, info.length, path)
+                summing = self._verified(info.relative_path, info.offset, data)
+                planner.load_bytes(item, io.BytesIO(data))
+                self.budget.done(info.length, summing)
+                continue
+            if whole is not None and self._read_in_place(f, whole, planner):
+                continue
+            if info.offset not in tensor_locations:
+                tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
+            self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
+        if batch:
+            self._read_batch(f, batch, planner)
 
     def _plan_reads(self, f, items: list[ReadItem]) -> None:
         """Tell a file that fetches ahead (an object store's, :mod:`checkpoint.fsspec_storage`) the byte ranges
@@ -191,43 +214,69 @@ class DirectReader(FileSystemReader):
         summing = self._check.add(name, offset, data)
         return [] if summing is None else [summing]
 
-    def _read_known_archive(self, f, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> bool:
-        """A whole chunk in one sequential read, when its archive is exactly what our writer makes.
-
-        Reads head, data (straight into the destination) and tail with one
-        :meth:`~checkpoint.storage_backend.Storage.read_into` (``preadv``) and then checks head and tail byte for byte against
-        :func:`checkpoint.chunk_archive.archive_layout`; only then is the data
-        known to be where it landed. ``False`` (nothing committed; the caller's
-        general path rewrites the whole destination) for anything else:
-        partial reads, another dtype, a non-contiguous destination, another
-        writer's archive, a short read.
-        """
+    def _whole_chunk(self, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> _WholeChunk | None:
+        """``item`` as a whole chunk whose bytes can land in its destination in one sequential read, if its
+        archive is what our writer makes for its dtype and shape (checked byte for byte once read); ``None``
+        for anything else: partial reads, another dtype, a non-contiguous destination, another writer's
+        archive (its length differs), a transform."""
         if info.transform_descriptors:
-            return False
+            return None
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
-        assert isinstance(md, TensorStorageMetadata)  # byte items returned above
+        assert isinstance(md, TensorStorageMetadata)  # byte items never come here
         chunk_sizes = _chunk_sizes(md, item)
         if any(item.storage_offsets) or tuple(item.lengths) != chunk_sizes:
-            return False
+            return None
         target = planner.resolve_tensor(item).detach()
         if not _fills_in_place(target, md.properties.dtype) or target.numel() == 0:
-            return False
+            return None
         key = (md.properties.dtype, chunk_sizes)
         if key not in self._layouts:
             self._layouts[key] = archive_layout(*key)
         layout = self._layouts[key]
         if layout is None or len(layout.head) + layout.data_size + layout.tail_size != info.length:
-            return False
-        head, tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
-        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
-        data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-        whole, summing = self._read_in_slices(f, info, [head, data, tail])
-        if not whole or head != layout.head or tail != layout.tail(layout.data_crc(tail)):
+            return None
+        return _WholeChunk(item, info, target, layout)
+
+    def _read_in_place(self, f, whole: _WholeChunk, planner: LoadPlanner) -> bool:
+        """A large whole chunk read in slices (each one's CRC-32 summed while the next is read); ``False``
+        (nothing committed; the caller's general path rewrites the whole destination) if it is not what
+        :func:`checkpoint.chunk_archive.archive_layout` describes or the file ends early."""
+        whole_read, summing = self._read_in_slices(f, whole.info, whole.buffers)
+        if not whole_read or not whole.matches():
             # the general path may rewrite the destination: the sums of what was read here finish first
             wait(summing)
             return False
-        planner.commit_tensor(item, target)
+        planner.commit_tensor(whole.item, whole.target)
         return True
+
+    def _read_batch(self, f, batch: list[_WholeChunk], planner: LoadPlanner) -> None:
+        """Small whole chunks lying back to back in the file: one ``preadv`` and one CRC-32 sum for the run.
+
+        Anything unexpected in the run (a short read, an archive that is not ours) sends each of its chunks
+        through the one-chunk path instead, which falls back to the general one where needed.
+        """
+        for i in range(0, len(batch), _BATCH_CHUNKS):
+            run = batch[i : i + _BATCH_CHUNKS]
+            buffers = [b for whole in run for b in whole.buffers]
+            start = run[0].info.offset
+            size = run[-1].info.offset + run[-1].info.length - start
+            # two destinations sharing bytes (aliased values) would be summed after the second read: one at a time
+            if _disjoint(run) and self._store.read_into(f, buffers, start) == size and all(w.matches() for w in run):
+                if self._check is not None:
+                    self._check.add_run(run[0].info.relative_path, start, buffers)
+                for whole in run:
+                    planner.commit_tensor(whole.item, whole.target)
+                continue
+            for whole in run:
+                if not self._read_in_place(f, whole, planner):
+                    self._read_tensor(
+                        f,
+                        locate(self.path) / whole.info.relative_path,
+                        whole.info,
+                        _tensor_bytes(f, whole.info),
+                        whole.item,
+                        planner,
+                    )
 
     def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[Future]]:
         """Fill ``buffers`` from ``info.offset`` in reads of at most :data:`_SLICE_BYTES`, each slice handed to
@@ -300,6 +349,37 @@ class DirectReader(FileSystemReader):
                 f"{path}: the chunk at byte {info.offset} is not a tensor archive weights-only loading reads "
                 f"({type(exc).__name__}); restore the file from a copy or re-save the checkpoint"
             ) from None
+
+
+class _WholeChunk:
+    """A read item that is one whole stored chunk of our writer's archive layout, and the buffers its head,
+    data (the destination's own bytes) and tail are read into."""
+
+    def __init__(self, item: ReadItem, info: StorageInfo, target: torch.Tensor, layout: ArchiveLayout) -> None:
+        self.item, self.info, self.target, self.layout = item, info, target, layout
+        # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
+        data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        self.head, self.tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
+        self.buffers = [self.head, data, self.tail]
+        self.size = info.length
+
+    def matches(self) -> bool:
+        """Whether the head and tail read are what our writer makes around this data (only then the data is
+        known to be where it landed)."""
+        return self.head == self.layout.head and self.tail == self.layout.tail(self.layout.data_crc(self.tail))
+
+
+def _disjoint(run: list[_WholeChunk]) -> bool:
+    """Whether no two destinations of ``run`` share a byte."""
+    spans = sorted((w.target.data_ptr(), w.target.data_ptr() + w.target.nbytes) for w in run)
+    return all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+
+
+def _extends(batch: list[_WholeChunk], whole: _WholeChunk) -> bool:
+    """Whether ``whole`` starts where ``batch`` ends in the file, and the run stays within one slice."""
+    last = batch[-1].info
+    end = last.offset + last.length
+    return whole.info.offset == end and end + whole.size - batch[0].info.offset <= _SLICE_BYTES
 
 
 def _chunk_sizes(md: TensorStorageMetadata, item: ReadItem) -> tuple[int, ...]:

@@ -323,8 +323,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             return super().create_local_plan()
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        with _target_errors(repr(read_item.dest_index.fqn)):
+        try:  # not `with _target_errors(...)`: a context manager per chunk costs more than the lookup
             return super().resolve_tensor(read_item)
+        except LoadTargetError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever the caller's value raised
+            raise _target_error(repr(read_item.dest_index.fqn), exc) from exc
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -346,10 +350,14 @@ def _target_errors(what: str) -> Iterator[None]:
     except LoadTargetError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the caller's value raised
-        raise LoadTargetError(
-            f"{what}: the value loaded into cannot take the stored data ({type(exc).__name__}: {_one_line(exc)}); "
-            "the checkpoint's files are not at fault: load into plain tensors, DTensors or checkpoint.shard(...) values"
-        ) from exc
+        raise _target_error(what, exc) from exc
+
+
+def _target_error(what: str, exc: Exception) -> LoadTargetError:
+    return LoadTargetError(
+        f"{what}: the value loaded into cannot take the stored data ({type(exc).__name__}: {_one_line(exc)}); "
+        "the checkpoint's files are not at fault: load into plain tensors, DTensors or checkpoint.shard(...) values"
+    )
 
 
 def _weights_only_reason(exc: BaseException) -> str:

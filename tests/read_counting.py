@@ -12,17 +12,17 @@ __all__ = ["ReadCountingStorage"]
 class _CountedFile:
     """A file opened for reading that adds every byte read to its storage's count for the file."""
 
-    def __init__(self, raw, counts: dict[str, int], name: str) -> None:
-        self.raw, self.counts, self.name = raw, counts, name
+    def __init__(self, raw, storage: ReadCountingStorage, name: str) -> None:
+        self.raw, self.storage, self.name = raw, storage, name
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)
-        self.counts[self.name] = self.counts.get(self.name, 0) + len(data)
+        self.storage.count(self.name, len(data))
         return data
 
     def readinto(self, buffer) -> int:
         n = self.raw.readinto(buffer) or 0
-        self.counts[self.name] = self.counts.get(self.name, 0) + n
+        self.storage.count(self.name, n)
         return n
 
     def __getattr__(self, name: str):
@@ -36,25 +36,33 @@ class _CountedFile:
 
 
 class ReadCountingStorage(LocalStorage):
-    """The local file system, counting the bytes read from each file (by name); ``fail``: names that
-    refuse to open, as a damaged or unreachable file would."""
+    """The local file system, counting the bytes read from each file (by name) and the read calls that
+    read them; ``fail``: names that refuse to open, as a damaged or unreachable file would."""
 
     def __init__(self, fail: tuple[str, ...] = ()) -> None:
         self.counts: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
         self.fail = fail
+
+    def count(self, name: str, nbytes: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + nbytes
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def open_read(self, path, *, follow_symlinks: bool = False):
         name = os.path.basename(path)
         if name.endswith(self.fail) and self.fail:
             raise OSError(f"{path}: unreachable (injected by the test)")
-        return _CountedFile(super().open_read(path, follow_symlinks=follow_symlinks), self.counts, name)
+        return _CountedFile(super().open_read(path, follow_symlinks=follow_symlinks), self, name)
 
     def read_into(self, f, buffers: list, offset: int) -> int:
         raw = f.raw if isinstance(f, _CountedFile) else f
         n = super().read_into(raw, buffers, offset)
-        name = getattr(f, "name", "?")
-        self.counts[name] = self.counts.get(name, 0) + n
+        self.count(getattr(f, "name", "?"), n)
         return n
 
     def data_bytes(self) -> int:
         return sum(n for name, n in self.counts.items() if name.endswith(".distcp"))
+
+    def data_reads(self) -> int:
+        """Read calls on data files."""
+        return sum(n for name, n in self.calls.items() if name.endswith(".distcp"))

@@ -87,33 +87,79 @@ def test_views_transposes_and_dtypes_without_a_storage_class_save_and_read_back_
     assert data_file.stat().st_size < base.numel() * 4 + 4 * 1024 * 5  # the view's storage was not written whole
 
 
-def test_reader_takes_whole_chunks_in_one_read_for_our_archives_and_falls_back_for_torch_save_ones(
-    tmp_path, monkeypatch
-):
+def test_reader_takes_whole_chunks_in_one_read_for_our_archives_and_falls_back_for_torch_save_ones(tmp_path):
     import pickle
 
     from checkpoint.reader import DirectReader
+    from checkpoint.storage_backend import mount, unmount
+    from tests.read_counting import ReadCountingStorage
 
     state = {"w": torch.randn(6, 5), "b": torch.arange(7, dtype=torch.bfloat16), "t": torch.tensor(2.0)}
     checkpoint.save_state_dict(state, tmp_path / "ours")
     with pytest.warns(UserWarning):
         dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)  # torch.save archives
-    taken = []
-    original = DirectReader._read_known_archive
-    monkeypatch.setattr(
-        DirectReader, "_read_known_archive", lambda self, *a: taken.append(original(self, *a)) or taken[-1]
-    )
     for name in ("ours", "plain"):
-        taken.clear()
         metadata = pickle.loads((tmp_path / name / ".metadata").read_bytes())
         back = {k: torch.full_like(v, 7) for k, v in state.items()}
-        with pytest.warns(UserWarning):
-            dcp.load(back, storage_reader=DirectReader(tmp_path / name, metadata), no_dist=True)
+        storage = ReadCountingStorage()
+        mount(tmp_path, storage)
+        try:
+            with pytest.warns(UserWarning):
+                dcp.load(back, storage_reader=DirectReader(tmp_path / name, metadata), no_dist=True)
+        finally:
+            unmount(tmp_path)
         for key, value in state.items():
             assert torch.equal(back[key], value), (name, key)
-        if name == "ours":
-            assert taken == [True] * len(state)
+        if name == "ours":  # the three chunks lie back to back: one read of each byte, head to tail
+            data_bytes = sum(f.stat().st_size for f in (tmp_path / name).glob("*.distcp"))
+            assert (storage.data_reads(), storage.data_bytes()) == (1, data_bytes)
+        else:  # the zip directory is parsed first
+            assert storage.data_reads() > len(state)
     # A partial read (a reshard) takes the general path and gets the right rows.
     rows = torch.zeros(2, 5)
     checkpoint.load_state_dict({"w": checkpoint.shard(rows, (6, 5), offsets=(3, 0))}, tmp_path / "ours", strict=False)
     assert torch.equal(rows, state["w"][3:5])
+
+
+def _counted_load(tmp_path, state, path, **kwargs):
+    from checkpoint.storage_backend import mount, unmount
+    from tests.read_counting import ReadCountingStorage
+
+    storage = ReadCountingStorage()
+    mount(tmp_path, storage)
+    try:
+        checkpoint.load_state_dict(state, path, **kwargs)
+    finally:
+        unmount(tmp_path)
+    return storage
+
+
+def test_small_chunks_lying_back_to_back_load_in_a_few_reads_each_byte_once(tmp_path):
+    state = {f"t{i}": torch.randn(i % 7 + 1, 3) for i in range(300)}
+    checkpoint.save_state_dict(state, tmp_path / "ck")
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    storage = _counted_load(tmp_path, back, tmp_path / "ck")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    data_bytes = sum(f.stat().st_size for f in (tmp_path / "ck").glob("*.distcp"))
+    assert storage.data_bytes() == data_bytes
+    assert storage.data_reads() <= 2  # one read per run of at most 340 chunks, not one per tensor
+
+
+def test_a_damaged_archive_head_in_a_run_of_small_chunks_fails_the_load_naming_the_file(tmp_path):
+    state = {f"t{i}": torch.full((4,), float(i)) for i in range(20)}
+    checkpoint.save_state_dict(state, tmp_path / "ck")
+    (data_file,) = (tmp_path / "ck").glob("*.distcp")
+    data = bytearray(data_file.read_bytes())
+    heads = [i for i in range(len(data)) if data.startswith(b"archive/data.pkl", i)]
+    data[heads[len(heads) // 2] + 3] ^= 0x01  # a record name in the head of a chunk in the middle of the run
+    data_file.write_bytes(bytes(data))
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    with pytest.raises(checkpoint.CheckpointCorruptError, match=data_file.name):
+        checkpoint.load_state_dict(back, tmp_path / "ck")
+
+
+def test_two_keys_loaded_into_one_tensor_read_without_a_false_crc_failure(tmp_path):
+    checkpoint.save_state_dict({"a": torch.full((8,), 1.0), "b": torch.full((8,), 2.0)}, tmp_path / "ck")
+    shared = torch.zeros(8)
+    checkpoint.load_state_dict({"a": shared, "b": shared}, tmp_path / "ck")
+    assert torch.equal(shared, torch.full((8,), 1.0)) or torch.equal(shared, torch.full((8,), 2.0))
