@@ -42,6 +42,8 @@ A fresh path never exists before step 2, so it is either complete or absent
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import threading
@@ -51,7 +53,7 @@ from pathlib import Path
 
 from checkpoint.errors import some_of
 from checkpoint.manifest import MANIFEST_NAME, METADATA_NAME, NotACheckpointError, read_manifest
-from checkpoint.storage_backend import FileStat, locate, storage_for
+from checkpoint.storage_backend import FileStat, Storage, locate, storage_for
 
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
@@ -361,7 +363,7 @@ def write_lock(path: str | os.PathLike, *, timeout: float | None = DEFAULT_LOCK_
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with contextlib.ExitStack() as held:
                 try:
-                    held.enter_context(store.lock(lock_path(path), timeout=left))
+                    held.enter_context(_store_lock(store, lock_path(path), left))
                 except TimeoutError as exc:
                     raise TimeoutError(f"cannot save to {str(path)!r}: {exc}; nothing was written") from None
                 yield
@@ -372,6 +374,26 @@ def write_lock(path: str | os.PathLike, *, timeout: float | None = DEFAULT_LOCK_
             entry[1] -= 1
             if entry[1] == 0:
                 del _thread_locks[key]
+
+
+def _store_lock(store: Storage, path: Path, timeout: float | None) -> contextlib.AbstractContextManager[None]:
+    """``store.lock(path, timeout=timeout)``; a Storage written before ``lock`` took ``timeout`` is still
+    used, waiting without one (said once per class), rather than failing every save with a TypeError."""
+    if _lock_takes_timeout(type(store)):
+        return store.lock(path, timeout=timeout)
+    return store.lock(path)
+
+
+@functools.cache
+def _lock_takes_timeout(kind: type) -> bool:
+    if "timeout" in inspect.signature(kind.lock).parameters:  # type: ignore[attr-defined]
+        return True
+    logger.warning(
+        "%s.lock(path) takes no timeout: saves through it wait for another holder as long as it takes, "
+        "whatever lock_timeout says; give it a keyword `timeout: float | None = None` (checkpoint.Storage.lock)",
+        kind.__qualname__,
+    )
+    return False
 
 
 def _acquire_thread_lock(thread_lock: threading.Lock, path: Path, timeout: float | None) -> None:

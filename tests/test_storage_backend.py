@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import threading
@@ -354,6 +355,31 @@ def test_a_checkpoint_saved_replaced_and_committed_by_rank_through_an_in_memory_
     names = {os.path.relpath(k, root) for k in backend.objects}
     assert {"ck/manifest.json", "ck/.metadata", "ranks/manifest.json"} <= names
     assert not any(".fsdp-ckpt" in name for name in names)  # no staging, swap dir or lock left behind
+
+
+class _StorageWithoutLockTimeout(_MemoryStorage):
+    """A backend written before ``Storage.lock`` took ``timeout``."""
+
+    @contextlib.contextmanager
+    def lock(self, path):
+        with self._locks.setdefault(os.path.abspath(path), threading.Lock()):
+            yield
+
+
+def test_a_backend_whose_lock_takes_no_timeout_still_saves_and_is_named_once(tmp_path, caplog):
+    root = tmp_path / "old-backend"
+    mount(root, _StorageWithoutLockTimeout())
+    try:
+        with caplog.at_level(logging.WARNING, logger="checkpoint.atomic"):
+            for step in (1.0, 2.0):
+                checkpoint.save_state_dict({"w": torch.full((3,), step)}, root / "ck")
+        target = {"w": torch.zeros(3)}
+        checkpoint.load_state_dict(target, root / "ck")
+        assert torch.equal(target["w"], torch.full((3,), 2.0))
+    finally:
+        unmount(root)
+    said = [r.getMessage() for r in caplog.records if "_StorageWithoutLockTimeout" in r.getMessage()]
+    assert len(said) == 1 and "timeout" in said[0] and "lock_timeout" in said[0]
 
 
 def test_a_save_and_a_load_resolve_the_storage_of_their_path_once(tmp_path, monkeypatch):
