@@ -240,7 +240,7 @@ class TieredCheckpointer:
         path = self.local_path(self.rank, step)
         check_saved_values(mine)
         write_rank(path, 0, 1, mine)
-        info = {"tier": "local", "rank": self.rank, "world_size": self.world_size, "step": step}
+        info = {**self._belongs(self.rank), "step": step}
         commit(path, 1, extra_info=info)
         retain(path, keep_last=self.keep_local, wait=False)
         if self.topology.replication:
@@ -288,6 +288,11 @@ class TieredCheckpointer:
         held, problems = self._verified_local_steps()
         everyone = self._gather((held, problems))
         step, sources, skipped = self._newest_complete(everyone)
+        # Rank 0's view of the durable tier decides for everyone (a listing may lag on other ranks).
+        durable = self._gather(self._durable_step() if self.rank == 0 else None)[0]
+        if step is not None and durable is not None and durable > step:
+            skipped.append(f"local step {step}: the durable checkpoint of step {durable} is newer")
+            step = None
         if step is not None:
             restored = self._restore_local(step, sources, skipped, model, optimizer, extra)
             if restored is not None:
@@ -304,21 +309,26 @@ class TieredCheckpointer:
                 match = _STEP.match(path.name)
                 if match is None:
                     continue
-                problem = self._copy_problem(path, owner)
+                problem = self._copy_problem(path, owner, int(match.group(1)))
                 if problem is None:
                     held[owner].append(int(match.group(1)))
                 else:
                     problems.append(f"rank {self.rank} skipped {path}: {problem}")
         return held, problems
 
-    def _copy_problem(self, path: PurePath, owner: int) -> str | None:
+    def _belongs(self, owner: int) -> dict[str, Any]:
+        """What a local checkpoint of ``owner``'s records of its origin (the durable dir names the run)."""
+        return {"tier": "local", "rank": owner, "world_size": self.world_size, "durable": str(self.durable_dir)}
+
+    def _copy_problem(self, path: PurePath, owner: int, step: int) -> str | None:
         try:
             manifest = read_manifest(path)
         except (OSError, ValueError) as exc:  # NotACheckpointError, CheckpointCorruptError are ValueErrors
             return describe_error(exc)
         info = manifest.extra_info
-        if info.get("tier") != "local" or info.get("rank") != owner or info.get("world_size") != self.world_size:
-            return f"it is not rank {owner} of {self.world_size} ranks' local checkpoint ({info})"
+        # A copy of another run (another durable dir) or of another step (a late replica) is never offered.
+        if {k: info.get(k) for k in (*self._belongs(owner), "step")} != {**self._belongs(owner), "step": step}:
+            return f"it is not rank {owner}'s local checkpoint of step {step} of this run ({info})"
         problems = verify_files(path, manifest, checksums=True)
         return "; ".join(p.replace(f"{path}/", "") for p in problems[:3]) if problems else None
 
@@ -370,6 +380,11 @@ class TieredCheckpointer:
         if skipped:
             logger.warning("restoring step %d, skipped newer local steps: %s", step, some_of(skipped))
         return Restored(step, "peer" if fetched else "local", result, skipped)
+
+    def _durable_step(self) -> int | None:
+        path = latest(self.durable_dir)
+        match = None if path is None else _STEP.match(PurePath(path).name)
+        return int(match.group(1)) if match else None
 
     def _restore_durable(self, skipped, model, optimizer, extra) -> Restored | None:
         path = latest(self.durable_dir)

@@ -294,3 +294,42 @@ def test_a_local_checkpoint_into_other_shapes_is_an_error_naming_the_key(tmp_pat
     tiers.wait()
     with pytest.raises(ValueError, match=r"model\.weight: saved"):
         checkpoint.load(tiers.local_path(0, 1), model=torch.nn.Linear(4, 5), rank_local=True)
+
+
+def _linear_tiers(tmp_path, durable="durable", **options):
+    return checkpoint.TieredCheckpointer(tmp_path / "local", tmp_path / durable, **options)
+
+
+def _saved_linear(tiers, step):
+    model = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(float(step))
+    tiers.save(step, model=model)
+    tiers.wait()
+
+
+def test_local_copies_of_another_run_or_another_step_are_never_restored(tmp_path, caplog):
+    _saved_linear(_linear_tiers(tmp_path, durable_every=0), 5)
+    # Another run (another durable dir) on the same node-local dir: its copy is not this run's state.
+    other_run = _linear_tiers(tmp_path, durable="other-durable", durable_every=0)
+    with pytest.raises(FileNotFoundError, match="not rank 0's local checkpoint of step 5 of this run"):
+        other_run.restore(model=torch.nn.Linear(4, 3))
+    # A copy filed under another step (a replica arriving late) is not that step.
+    tiers = _linear_tiers(tmp_path, durable_every=0)
+    shutil.copytree(tiers.local_path(0, 5), tiers.local_path(0, 7))
+    model = torch.nn.Linear(4, 3)
+    with caplog.at_level(logging.WARNING, logger="checkpoint.tiered"):
+        restored = tiers.restore(model=model)
+    assert restored is not None and restored.step == 5
+    assert torch.equal(model.weight, torch.full((3, 4), 5.0))
+    assert "step_00000007" in caplog.text and "of step 7" in caplog.text
+
+
+def test_a_newer_durable_checkpoint_wins_over_an_older_local_step(tmp_path):
+    tiers = _linear_tiers(tmp_path, local_every=3, durable_every=4)
+    for step in (3, 4):  # step 3: local only; step 4: durable only
+        _saved_linear(tiers, step)
+    model = torch.nn.Linear(4, 3)
+    restored = tiers.restore(model=model)
+    assert restored is not None and (restored.step, restored.source) == (4, "durable")
+    assert torch.equal(model.weight, torch.full((3, 4), 4.0))
