@@ -102,7 +102,10 @@ class TieredCheckpointer:
     Create it on every rank, at the same point (it creates two gloo process groups). ``nodes``: the
     node of each rank (default :func:`~checkpoint.tier_topology.detect_nodes`); ``replication``: copies of
     each rank's local checkpoints on other nodes (default 1 when the job spans two nodes or more, else 0);
-    ``peer_timeout_s``: the longest wait for a peer's copy. See the module docstring for the costs.
+    ``peer_timeout_s``: the longest wait for a peer's copy. ``run``: names the training run whose local
+    copies :meth:`restore` may use (default: the durable dir as a string); a copy saved under another run
+    name is skipped, never loaded: pass the same ``run`` when the directories are moved or remounted
+    elsewhere. See the module docstring for the costs.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class TieredCheckpointer:
         nodes: Sequence[Hashable] | None = None,
         peer_timeout_s: float = 60.0,
         storage_options: dict | None = None,
+        run: str | None = None,
     ) -> None:
         for name, value in (("local_every", local_every), ("durable_every", durable_every)):
             if value < 0:
@@ -128,6 +132,7 @@ class TieredCheckpointer:
             )
         self.local_dir = locate(local_dir)
         self.durable_dir = locate(durable_dir, storage_options)
+        self.run = str(self.durable_dir) if run is None else run
         self.local_every, self.durable_every = local_every, durable_every
         self.keep_local, self.keep_durable = keep_local, keep_durable
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -317,8 +322,8 @@ class TieredCheckpointer:
         return held, problems
 
     def _belongs(self, owner: int) -> dict[str, Any]:
-        """What a local checkpoint of ``owner``'s records of its origin (the durable dir names the run)."""
-        return {"tier": "local", "rank": owner, "world_size": self.world_size, "durable": str(self.durable_dir)}
+        """What a local checkpoint of ``owner``'s records of its origin."""
+        return {"tier": "local", "rank": owner, "world_size": self.world_size, "run": self.run}
 
     def _copy_problem(self, path: PurePath, owner: int, step: int) -> str | None:
         try:
@@ -328,7 +333,10 @@ class TieredCheckpointer:
         info = manifest.extra_info
         # A copy of another run (another durable dir) or of another step (a late replica) is never offered.
         if {k: info.get(k) for k in (*self._belongs(owner), "step")} != {**self._belongs(owner), "step": step}:
-            return f"it is not rank {owner}'s local checkpoint of step {step} of this run ({info})"
+            return (
+                f"it is not rank {owner} of {self.world_size} ranks' local checkpoint of step {step} of run "
+                f"{self.run!r} ({info})"
+            )
         problems = verify_files(path, manifest, checksums=True)
         return "; ".join(p.replace(f"{path}/", "") for p in problems[:3]) if problems else None
 

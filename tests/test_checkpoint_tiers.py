@@ -65,8 +65,8 @@ def _full_state(model, opt) -> dict[str, torch.Tensor]:
 
 def _tiers(rank: int, root: str, nodes: list[int], **options) -> checkpoint.TieredCheckpointer:
     local = os.path.join(root, f"node{nodes[rank]}")
-    return checkpoint.TieredCheckpointer(
-        local, os.path.join(root, "durable"), local_every=1, durable_every=4, nodes=nodes, **options
+    return checkpoint.TieredCheckpointer(  # run: the scenarios restore copies of the crashed run's directories
+        local, os.path.join(root, "durable"), local_every=1, durable_every=4, nodes=nodes, run="crashed", **options
     )
 
 
@@ -310,9 +310,9 @@ def _saved_linear(tiers, step):
 
 def test_local_copies_of_another_run_or_another_step_are_never_restored(tmp_path, caplog):
     _saved_linear(_linear_tiers(tmp_path, durable_every=0), 5)
-    # Another run (another durable dir) on the same node-local dir: its copy is not this run's state.
+    # Another run (by default: another durable dir) on the same node-local dir: its copy is not this run's state.
     other_run = _linear_tiers(tmp_path, durable="other-durable", durable_every=0)
-    with pytest.raises(FileNotFoundError, match="not rank 0's local checkpoint of step 5 of this run"):
+    with pytest.raises(FileNotFoundError, match="not rank 0 of 1 ranks' local checkpoint of step 5 of run"):
         other_run.restore(model=torch.nn.Linear(4, 3))
     # A copy filed under another step (a replica arriving late) is not that step.
     tiers = _linear_tiers(tmp_path, durable_every=0)
