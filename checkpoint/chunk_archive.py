@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ArchiveLayout", "archive_layout", "plan_archive"]
+__all__ = ["ArchiveLayout", "archive_layout", "plan_archive", "stored_layout"]
 
 _ARCHIVE = "archive"
 _ALIGN = 64
@@ -97,6 +97,13 @@ class ArchiveLayout:
     _records: list[tuple[str, int, int, int]]
     """(name, local header offset, size, crc) of the records in ``head``; the data record's crc filled later"""
     _after: list[tuple[str, bytes]]
+    padded: bool = False
+    """every record's payload 64-byte aligned, as written before 2026-11 (only the data record's is now)"""
+
+    @property
+    def size(self) -> int:
+        """The archive's length in bytes."""
+        return len(self.head) + self.data_size + self.tail_size
 
     @functools.cached_property
     def tail_size(self) -> int:
@@ -157,7 +164,7 @@ class ArchiveLayout:
         after = list(self._after)
         after.append((f"{_ARCHIVE}/.data/serialization_id", f"{0:020d}{data_crc:020d}".encode()))
         for name, payload in after:
-            record, crc = _record(name, payload, pos)
+            record, crc = _record(name, payload, pos, padded=self.padded)
             records.append((name, pos, len(payload), crc))
             out += record
             pos += len(record)
@@ -173,18 +180,22 @@ class ArchiveLayout:
         return bytes(out)
 
 
-def _local_header(name: str, pos: int) -> bytes:
-    """A local file header whose payload starts 64-byte aligned from the archive start (torch's "FB" padding)."""
+def _local_header(name: str, pos: int, *, aligned: bool) -> bytes:
+    """A local file header; ``aligned``: its payload starts 64-byte aligned from the archive start (torch's
+    "FB" padding extra field)."""
     encoded = name.encode()
-    bare = pos + _LOCAL.size + len(encoded)
-    pad = (-(bare + 4)) % _ALIGN
-    extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    extra = b""
+    if aligned:
+        pad = (-(pos + _LOCAL.size + len(encoded) + 4)) % _ALIGN
+        extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
     return _LOCAL.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)) + encoded + extra
 
 
-def _record(name: str, payload: bytes, pos: int) -> tuple[bytes, int]:
+def _record(name: str, payload: bytes, pos: int, *, padded: bool) -> tuple[bytes, int]:
+    """A small record; unpadded unless ``padded``: ``torch.load`` reads it whole with ``get_record``, so only
+    the data record needs torch's alignment (for ``mmap=True`` loads); padding every record cost ~300 B a chunk."""
     crc = zlib.crc32(payload)
-    header = _local_header(name, pos)
+    header = _local_header(name, pos, aligned=padded)
     return header + payload + _DESCRIPTOR.pack(0x08074B50, crc, len(payload), len(payload)), crc
 
 
@@ -201,9 +212,20 @@ def plan_archive(tensor: torch.Tensor) -> ArchiveLayout | None:
     return archive_layout(tensor.dtype, tuple(tensor.shape))
 
 
+def stored_layout(dtype: torch.dtype, shape: tuple[int, ...], length: int) -> ArchiveLayout | None:
+    """The layout of a stored archive of ``length`` bytes for ``dtype`` and ``shape``, if this module writes
+    or wrote (before 2026-11, every record padded) one of that length; ``None`` otherwise (another writer's)."""
+    for padded in (False, True):
+        layout = archive_layout(dtype, shape, padded=padded)
+        if layout is None or layout.size == length:
+            return layout
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
-def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout | None:
-    """The archive this module writes for a tensor of ``dtype`` and ``shape`` (``None``: not one it writes).
+def archive_layout(dtype: torch.dtype, shape: tuple[int, ...], *, padded: bool = False) -> ArchiveLayout | None:
+    """The archive this module writes for a tensor of ``dtype`` and ``shape`` (``None``: not one it writes);
+    ``padded``: the one it wrote before 2026-11, each record's payload aligned (see :class:`ArchiveLayout`).
 
     A reader uses it to find the data of an archive it recognises byte for byte
     without parsing the zip directory first. Cached: thousands of tensors share a few shapes, and the
@@ -227,10 +249,10 @@ def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout 
         ("byteorder", b"little"),
     ):
         full = f"{_ARCHIVE}/{name}"
-        record, crc = _record(full, payload, len(head))
+        record, crc = _record(full, payload, len(head), padded=padded)
         records.append((full, len(head), len(payload), crc))
         head += record
     data_name = f"{_ARCHIVE}/data/0"
     records.append((data_name, len(head), nbytes, 0))
-    head += _local_header(data_name, len(head))
-    return ArchiveLayout(bytes(head), nbytes, records, [(f"{_ARCHIVE}/version", b"3\n")])
+    head += _local_header(data_name, len(head), aligned=True)
+    return ArchiveLayout(bytes(head), nbytes, records, [(f"{_ARCHIVE}/version", b"3\n")], padded)

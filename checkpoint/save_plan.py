@@ -32,7 +32,6 @@ One process (no process group) does the same without communication.
 from __future__ import annotations
 
 import io
-import pickle
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from checkpoint.commit import ManifestKeys, manifest_keys
 from checkpoint.data_file import StorageInfo, data_file_name
-from checkpoint.dcp_metadata import MetadataBuilder, with_storage, write_metadata
+from checkpoint.dcp_metadata import MetadataBuilder, metadata_bytes, with_storage, write_metadata
 from checkpoint.manifest import METADATA_NAME, FileRecord
 from checkpoint.planner import metadata_problems
 from checkpoint.save_errors import CheckpointSaveError, describe_error
@@ -352,7 +351,7 @@ class PlannedSave:
                 changed = True
         if changed:  # else the last save's .metadata and manifest records, unchanged (no item moved)
             plan.metadata = self._metadata(plan)
-            plan.pickled = pickle.dumps(plan.metadata)
+            plan.pickled = metadata_bytes(plan.metadata)
             plan.keys = manifest_keys(plan.metadata)
         assert plan.pickled is not None and plan.metadata is not None and plan.keys is not None
         files[METADATA_NAME] = write_metadata(self.directory, plan.pickled)
