@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from checkpoint.commit import ManifestKeys, manifest_keys
 from checkpoint.data_file import StorageInfo, data_file_name
 from checkpoint.dcp_metadata import MetadataBuilder, metadata_bytes, with_storage, write_metadata
+from checkpoint.layout import Box
 from checkpoint.manifest import METADATA_NAME, FileRecord
 from checkpoint.planner import metadata_problems
 from checkpoint.save_errors import CheckpointSaveError, describe_error
@@ -63,12 +64,16 @@ for a tensor, ``chunks`` the ``(offsets, sizes)`` boxes this rank writes (none w
 
 
 def local_layout(flat: dict[str, Any], paths: dict[str, tuple]) -> list[Entry]:
-    """This rank's layout from its flattened, converted state (values :class:`CheckpointShard` or plain)."""
+    """This rank's layout from its flattened, converted state (values :class:`CheckpointShard`, plain tensors
+    stored whole, or plain values)."""
     entries: list[Entry] = []
     for key, value in flat.items():
         if isinstance(value, CheckpointShard):
             chunks = tuple(value.chunks) if value.writes else ()
             entries.append((key, paths[key], value.dtype, tuple(value.shape), chunks))
+        elif type(value) is torch.Tensor:  # stored whole as one chunk (converted with whole_as_is)
+            shape = tuple(value.shape)
+            entries.append((key, paths[key], value.dtype, shape, (Box((0,) * len(shape), shape),)))
         else:
             entries.append((key, paths[key]))
     return entries
@@ -304,7 +309,7 @@ class PlannedSave:
                     torch.save(value, buffer)  # as DCP's planner pickles a value, so plain dcp.load reads it
                     pickled[id(value)] = buffer.getvalue()
                 return pickled[id(value)]
-            return value.__get_tensor_shard__(index)
+            return value if type(value) is torch.Tensor else value.__get_tensor_shard__(index)
 
         gates = {v.gate for v in flat.values() if isinstance(v, StagedShard)}
         name = data_file_name(f"__{self.rank}_")
