@@ -12,7 +12,8 @@ The archive holds what ``torch.save`` writes for one contiguous CPU tensor
 (``data.pkl`` with ``torch._utils._rebuild_tensor_v2`` and one storage,
 ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/0``,
 ``version``, ``.data/serialization_id``), stored (not compressed), the data
-record aligned to 64 bytes from the archive start, sizes and CRCs in zip data
+record aligned to 64 bytes from the archive start (the other records are not padded,
+unlike ``torch.save``'s, and unlike this module's before 2026-11), sizes and CRCs in zip data
 descriptors as ``torch.save`` does. ``torch.load(weights_only=True)`` accepts it.
 The serialization id is derived from the data's CRC-32, so equal tensors give
 byte-identical archives.
