@@ -63,7 +63,7 @@ def to_checkpointable(
     if type(value) in _PLAIN_VALUES:  # most leaves (a group's options per parameter): skip the protocol checks
         return value
     if type(value) is torch.Tensor:  # exactly a plain tensor: none of the kinds below, only a ShardSpec to look for
-        if whole_as_is and is_one_chunk(value, max_chunk_bytes):
+        if whole_as_is and is_one_chunk(value, max_chunk_bytes, name=name):
             return value
         return _from_tensor(
             value, name=name, rank=rank, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
@@ -87,20 +87,25 @@ def to_checkpointable(
     )
 
 
-def is_one_chunk(value: torch.Tensor, max_chunk_bytes: int | None) -> bool:
-    """Whether the plain tensor ``value`` is stored whole, as one chunk (no ``ShardSpec``, within the bound)."""
+def is_one_chunk(value: torch.Tensor, max_chunk_bytes: int | None, *, name: str) -> bool:
+    """Whether the plain tensor ``value`` is stored whole, as one chunk (no ``ShardSpec``, within the bound);
+    a malformed shard description is an error naming ``name``."""
     fits = max_chunk_bytes is None or value.numel() * value.element_size() <= max_chunk_bytes
-    return fits and shard_spec_of(value) is None
+    return fits and _spec_of(value, name=name) is None
+
+
+def _spec_of(value: torch.Tensor, *, name: str) -> ShardSpec | None:
+    try:
+        return shard_spec_of(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from exc
 
 
 def _from_tensor(
     value: torch.Tensor, *, name: str, rank: int, replicas_on_rank0_only: bool, max_chunk_bytes: int | None
 ) -> CheckpointShard:
     """A tensor that is none of the kinds above: its :class:`ShardSpec`'s region, or the whole tensor."""
-    try:
-        spec = shard_spec_of(value)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {exc}") from exc
+    spec = _spec_of(value, name=name)
     if spec is not None:
         if spec.is_flat and not value.is_contiguous():
             raise ValueError(f"{name}: a flat-range shard must be contiguous to be saved or loaded in place")
