@@ -595,3 +595,37 @@ def test_a_load_of_part_of_a_chunk_from_s3_gets_only_the_bytes_it_needs(s3_bucke
     checkpoint.load_state_dict({"w": rows}, url, verify="sizes")
     assert torch.equal(rows.local, full[40:48])
     assert 8 * 4096 * 4 <= watched.total_bytes < 8 * 4096 * 4 + (16 << 10)  # those rows and the archive's directory
+
+
+_WITHOUT = """
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None  # an import of it fails as if it were not installed
+import torch, checkpoint
+try:
+    checkpoint.save_state_dict({"w": torch.ones(2)}, "s3://bucket/ck")
+except ImportError as exc:
+    print(exc)
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.parametrize("missing", ["s3fs", "fsspec,s3fs"])
+def test_an_s3_url_without_the_s3_extra_is_an_import_error_naming_the_extra(tmp_path, missing):
+    import subprocess
+    import sys
+
+    from tests.cli import REPO
+
+    # a fresh interpreter without the module: this one has it imported already
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, missing],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "pip install 'offload-fsdp[s3]'" in proc.stdout
+    assert os.listdir(tmp_path) == []  # nothing written locally
