@@ -111,13 +111,11 @@ class Head:
 
 def read_head(path: PurePath) -> Head | None:
     """The head of the checkpoint at ``path``, or ``None`` when it has none (absent, or saved by renames)."""
-    store = storage_for(path)
     where = path / HEAD_NAME
-    version = store.version(where)
-    if version is None:
+    found = _read_versioned(storage_for(path), where, _HEAD_BYTES + 1)
+    if found is None:
         return None
-    with store.open_read(where) as f:
-        raw = f.read(_HEAD_BYTES + 1)
+    raw, version = found
     try:
         data = json.loads(raw)
         save, sequence = data["save"], data["sequence"]
@@ -133,6 +131,19 @@ def read_head(path: PurePath) -> Head | None:
             "checkpoint at this path"
         ) from None
     return Head(save, sequence, version, committed_ns)
+
+
+def _read_versioned(store: Storage, where: PurePath, limit: int) -> tuple[bytes, Hashable] | None:
+    """The bytes at ``where`` (at most ``limit``) and their version, or ``None`` when absent: in one request
+    where the storage offers it (``FsspecStorage.read_versioned``: one GET), else a version, then a read."""
+    read_versioned = getattr(store, "read_versioned", None)
+    if read_versioned is not None:
+        return read_versioned(where, limit)
+    version = store.version(where)
+    if version is None:
+        return None
+    with store.open_read(where) as f:
+        return f.read(limit), version
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:
