@@ -21,6 +21,7 @@ the bytes asked for; the ranges a load plans to read whole are fetched ahead,
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import io
@@ -195,8 +196,10 @@ class FsspecStorage:
                 with self._errors(path):
                     self.fs.pipe_file(key, data, **condition)
             except OSError as exc:
-                # s3fs: FileExistsError for If-None-Match, EINVAL "pre-conditions ... did not hold" for If-Match
-                if isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
+                # s3fs: FileExistsError for If-None-Match, EINVAL "pre-conditions ... did not hold" for If-Match,
+                # FileNotFoundError for If-Match on an object deleted meanwhile
+                gone = isinstance(exc, FileNotFoundError) and version is not None
+                if gone or isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
                     raise VersionConflict(f"{self.url(path)} was written by another save meanwhile") from None
                 raise
             return
@@ -278,11 +281,11 @@ class FsspecStorage:
             raise NotADirectoryError(f"{self.url(directory)} is a file, not a directory")
         return [PurePosixPath(str(entry["name"]).rstrip("/")).name for entry in found]
 
-    def _list_prefix(self, directory: str | os.PathLike) -> list[str]:
+    def _list_prefix(self, directory: str | os.PathLike) -> builtins.list[str]:
         """S3: one ListObjectsV2 request per 1,000 names (s3fs's ``ls`` of an absent prefix lists its parent too)."""
         bucket, key, _ = self.fs.split_path(self.key(directory))
         prefix = key.rstrip("/") + "/" if key else ""
-        names: list[str] = []
+        names: builtins.list[str] = []
         token: dict = {}
         while True:
             with self._errors(directory):

@@ -629,3 +629,155 @@ def test_an_s3_url_without_the_s3_extra_is_an_import_error_naming_the_extra(tmp_
     assert proc.returncode == 3, proc.stderr
     assert "pip install 'offload-fsdp[s3]'" in proc.stdout
     assert os.listdir(tmp_path) == []  # nothing written locally
+
+
+def _held_save(path: str, env: dict, value: float, told, go) -> None:
+    """Save ``value`` to ``path`` from another process, stopped just before its commit (every object written)
+    until ``go`` is set; exit 0 when it committed, 3 after putting its error on ``told``."""
+    import checkpoint.object_commit as object_commit
+
+    apply(env)
+    for protocol in (object_commit.ObjectCommit, object_commit.RenameCommit):
+
+        def publish(self, staged, real=protocol.publish):
+            told.put("committing")
+            go.wait(timeout=300)
+            real(self, staged)
+
+        protocol.publish = publish
+    try:
+        checkpoint.save_state_dict({"w": torch.full((16,), value)}, path)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        told.put(f"{type(exc).__name__}: {exc}")
+        told.close()
+        told.join_thread()
+        os._exit(3)
+    os._exit(0)
+
+
+class _HeldSaver:
+    def __init__(self, path: str, env: dict, value: float) -> None:
+        self.told, self.go = PROCESSES.Queue(), PROCESSES.Event()
+        self.proc = PROCESSES.Process(target=_held_save, args=(path, env, value, self.told, self.go))
+        self.proc.start()
+        assert self.told.get(timeout=300) == "committing"  # its objects are all written, the head is not
+
+    def outcome(self) -> str:
+        self.go.set()
+        self.proc.join(timeout=300)
+        return "ok" if self.proc.exitcode == 0 else self.told.get(timeout=10)
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_gc_from_another_process_deletes_nothing_of_a_save_in_flight_and_removes_it_once_its_saver_is_killed(
+    where, s3_server, tmp_path, cli, request
+):
+    url = f"{request.getfixturevalue('s3_bucket')}/lease/ck" if where == "s3" else str(tmp_path / "ck")
+    env = environment(s3_server)
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, url)
+    saver = _HeldSaver(url, env, 2.0)
+    try:
+        assert "0 unfinished save(s) removed" in cli("gc", url).stdout  # this test's process is not the saver's
+    finally:
+        outcome = saver.outcome()
+    assert outcome == "ok"
+    target = {"w": torch.zeros(16)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 2.0))
+
+    killed = _HeldSaver(url, env, 3.0)
+    killed.proc.kill()  # SIGKILL at that point: its lease (or lock) dies with it
+    killed.proc.join()
+    assert "1 unfinished save(s) removed" in cli("gc", url).stdout
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 2.0))
+    if where == "s3":
+        assert len({n.split("/")[0] for n in _objects(url) if n.startswith("fsdp-save-")}) == 1
+
+
+def test_gc_keeps_a_save_whose_lease_another_host_renewed_lately_and_removes_a_stale_one(s3_bucket, cli):
+    import json
+
+    from checkpoint.object_commit import LEASE_S
+
+    url = f"{s3_bucket}/hosts/ck"
+    checkpoint.save_state_dict({"w": torch.full((4,), 1.0)}, url)
+    now = time.time_ns()
+    for name, renewed in (("fsdp-save-00000002-00000000000a", now), ("fsdp-save-00000002-00000000000b", 0)):
+        lease = {"save": name, "pid": 1, "host": "another-host", "renewed_ns": renewed, "lease_s": LEASE_S}
+        _write(f"{url}/{name}/.fsdp-ckpt-owned", json.dumps(lease).encode())
+        _write(f"{url}/{name}/__0_0.distcp", b"being written")
+    assert "1 unfinished save(s) removed" in cli("gc", url).stdout
+    assert [n for n in _objects(url) if n.startswith("fsdp-save-00000002-")] == [
+        "fsdp-save-00000002-00000000000a/.fsdp-ckpt-owned",
+        "fsdp-save-00000002-00000000000a/__0_0.distcp",
+    ]
+    assert "1 unfinished save(s) removed" in cli("gc", url, "--force").stdout  # no save runs: the user says so
+    target = {"w": torch.zeros(4)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((4,), 1.0))
+
+
+class _Requests:
+    """The S3 requests the storage of ``url`` sends while in use, as (operation, key): botocore's own
+    ``before-parameter-build`` event on s3fs's client, so every request on the wire is seen, whichever call made it."""
+
+    def __init__(self, url: str) -> None:
+        from checkpoint.storage_backend import locate
+
+        self.client = locate(url).storage.fs.s3  # connected by a save before
+        self.sent: list[tuple[str, str]] = []
+
+    def _seen(self, model, params, **kwargs) -> None:
+        self.sent.append((model.name, params.get("Key", "")))
+
+    def __enter__(self) -> list[tuple[str, str]]:
+        self.client.meta.events.register("before-parameter-build.s3", self._seen, unique_id="test-requests")
+        return self.sent
+
+    def __exit__(self, *exc) -> None:
+        self.client.meta.events.unregister("before-parameter-build.s3", unique_id="test-requests")
+
+
+def test_a_first_save_to_s3_looks_up_only_one_listing_and_the_head_and_writes_each_object_once(s3_bucket):
+    from collections import Counter
+
+    state = {"w": torch.randn(64), "b": torch.arange(5)}
+    checkpoint.save_state_dict(state, f"{s3_bucket}/warm/ck")  # the client connects, the bucket is checked
+    with _Requests(s3_bucket) as sent:
+        checkpoint.save_state_dict(state, f"{s3_bucket}/first/ck")
+    ops = Counter(op for op, _ in sent)
+    assert ops["ListObjectsV2"] == 1 and ops["GetObject"] == 1 and ops["HeadObject"] == 0, sent
+    puts = [key for op, key in sent if op == "PutObject"]
+    assert len(puts) == len(set(puts)) == len(_objects(f"{s3_bucket}/first/ck")), sent
+
+
+def test_a_load_from_s3_opens_each_object_once(s3_bucket):
+    from collections import Counter
+
+    state = {"w": torch.randn(64), "b": torch.arange(5), "extra": {"step": 3}}
+    url = f"{s3_bucket}/once/ck"
+    checkpoint.save_state_dict(state, url)
+    target = {"w": torch.zeros(64), "b": torch.zeros(5, dtype=torch.int64), "extra": {"step": None}}
+    with _Requests(url) as sent:
+        checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], state["w"]) and target["extra"]["step"] == 3
+    looked_up = Counter(key for op, key in sent if op == "HeadObject")
+    assert looked_up and max(looked_up.values()) == 1, sent
+    assert "ListObjectsV2" not in {op for op, _ in sent}, sent
+
+
+def test_retention_from_another_process_deletes_nothing_of_a_save_in_flight(s3_bucket, s3_server):
+    root = f"{s3_bucket}/keep"
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, f"{root}/a")
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, f"{root}/b")  # committed later: "a" is the oldest
+    saver = _HeldSaver(f"{root}/a", environment(s3_server), 2.0)
+    try:
+        in_flight = [n for n in _objects(f"{root}/a") if n.startswith("fsdp-save-00000002-")]
+        assert [p.name for p in checkpoint.retain(root, keep_last=1)] == ["a"]  # its committed save is gone
+        assert [n for n in _objects(f"{root}/a") if n.startswith("fsdp-save-00000002-")] == in_flight
+    finally:
+        outcome = saver.outcome()
+    # the checkpoint it was replacing was deleted under it: it does not commit, says so, and removes its objects
+    assert outcome.startswith("ConcurrentSaveError: another save committed"), outcome
+    assert checkpoint.latest(root).name == "b" and not [n for n in _objects(root) if n.startswith("a/")]
