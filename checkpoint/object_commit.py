@@ -268,6 +268,7 @@ class ObjectCommit(SaveProtocol):
         staged = self.path / self.save
         self.store.make_dir(staged)
         self.lease = _Lease(staged / MARKER_NAME, self.save)  # the marker: a new save id, nothing of that name exists
+        held.callback(self._release)  # however the save ends (committed and abandoned saves release it earlier)
         return staged
 
     def _check_target(self) -> list[str]:

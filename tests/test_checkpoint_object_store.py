@@ -781,3 +781,39 @@ def test_retention_from_another_process_deletes_nothing_of_a_save_in_flight(s3_b
     # the checkpoint it was replacing was deleted under it: it does not commit, says so, and removes its objects
     assert outcome.startswith("ConcurrentSaveError: another save committed"), outcome
     assert checkpoint.latest(root).name == "b" and not [n for n in _objects(root) if n.startswith("a/")]
+
+
+def test_a_save_renews_its_lease_while_it_runs(s3_bucket, monkeypatch):
+    import json
+    import threading
+
+    import checkpoint.object_commit as object_commit
+    import checkpoint.storage as storage_module
+
+    monkeypatch.setattr(object_commit, "LEASE_S", 0.6)  # renewed every 0.2 s
+    url = f"{s3_bucket}/renew/ck"
+    writing, release = threading.Event(), threading.Event()
+    real_write = storage_module.write_tensor
+
+    def write_when_released(stream, tensor):
+        writing.set()
+        release.wait(timeout=120)
+        real_write(stream, tensor)
+
+    monkeypatch.setattr(storage_module, "write_tensor", write_when_released)
+    saving = threading.Thread(target=checkpoint.save_state_dict, args=({"w": torch.full((4,), 5.0)}, url))
+    saving.start()
+    try:
+        assert writing.wait(timeout=120)
+        (marker,) = [n for n in _objects(url) if n.endswith("/.fsdp-ckpt-owned")]
+        first = json.loads(_read(f"{url}/{marker}"))["renewed_ns"]
+        deadline = time.monotonic() + 120
+        while json.loads(_read(f"{url}/{marker}"))["renewed_ns"] == first:  # until the renewal thread wrote it
+            assert time.monotonic() < deadline, "the lease was never renewed"
+            time.sleep(0.05)
+    finally:
+        release.set()
+        saving.join(timeout=120)
+    target = {"w": torch.zeros(4)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((4,), 5.0))
