@@ -864,3 +864,18 @@ def test_fsdp2_with_adamw_and_hybrid_saved_async_to_s3_on_2_ranks_loads_bit_exac
     saved = run_ranks(_fsdp2_save_to_s3, world_size=2, args=(env, url))[0]
     for result in run_ranks(_fsdp2_load_from_s3, world_size=3, args=(env, url, saved)):
         assert result == {"adamw": (2, 1e-2, []), "hybrid": (2, 1e-2, [])}
+
+
+def test_two_processes_saving_to_one_s3_url_never_mix_and_the_later_committer_fails_clearly(s3_bucket, s3_server):
+    url = f"{s3_bucket}/two/ck"
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, url)
+    other = _HeldSaver(url, environment(s3_server), 2.0)  # every object written, about to commit
+    try:
+        checkpoint.save_state_dict({"w": torch.full((16,), 3.0)}, url)  # commits first (and cleans up)
+    finally:
+        outcome = other.outcome()
+    assert outcome.startswith("ConcurrentSaveError: another save committed"), outcome
+    target = {"w": torch.zeros(16)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 3.0))
+    assert len({n.split("/")[0] for n in _objects(url) if n.startswith("fsdp-save-")}) == 1
