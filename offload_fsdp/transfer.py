@@ -99,6 +99,7 @@ class Transfer:
         with profiled("HybridDeviceOptimizer.d2h"):
             for r, g in active:
                 hooks_copy = id(r) not in done and r.staged_grad_key == grad_key(g)
+                # A host grad's engine copies synchronously (engine_device): its hooks' copy is complete.
                 if hooks_copy and not (g.device.type == "cpu" and r.staging_holds(g)):
                     r.staged_grad_key = None  # the hooks' copy may predate such a write: copy again
                 self.stage_grad(r, g)
