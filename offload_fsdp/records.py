@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["ParamShard", "build_records", "grad_key", "param_name", "partition"]
 
 
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def grad_key(grad: torch.Tensor) -> tuple[int, int, int]:
     """(id, data_ptr, version counter) of a local grad: a different key means another or an edited grad.
 
@@ -163,8 +166,10 @@ class ParamShard:
             now = torch.empty_like(stage)
             self.host_bucket.engine.fetch(now, grad)
             grad = now
-        bits = (t.reshape(-1).view(torch.uint8) for t in (grad, stage))
-        return torch.equal(*bits)  # bit for bit: a NaN equals itself here
+        # Bit for bit (a NaN equals itself, -0.0 differs from 0.0), as integers of the element's own
+        # width: torch.equal over uint8 views costs ~5x as much on a CPU (one comparison per byte).
+        width = _SAME_WIDTH_INT.get(stage.element_size(), torch.uint8)
+        return torch.equal(*(t.reshape(-1).view(width) for t in (grad, stage)))
 
     @property
     def push_source(self) -> torch.Tensor:
