@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `pyth
 
 import optim  # noqa: E402
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
+from offload_fsdp.records import bit_views  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -86,8 +87,8 @@ overlapped mode got a core each; well under 1 means the machine starved this pro
 
 
 def _same_bits(grads: list[torch.Tensor], staged: list[torch.Tensor]) -> bool:
-    """What the overlapped ``step()`` does per started grad (``ParamShard.staging_holds``, fp32: int32 views)."""
-    return all(torch.equal(g.view(torch.int32), s.view(torch.int32)) for g, s in zip(grads, staged))
+    """What the overlapped ``step()`` does per started grad (``ParamShard.staging_holds``)."""
+    return all(torch.equal(*bit_views(g, s)) for g, s in zip(grads, staged))
 
 
 def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
