@@ -199,7 +199,8 @@ class _EncodedKeys:
     """what :func:`read_manifest` would refuse in them, or ``None``"""
 
 
-_last_keys = _EncodedKeys({}, _Json("{}"), None)
+_NO_KEYS = _EncodedKeys({}, _Json("{}"), None)
+_last_keys = _NO_KEYS
 
 
 def _encoded_keys(keys: dict[str, KeyRecord]) -> _EncodedKeys:
@@ -207,6 +208,8 @@ def _encoded_keys(keys: dict[str, KeyRecord]) -> _EncodedKeys:
     encoding, re-parsing and checking them was ~10% of a save of small tensors. Compared with the last
     ones first (the same record objects compare by identity, at C speed; equal records encode alike)."""
     global _last_keys
+    if not keys:  # not kept: write_manifest checks the rest of a manifest without its keys
+        return _NO_KEYS
     last = _last_keys
     if keys == last.keys:
         return last
