@@ -40,6 +40,7 @@ from checkpoint.training_state import (
     SAVED_WITHOUT_STATE,
     TIED_SECTION,
     key_path,
+    load_optimizer_state,
     model_entries,
     optimizer_entries,
     param_fqns,
@@ -446,7 +447,7 @@ class _OptimizerLoad:
         if self.fresh:
             created = {self.entries.index_of[f] for f in self.fresh}
             state = {i: v for i, v in self.osd["state"].items() if i not in created}
-            self.optimizer.load_state_dict({**self.osd, "state": state})
+            load_optimizer_state(self.optimizer, {**self.osd, "state": state})
 
     def finish(self, values: dict[str, Any], report: LoadReport) -> None:
         """Hand the filled state dict to the optimizer. Precondition: the model's weights are loaded."""
@@ -466,7 +467,7 @@ class _OptimizerLoad:
                 self.osd["param_groups"][g_index][hyper] = values[key]
         # A loaded master is the truth (its param becomes its cast); a master not saved is rebuilt
         # from the loaded weight by the optimizer (the next step compares every param with its master).
-        self.optimizer.load_state_dict(self.osd)
+        load_optimizer_state(self.optimizer, self.osd)
 
 
 def _stored_key(fqn: str, name: str, saved: dict[str, Any]) -> str:
