@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from checkpoint.content_check import ContentCheck, crc32
-from checkpoint.dcp_metadata import key_identities, shared_key_problem
+from checkpoint.dcp_metadata import key_identities, shared_key_problems
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import (
     MANIFEST_NAME,
@@ -216,8 +216,8 @@ def unlisted_files(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[
 
 def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     """Keys ``.metadata`` and the manifest disagree on: presence, kind / dtype / shape, identity."""
-    problems = []
     shared = manifest.shared_keys()
+    problems = shared_key_problems(metadata, shared)
     # manifests written before 2026-11 record no identities: nothing to compare, and nothing to compute
     with_identities = any(r.identity is not None for r in manifest.keys.values())
     identities = key_identities(metadata, skip=shared) if with_identities else {}
@@ -225,9 +225,6 @@ def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     for key, item in metadata.state_dict_metadata.items():
         record = manifest.keys.get(key)
         if record is None and key in shared:
-            problem = shared_key_problem(metadata, key, *shared[key])
-            if problem is not None:
-                problems.append(problem)
             continue
         saved: tuple[str, str | None, tuple[int, ...] | None]
         if isinstance(item, TensorStorageMetadata):

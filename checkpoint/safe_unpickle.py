@@ -232,17 +232,19 @@ def check_metadata(md: Any) -> str | None:
         return None
     if not isinstance(storage, dict):
         return "storage_data is not a dict"
+    names: dict[Any, str | None] = {}  # each file name's problem, once: a few files among 100,000s of records
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             return "storage_data has a key that is not a MetadataIndex"
-        problem = _storage_problem(info)
+        problem = _storage_problem(info, names)
         if problem is not None:
             return f"storage of {index.fqn!r}: {problem}"
     return None
 
 
 def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+    # type(x) is int: an int, never a bool (nor an int subclass, which the restricted unpickler cannot make)
+    return type(x) is int and 0 <= x < 1 << 62
 
 
 def _item_problem(item: Any) -> str | None:
@@ -266,12 +268,17 @@ def _item_problem(item: Any) -> str | None:
     return None
 
 
-def _storage_problem(info: Any) -> str | None:
+def _storage_problem(info: Any, names: dict[Any, str | None]) -> str | None:
     if _StorageInfo is None or not isinstance(info, _StorageInfo):
         return f"record of type {type(info).__name__}"
     if not (_is_count(info.offset) and _is_count(info.length)):
         return f"offset {info.offset!r} / length {info.length!r} are not byte counts"
-    problem = check_relative_name(info.relative_path)
+    name = info.relative_path
+    if type(name) is not str:  # only strings are remembered (hashable, compared by value)
+        return check_relative_name(name)
+    if name not in names:
+        names[name] = check_relative_name(name)
+    problem = names[name]
     if problem is not None:
         return problem
     if info.transform_descriptors is not None and not (

@@ -495,7 +495,8 @@ def load_flat(
             report.mismatched_keys.append(problem)
         else:
             loadable[key] = value
-    report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
+    if scope:  # a load of a few keys (scope=()) reports none: no pass over every saved key
+        report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
         raise ValueError(
             f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}; {report.fix()}"
