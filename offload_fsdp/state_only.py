@@ -173,8 +173,10 @@ class StateOnlyUpdate:
             self.buckets.append(bucket)
             for r in run:
                 self._of[id(r)] = bucket
-                if r.has_master:  # the device fp32 master the device share would keep: parked from the start
-                    r.working_tensor.data = _to_host(r.working_tensor, parking)
+            # the device fp32 masters the device share would keep (and state a class makes in __init__,
+            # torch's Adagrad): parked from the start
+            for t in _movable(bucket):
+                t.data = _to_host(t, parking)
         self._hooks.extend(_prefetch_hooks(self, records))
 
     def bucket_of(self, r: ParamShard) -> ParkedBucket:
@@ -335,7 +337,11 @@ def _runs(records: list[ParamShard], bucket_numel: int) -> list[list[ParamShard]
     for r in records:
         last = runs[-1] if runs else None
         key = (r.group_index, r.local.device)
-        if last is None or (last[0].group_index, last[0].local.device) != key or (size and size + r.numel > bucket_numel):
+        if (
+            last is None
+            or (last[0].group_index, last[0].local.device) != key
+            or (size and size + r.numel > bucket_numel)
+        ):
             runs.append([])
             size = 0
         runs[-1].append(r)
@@ -384,7 +390,6 @@ def _prefetch_hooks(update: StateOnlyUpdate, records: list[ParamShard]) -> list[
 
         handles.append(r.param.register_post_accumulate_grad_hook(hook))
     return handles
-
 
 
 class StateOnlyPlacement(Placement):
