@@ -189,6 +189,11 @@ class StateOnlyUpdate:
     def held_bytes(self) -> int:
         return sum(b.held_bytes() for b in self.buckets)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes of the parked masters and state (their host buffers; 0 on the CPU)."""
+        return sum(_nbytes(t) for b in self.buckets if b.parking.pin for t in _movable(b))
+
     # ------------------------------------------------------------------ the step
 
     def step(self, active: list[tuple[ParamShard, torch.Tensor]], step_delegate: StepDelegate) -> None:
@@ -414,6 +419,10 @@ class StateOnlyPlacement(Placement):
 
     def _join(self, records: list[ParamShard]) -> None:
         self.state_only.add(records)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return super().pinned_bytes + self.state_only.pinned_bytes
 
     def step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
         self.state_only.step(active, self.step_delegate)

@@ -35,6 +35,8 @@ class _Counter:
 
     live: int = 0
     peak: int = 0
+    queues: list[DeferredQueues] = field(default_factory=list)
+    """the emulated device's copy queues, one per parking made"""
 
     def allocate(self, like: torch.Tensor) -> torch.Tensor:
         out = torch.empty(like.shape, dtype=like.dtype)
@@ -60,11 +62,12 @@ class _EmulatedDevice(state_only_module.ParkingDevice):
 def emulated(monkeypatch) -> _Counter:
     """Every state-only optimizer built in the test parks through one emulated device; its byte counter."""
     counter = _Counter()
-    monkeypatch.setattr(
-        state_only_module,
-        "parking_device_for",
-        lambda device: _EmulatedDevice(device, DeferredQueues(), pin=False, counter=counter),
-    )
+
+    def parking_device_for(device: torch.device) -> _EmulatedDevice:
+        counter.queues.append(DeferredQueues())
+        return _EmulatedDevice(device, counter.queues[-1], pin=False, counter=counter)
+
+    monkeypatch.setattr(state_only_module, "parking_device_for", parking_device_for)
     return counter
 
 
@@ -145,6 +148,30 @@ def test_with_no_host_share_it_matches_plain_torch_adamw_and_state_reads_right_a
     for p, q in zip(ref.parameters(), model.parameters()):
         for n in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(ref_opt.state[p][n], opt.state[q][n])
+
+
+@pytest.mark.parametrize("budget", [None, 700], ids=["no budget", "one bucket's budget"])
+def test_a_bucket_is_fetched_during_backward_as_its_grads_become_final_within_the_budget(emulated, budget):
+    model, opt = _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=budget)
+    marks: list[int] = []  # H2D copies queued so far, at each step()'s start and end
+    opt.register_step_pre_hook(lambda *_: marks.append(emulated.queues[0].h2d_lane.queued))
+    opt.register_step_post_hook(lambda *_: marks.append(emulated.queues[0].h2d_lane.queued))
+    _train(model, opt, 0, 3)
+    in_backward = [marks[0]] + [marks[i] - marks[i - 1] for i in range(2, len(marks), 2)]
+    in_step = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)]
+    # buckets of 54 and 56 elements (bf16: 12 bytes each of master + moments): the first backward fetches
+    # nothing (no size measured yet); later backwards fetch both buckets, or, in 700 bytes, one (step() the other)
+    assert in_backward == ([0, 2, 2] if budget is None else [0, 1, 1])
+    assert in_step == ([2, 0, 0] if budget is None else [2, 1, 1])
+
+
+def test_mixed_with_host_updates_overlapped_with_backward_it_stays_bit_identical(emulated):
+    ref, ref_opt = _build("adamw", torch.bfloat16, fraction=0.5, overlap_step_with_backward=True)
+    model, opt = _build("adamw", torch.bfloat16, fraction=0.5, overlap_step_with_backward=True, offload_state_only=True)
+    _train(ref, ref_opt, 0, 4)
+    _train(model, opt, 0, 4)
+    _assert_same_params(ref, model)
+    _assert_same_state(ref_opt, opt)
 
 
 def _state_bytes(opt: HybridDeviceOptimizer) -> list[int]:
@@ -272,6 +299,12 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+
 def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -293,6 +326,9 @@ def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
         checkpoint.save(f"{tmp}/f{fraction}", model=model, optimizer=opt)  # loaded in the host mode below
         saved = [(p.to_local().clone(), {n: local_tensor(t).clone() for n, t in opt.state[p].items()})
                  for p in model.parameters()]  # fmt: skip
+        full = [(p.full_tensor(), {n: _full(t) for n, t in opt.state[p].items()}) for p in model.parameters()]
+        if rank == 0:
+            out[f"full_{fraction}"] = full  # what a load at another world size must find
         _fsdp_train(model, opt, rank, 2, 3)
         for o in (opt, ref_opt):
             o.state_dict()  # optimizer.state is read below: the write-backs must have landed
@@ -315,11 +351,24 @@ def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp2_on_three_ranks_is_bit_identical_to_the_device_share_and_its_checkpoint_loads_in_the_host_mode(tmp_path):
+def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_the_host_mode_and_in_one_process(
+    emulated, tmp_path
+):
     results = run_ranks(_fsdp_body, 3, args=(str(tmp_path),))
     assert any(r["empty"] for r in results), "no rank had an empty shard"
     for rank, r in enumerate(results):
         for fraction in (0.0, 0.5):
-            assert r[f"exact_{fraction}"], f"rank {rank}, fraction {fraction}: not bit-identical to plain AdamW"
+            assert r[f"exact_{fraction}"], f"rank {rank}, fraction {fraction}: not bit-identical"
             assert r[f"resumed_{fraction}"], f"rank {rank}, fraction {fraction}: the host mode loaded other values"
         assert r["peak"] > 0
+    # resharded: the 3-rank checkpoints into one process, state-only again (other buckets too)
+    for fraction in (0.0, 0.5):
+        model = _fsdp_model(seed=7)
+        opt = HybridDeviceOptimizer(_adamw(model.parameters()), fraction, offload_state_only=True, bucket_numel=20)
+        checkpoint.load(tmp_path / f"f{fraction}", model=model, optimizer=opt)
+        opt.wait_for_params()  # optimizer.state read below
+        for p, (weight, state) in zip(model.parameters(), results[0][f"full_{fraction}"]):
+            assert torch.equal(p, weight)
+            assert opt.state[p].keys() == state.keys()
+            for n, t in state.items():
+                assert torch.equal(opt.state[p][n], t), f"fraction {fraction}: {n} not resharded exactly"
