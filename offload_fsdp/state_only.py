@@ -284,7 +284,8 @@ class StateOnlyUpdate:
         pairs = []
         for t in _movable(bucket):  # also the state the update just created on the device
             host = hosts.get(id(t))
-            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            # a host buffer made off the device (fresh state, a load) is replaced by a page-locked one
+            if host is None or host.shape != t.shape or host.dtype != t.dtype or (parking.pin and not host.is_pinned()):
                 host = parking.host_like(t)
             pairs.append((t, host, t.data))
         bucket.resident, bucket.fetched = None, None
@@ -358,14 +359,14 @@ def _movable(bucket: ParkedBucket) -> list[torch.Tensor]:
     """The tensors of ``bucket`` that live on the device during its update and on the host between:
     device masters, state tensors shaped like the param, and scalars the class keeps on the device
     (``step`` with ``fused`` / ``capturable``; torch keeps it on the CPU otherwise)."""
-    groups = bucket.delegate.inner.param_groups
+    inner_optimizer = bucket.delegate.inner
+    group = inner_optimizer.param_groups[0]  # a bucket is one param group's run: its optimizer has one group
+    scalars_on_device = bool(group.get("fused") or group.get("capturable"))
     out: list[torch.Tensor] = []
     for r in bucket.records:
         if r.has_master:
             out.append(r.working_tensor)
-        inner = bucket.delegate.inner.state.get(r.working_tensor) or {}
-        group = next(g for g in groups if any(p is r.working_tensor for p in g["params"]))
-        scalars_on_device = bool(group.get("fused") or group.get("capturable"))
+        inner = inner_optimizer.state.get(r.working_tensor) or {}
         for v in inner.values():
             if isinstance(v, torch.Tensor) and (v.shape == r.local.shape or (v.dim() == 0 and scalars_on_device)):
                 out.append(v)

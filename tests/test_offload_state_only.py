@@ -23,6 +23,8 @@ from offload_fsdp import state_only as state_only_module
 from offload_fsdp.grad import local_tensor
 from tests.distributed import run_ranks
 from tests.fakes.deferred_queues import DeferredQueues
+from tests.test_offload_distributed import _model as _fsdp_model  # rows 5, 3, 2, 1: uneven and empty shards
+from tests.test_offload_distributed import _shard as _fsdp
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # one-process checkpoints
@@ -85,6 +87,10 @@ OPTIMIZERS = {
     "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
 }
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def _build(name, dtype, *, fraction=0.0, seed=0, **options):
@@ -163,6 +169,21 @@ def test_a_bucket_is_fetched_during_backward_as_its_grads_become_final_within_th
     # nothing (no size measured yet); later backwards fetch both buckets, or, in 700 bytes, one (step() the other)
     assert in_backward == ([0, 2, 2] if budget is None else [0, 1, 1])
     assert in_step == ([2, 0, 0] if budget is None else [2, 1, 1])
+
+
+def test_a_param_group_added_later_gets_state_only_buckets_of_its_own_and_stays_bit_identical(emulated):
+    runs = []
+    for options in ({}, {"offload_state_only": True}):
+        model = _model(torch.bfloat16)
+        head = model[4]
+        opt = HybridDeviceOptimizer(_adamw(list(model[0].parameters()) + list(model[2].parameters())), 0.0,
+                                    bucket_numel=60, **options)  # fmt: skip
+        _train(model, opt, 0, 2)
+        opt.add_param_group({"params": list(head.parameters()), "lr": 3e-2})
+        _train(model, opt, 2, 4)
+        runs.append((model, opt))
+    _assert_same_params(runs[0][0], runs[1][0])
+    _assert_same_state(runs[0][1], runs[1][1])
 
 
 def test_mixed_with_host_updates_overlapped_with_backward_it_stays_bit_identical(emulated):
@@ -270,33 +291,12 @@ def test_resume_from_a_checkpoint_saved_in_another_mode_is_bit_exact(emulated, t
 # ------------------------------------------------------------------ FSDP2, 3 ranks (uneven and empty shards)
 
 
-def _fsdp_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    # rows 5, 3, 2, 1 over 3 ranks: uneven shards and empty ones
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(),
-        torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1),
-    )  # fmt: skip
-
-
-def _fsdp(model, mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def _fsdp_train(model, opt, rank, start, stop):
     for step in range(start, stop):
         gen = torch.Generator().manual_seed(100 * step + rank)
         model(torch.randn(4, 6, generator=gen)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
