@@ -11,6 +11,7 @@ Stated tolerance: none (``torch.equal``), against the same optimizer kept on the
 
 from __future__ import annotations
 
+import gc
 import weakref
 from dataclasses import dataclass, field
 
@@ -372,3 +373,42 @@ def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_the_h
             assert opt.state[p].keys() == state.keys()
             for n, t in state.items():
                 assert torch.equal(opt.state[p][n], t), f"fraction {fraction}: {n} not resharded exactly"
+
+
+# ------------------------------------------------------------------ on a real accelerator (not yet run: no GPU)
+
+
+def _device_run(device, fused: bool, steps: int, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to(device, torch.bfloat16)
+    # one layer (65,792 elements) per bucket
+    opt = HybridDeviceOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused), 0.0, bucket_numel=70_000, **options
+    )
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(32, 256, generator=gen).to(device, torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.wait_for_params()
+    return model, opt
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw fused"])
+def test_on_a_device_it_is_bit_identical_and_its_state_leaves_the_device_between_steps(fused):
+    device = torch.accelerator.current_accelerator()
+    ref, ref_opt = _device_run(device, fused, 4)
+    held_by_ref = torch.accelerator.memory_allocated(device)
+    model, opt = _device_run(device, fused, 4, offload_state_only=True, state_device_bytes=2 * 65_792 * 12 + 64)
+    _assert_same_params(ref, model)
+    _assert_same_state(ref_opt, opt)
+    for state in opt.state.values():
+        for name, t in state.items():
+            if t.dim() > 0 or fused:
+                assert t.device.type == "cpu" and t.is_pinned(), f"{name} stays on the device between steps"
+    state_bytes = sum(p.numel() for p in model.parameters()) * 12  # fp32 master + two fp32 moments
+    del ref, ref_opt
+    gc.collect()  # the reference optimizer's hooks hold it in cycles
+    assert held_by_ref - torch.accelerator.memory_allocated(device) >= 0.9 * state_bytes
