@@ -287,6 +287,28 @@ def test_peers_are_on_other_nodes():
     assert topology.sources(0) == [2, 4]  # rank 4 one node on, rank 2 two
 
 
+def _detected_nodes(rank: int, world_size: int, tmp: str) -> dict:
+    import socket
+
+    import checkpoint.tier_topology as topology
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # torchrun's: two ranks per node
+    by_local_size = topology.detect_nodes()
+    del os.environ["LOCAL_WORLD_SIZE"]  # a launcher that sets nothing: the host names decide
+    socket.gethostname = lambda: f"host{rank % 2}"  # this rank's process only
+    by_host = topology.detect_nodes()
+    tiers = checkpoint.TieredCheckpointer(Path(tmp) / "local", Path(tmp) / "durable")
+    return {"local_size": by_local_size, "host": by_host, "peers": tiers.topology.peers(rank)}
+
+
+def test_nodes_are_detected_from_local_world_size_else_from_host_names(tmp_path):
+    results = run_ranks(_detected_nodes, world_size=4, args=(str(tmp_path),))
+    assert all(r["local_size"] == [0, 0, 1, 1] for r in results)
+    assert all(r["host"] == ["host0", "host1", "host0", "host1"] for r in results)
+    # With the host names only, the default is one copy of each rank's checkpoints on the other host.
+    assert [r["peers"] for r in results] == [[1], [0], [3], [2]]
+
+
 def test_a_local_checkpoint_into_other_shapes_is_an_error_naming_the_key(tmp_path):
     model = torch.nn.Linear(4, 3)
     tiers = checkpoint.TieredCheckpointer(tmp_path / "local", tmp_path / "durable", durable_every=0)
