@@ -155,7 +155,6 @@ class StateOnlyUpdate:
         self._parking_for, self._delegate_for = parking_for, delegate_for
         self._parkings: dict[torch.device, ParkingDevice] = {}
         self.buckets: list[ParkedBucket] = []
-        self._of: dict[int, ParkedBucket] = {}  # record id -> bucket: set once, here only
         self._hooks: list[Any] = []
         self.peak_bytes = 0
         """the most device bytes this share's masters + state held at once"""
@@ -172,18 +171,17 @@ class StateOnlyUpdate:
                                   parking=parking)  # fmt: skip
             self.buckets.append(bucket)
             for r in run:
-                self._of[id(r)] = bucket
+                r.parked = bucket
             # the device fp32 masters the device share would keep (and state a class makes in __init__,
             # torch's Adagrad): parked from the start
             for t in _movable(bucket):
                 t.data = _to_host(t, parking)
         self._hooks.extend(_prefetch_hooks(self, records))
 
-    def bucket_of(self, r: ParamShard) -> ParkedBucket:
-        return self._of[id(r)]
-
-    def owns(self, r: ParamShard) -> bool:
-        return id(r) in self._of
+    @staticmethod
+    def bucket_of(r: ParamShard) -> ParkedBucket:
+        assert r.parked is not None, f"{r.name}: not in the state-only share"
+        return r.parked
 
     @property
     def held_bytes(self) -> int:
@@ -386,7 +384,7 @@ def _prefetch_hooks(update: StateOnlyUpdate, records: list[ParamShard]) -> list[
     ref = weakref.ref(update)  # a hook must not keep the optimizer alive
     handles = []
     for r in records:
-        if not update.owns(r):
+        if r.parked is None:
             continue
 
         def hook(param: torch.Tensor, record: ParamShard = r) -> None:
