@@ -612,11 +612,11 @@ def _log_partition(
         "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
         "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
         "(page-locked: %s); pageable host bytes %d; pinned_transfer_slots=%s, page-locked slot bytes %d "
-        "(optimizer.pinned_bytes: the total); host step cores %s",
+        "(optimizer.pinned_bytes: the total); host step cores %s%s",
         what, placement.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
         len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
         pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
-        slots, sum(e.pinned_bytes for e in engines), cores,
+        slots, sum(e.pinned_bytes for e in engines), cores, placement.device_share_note,
     )  # fmt: skip
 
 

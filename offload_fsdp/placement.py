@@ -199,6 +199,11 @@ class Placement:
                 r.local.copy_(r.working_tensor)  # the param is the cast of its fp32 master
                 r.mark_synced()
 
+    @property
+    def device_share_note(self) -> str:
+        """What the INFO construction line adds about the device share (nothing: its state stays on the device)."""
+        return ""
+
     def settle(self) -> None:
         """Make every optimizer tensor readable from the host now (nothing to do: nothing is parked)."""
 

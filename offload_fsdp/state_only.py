@@ -423,6 +423,12 @@ class StateOnlyPlacement(Placement):
     def pinned_bytes(self) -> int:
         return super().pinned_bytes + self.state_only.pinned_bytes
 
+    @property
+    def device_share_note(self) -> str:
+        update = self.state_only
+        return (f"; device share state-only: {len(update.buckets)} buckets, masters + state parked on the host "
+                f"between steps, state_device_bytes={update.budget}")  # fmt: skip
+
     def step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
         self.state_only.step(active, self.step_delegate)
 

@@ -236,6 +236,12 @@ def test_a_budget_smaller_than_one_bucket_is_a_value_error_naming_both(emulated)
         _train(model, opt, 0, 1)
 
 
+def test_the_info_construction_line_names_the_state_only_share_and_its_budget(emulated, caplog):
+    with caplog.at_level("INFO", logger="offload_fsdp.optimizer"):
+        _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=4096)
+    assert "device share state-only: 2 buckets" in caplog.text and "state_device_bytes=4096" in caplog.text
+
+
 def test_state_device_bytes_without_state_only_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="set offload_state_only=True or drop state_device_bytes"):
         OffloadOptions(state_device_bytes=1 << 20)
