@@ -187,6 +187,28 @@ def test_a_param_group_added_later_gets_state_only_buckets_of_its_own_and_stays_
     _assert_same_state(runs[0][1], runs[1][1])
 
 
+def _scaled_run(**options):
+    model, opt = _build("adamw", torch.float32, fraction=0.5, **options)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        loss = model(torch.randn(4, 8, generator=gen)).square().mean()
+        scaler.scale(loss * (float("inf") if step == 2 else 1.0)).backward()  # step 2 is skipped
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_a_grad_scaler_loop_with_clipping_and_an_inf_step_stays_bit_identical(emulated):
+    ref, ref_opt = _scaled_run()
+    model, opt = _scaled_run(offload_state_only=True)
+    _assert_same_params(ref, model)
+    _assert_same_state(ref_opt, opt)
+
+
 def test_mixed_with_host_updates_overlapped_with_backward_it_stays_bit_identical(emulated):
     ref, ref_opt = _build("adamw", torch.bfloat16, fraction=0.5, overlap_step_with_backward=True)
     model, opt = _build("adamw", torch.bfloat16, fraction=0.5, overlap_step_with_backward=True, offload_state_only=True)
