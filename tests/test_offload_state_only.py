@@ -437,6 +437,7 @@ def test_on_a_device_it_is_bit_identical_and_its_state_leaves_the_device_between
             if t.dim() > 0 or fused:
                 assert t.device.type == "cpu" and t.is_pinned(), f"{name} stays on the device between steps"
     state_bytes = sum(p.numel() for p in model.parameters()) * 12  # fp32 master + two fp32 moments
+    assert opt.pinned_bytes >= state_bytes
     del ref, ref_opt
     gc.collect()  # the reference optimizer's hooks hold it in cycles
     assert held_by_ref - torch.accelerator.memory_allocated(device) >= 0.9 * state_bytes
