@@ -367,20 +367,22 @@ def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
             torch.equal(ref_opt.state[p][n].to_local(), opt.state[q][n].to_local())
             for p, q in zip(ref.parameters(), model.parameters()) for n in ("exp_avg", "exp_avg_sq")
         )  # fmt: skip
-        resumed = _fsdp(_fsdp_model(seed=7), mesh)
-        resumed_opt = HybridDeviceOptimizer(_adamw(resumed.parameters()), 1.0)
-        checkpoint.load(f"{tmp}/f{fraction}", model=resumed, optimizer=resumed_opt)
-        out[f"resumed_{fraction}"] = all(
-            torch.equal(p.to_local(), weight)
-            and all(torch.equal(local_tensor(resumed_opt.state[p][n]), t) for n, t in state.items())
-            for p, (weight, state) in zip(resumed.parameters(), saved)
-        )
+        for mode, options in (("host", {}), ("state-only", {"offload_state_only": True})):
+            resumed = _fsdp(_fsdp_model(seed=7), mesh)
+            resumed_opt = HybridDeviceOptimizer(_adamw(resumed.parameters()), 1.0 if mode == "host" else 0.0, **options)
+            checkpoint.load(f"{tmp}/f{fraction}", model=resumed, optimizer=resumed_opt)  # in place (DTensor views)
+            resumed_opt.wait_for_params()
+            out[f"resumed_{mode}_{fraction}"] = all(
+                torch.equal(p.to_local(), weight)
+                and all(torch.equal(local_tensor(resumed_opt.state[p][n]), t) for n, t in state.items())
+                for p, (weight, state) in zip(resumed.parameters(), saved)
+            )
     out["peak"] = counter.peak
     return out
 
 
 @pytest.mark.slow
-def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_the_host_mode_and_in_one_process(
+def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_place_in_both_modes_and_in_one_process(
     emulated, tmp_path
 ):
     results = run_ranks(_fsdp_body, 3, args=(str(tmp_path),))
@@ -388,7 +390,8 @@ def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_the_h
     for rank, r in enumerate(results):
         for fraction in (0.0, 0.5):
             assert r[f"exact_{fraction}"], f"rank {rank}, fraction {fraction}: not bit-identical"
-            assert r[f"resumed_{fraction}"], f"rank {rank}, fraction {fraction}: the host mode loaded other values"
+            for mode in ("host", "state-only"):
+                assert r[f"resumed_{mode}_{fraction}"], f"rank {rank}, fraction {fraction}: {mode} loaded other values"
         assert r["peak"] > 0
     # resharded: the 3-rank checkpoints into one process, state-only again (other buckets too)
     for fraction in (0.0, 0.5):
