@@ -359,6 +359,7 @@ def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
         if rank == 0:
             out[f"full_{fraction}"] = full  # what a load at another world size must find
         _fsdp_train(model, opt, rank, 2, 3)
+        after_step_3 = [p.to_local().clone() for p in model.parameters()]
         for o in (opt, ref_opt):
             o.state_dict()  # optimizer.state is read below: the write-backs must have landed
         out[f"exact_{fraction}"] = all(
@@ -369,7 +370,9 @@ def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
         )  # fmt: skip
         for mode, options in (("host", {}), ("state-only", {"offload_state_only": True})):
             resumed = _fsdp(_fsdp_model(seed=7), mesh)
-            resumed_opt = HybridDeviceOptimizer(_adamw(resumed.parameters()), 1.0 if mode == "host" else 0.0, **options)
+            resumed_opt = HybridDeviceOptimizer(_adamw(resumed.parameters()), 1.0 if mode == "host" else fraction,
+                                                **options)  # fmt: skip
+            _fsdp_train(resumed, resumed_opt, rank, 5, 6)  # a running optimizer: its state was on the device once
             checkpoint.load(f"{tmp}/f{fraction}", model=resumed, optimizer=resumed_opt)  # in place (DTensor views)
             resumed_opt.wait_for_params()
             out[f"resumed_{mode}_{fraction}"] = all(
@@ -377,6 +380,11 @@ def _fsdp_body(rank: int, world_size: int, tmp: str) -> dict:
                 and all(torch.equal(local_tensor(resumed_opt.state[p][n]), t) for n, t in state.items())
                 for p, (weight, state) in zip(resumed.parameters(), saved)
             )
+            if mode == "state-only":  # the same mode continues exactly as the run that saved
+                _fsdp_train(resumed, resumed_opt, rank, 2, 3)
+                out[f"continued_{fraction}"] = all(
+                    torch.equal(p.to_local(), w) for p, w in zip(resumed.parameters(), after_step_3)
+                )
     out["peak"] = counter.peak
     return out
 
@@ -390,6 +398,7 @@ def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_place
     for rank, r in enumerate(results):
         for fraction in (0.0, 0.5):
             assert r[f"exact_{fraction}"], f"rank {rank}, fraction {fraction}: not bit-identical"
+            assert r[f"continued_{fraction}"], f"rank {rank}, fraction {fraction}: the resumed run differs"
             for mode in ("host", "state-only"):
                 assert r[f"resumed_{mode}_{fraction}"], f"rank {rank}, fraction {fraction}: {mode} loaded other values"
         assert r["peak"] > 0
