@@ -76,7 +76,7 @@ def emulated(monkeypatch) -> _Counter:
 
 def _model(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    # sizes 48+6, 36+6, 12+2: several buckets at bucket_numel=60, params of one kind per group
+    # params of 48, 6, 36, 6, 12 and 2 elements: two buckets at bucket_numel=60 (54 and 56 elements)
     return torch.nn.Sequential(
         torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)
     ).to(dtype)
