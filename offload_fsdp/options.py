@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -181,6 +182,13 @@ class OffloadOptions:
             raise ValueError(
                 "state_device_bytes bounds the device memory of offload_state_only=True; set offload_state_only=True "
                 "or drop state_device_bytes"
+            )
+        if self.offload_state_only and self.offload_fraction >= 1.0:
+            warnings.warn(
+                "offload_state_only=True acts on the device share, which offload_fraction=1.0 (the default) leaves "
+                "empty: every update runs on the host and nothing is state-only; pass offload_fraction=0.0 to keep "
+                "every update on the device with its state parked on the host",
+                stacklevel=6,
             )
 
     @classmethod

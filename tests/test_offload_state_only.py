@@ -264,6 +264,11 @@ def test_the_info_construction_line_names_the_state_only_share_and_its_budget(em
     assert "device share state-only: 2 buckets" in caplog.text and "state_device_bytes=4096" in caplog.text
 
 
+def test_state_only_with_the_default_offload_fraction_of_one_warns_that_nothing_is_state_only():
+    with pytest.warns(UserWarning, match="pass offload_fraction=0.0 to keep every update on the device"):
+        HybridDeviceOptimizer([torch.nn.Parameter(torch.ones(3))], lr=0.1, offload_state_only=True)
+
+
 def test_state_device_bytes_without_state_only_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="set offload_state_only=True or drop state_device_bytes"):
         OffloadOptions(state_device_bytes=1 << 20)
