@@ -21,6 +21,7 @@ the bytes asked for; the ranges a load plans to read whole are fetched ahead,
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import io
@@ -195,8 +196,10 @@ class FsspecStorage:
                 with self._errors(path):
                     self.fs.pipe_file(key, data, **condition)
             except OSError as exc:
-                # s3fs: FileExistsError for If-None-Match, EINVAL "pre-conditions ... did not hold" for If-Match
-                if isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
+                # s3fs: FileExistsError for If-None-Match, EINVAL "pre-conditions ... did not hold" for If-Match,
+                # FileNotFoundError for If-Match on an object deleted meanwhile
+                gone = isinstance(exc, FileNotFoundError) and version is not None
+                if gone or isinstance(exc, FileExistsError) or "condition" in str(exc).lower():
                     raise VersionConflict(f"{self.url(path)} was written by another save meanwhile") from None
                 raise
             return
@@ -211,12 +214,47 @@ class FsspecStorage:
     # -- reads --
 
     def open_read(self, path: str | os.PathLike, *, follow_symlinks: bool = False) -> BinaryIO:
+        """On S3 opening costs no request: a missing object is a ``FileNotFoundError`` at the first read (the
+        ranged GET), and the size is asked for (one HEAD) only by a read to the end or a seek from it, so a
+        load opens each object once, with its GETs. Elsewhere the object is looked up first."""
+        if self._s3:
+            return _RangedFile(self, path, None)  # type: ignore[return-value]  # a BinaryIO in what readers use
         found = self.stat(path)
         if found is None:
             raise FileNotFoundError(f"{self.url(path)} does not exist")
         if found.kind != "file":
             raise CheckpointCorruptError(f"{self.url(path)}: {found.description}, not an object; nothing was read")
-        return _RangedFile(self, path, found.size)  # type: ignore[return-value]  # a BinaryIO in what readers use
+        return _RangedFile(self, path, found.size)  # type: ignore[return-value]
+
+    def read_versioned(self, path: str | os.PathLike, limit: int) -> tuple[bytes, Hashable] | None:
+        """At most ``limit`` bytes of the object at ``path`` and its :meth:`version`, read together, or ``None``
+        when it is absent. On S3 one GET: its ETag is the version a conditional put compares (a HEAD, then
+        a GET would be two requests, and could see two versions)."""
+        if not self._s3:
+            version = self.version(path)
+            if version is None:
+                return None
+            with self.open_read(path) as f:
+                return f.read(limit), version
+        bucket, key, _ = self.fs.split_path(self.key(path))
+        try:
+            with self._errors(path):
+                answer = self.fs.call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes=0-{limit - 1}")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if not _unsatisfiable(exc):
+                raise
+            version = self.version(path)  # an empty object: no byte range of it exists
+            return None if version is None else (b"", version)
+        from fsspec.asyn import sync  # the body is read on s3fs's event loop
+
+        with self._errors(path):
+            try:
+                data = sync(self.fs.loop, answer["Body"].read)
+            finally:
+                answer["Body"].close()
+        return data, str(answer["ETag"])
 
     def read_into(self, f: BinaryIO, buffers: list, offset: int) -> int:
         views = [memoryview(b).cast("B") for b in buffers]
@@ -233,9 +271,33 @@ class FsspecStorage:
         return done
 
     def list(self, directory: str | os.PathLike) -> list[str]:
+        """The names directly under ``directory``. ``FileNotFoundError`` when it holds nothing (an object store:
+        a prefix without objects does not exist), ``NotADirectoryError`` when it is a file."""
+        if self._s3:
+            return self._list_prefix(directory)
         with self._errors(directory):
-            names = self.fs.ls(self.key(directory), detail=False)
-        return [PurePosixPath(str(name).rstrip("/")).name for name in names]
+            found = self.fs.ls(self.key(directory), detail=True)
+        if len(found) == 1 and found[0].get("type") == "file" and found[0]["name"].rstrip("/") == self.key(directory):
+            raise NotADirectoryError(f"{self.url(directory)} is a file, not a directory")
+        return [PurePosixPath(str(entry["name"]).rstrip("/")).name for entry in found]
+
+    def _list_prefix(self, directory: str | os.PathLike) -> builtins.list[str]:
+        """S3: one ListObjectsV2 request per 1,000 names (s3fs's ``ls`` of an absent prefix lists its parent too)."""
+        bucket, key, _ = self.fs.split_path(self.key(directory))
+        prefix = key.rstrip("/") + "/" if key else ""
+        names: builtins.list[str] = []
+        token: dict = {}
+        while True:
+            with self._errors(directory):
+                page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, Delimiter="/", **token)
+            names += [entry["Prefix"][len(prefix) :].rstrip("/") for entry in page.get("CommonPrefixes", [])]
+            names += [entry["Key"][len(prefix) :] for entry in page.get("Contents", [])]
+            if not page.get("IsTruncated"):
+                break
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+        if not names:
+            raise FileNotFoundError(f"{self.url(directory)}: nothing is stored under it")
+        return names
 
     def stat(self, path: str | os.PathLike, *, follow_symlinks: bool = False) -> FileStat | None:
         info = self._info(path)
@@ -357,15 +419,30 @@ class _RangedFile(io.RawIOBase):
     """One object opened for reading: each read is a ranged GET of exactly what was asked for, unless the
     reader planned its reads (:meth:`plan_reads`): then they are fetched ahead, concurrently."""
 
-    def __init__(self, store: FsspecStorage, path: Any, size: int) -> None:
+    def __init__(self, store: FsspecStorage, path: Any, size: int | None) -> None:
         self._store = store
         self.path = store.url(path)
         self._key = store.key(path)
-        self._size = size
+        self._known_size = size
         self._pos = 0
         self._planned: deque[tuple[int, int]] = deque()  # blocks (start, end) not fetched yet, in order
         self._blocks: deque[tuple[int, int, Future]] = deque()  # blocks fetched or being fetched, in order
         self._budget: Any = None
+
+    @property
+    def _size(self) -> int:
+        """The object's size, asked for (one HEAD) the first time a read to its end or a seek from it needs it."""
+        if self._known_size is None:
+            found = self._store.stat(self.path)
+            if found is None or found.kind != "file":
+                raise FileNotFoundError(f"{self.path} does not exist")
+            self._known_size = found.size
+        return self._known_size
+
+    def _end(self, offset: int, length: int) -> int:
+        """Where a read of ``length`` bytes from ``offset`` stops: at the object's end where known (a read past
+        the end of an object of unknown size gets the bytes there are)."""
+        return offset + length if self._known_size is None else min(offset + length, self._known_size)
 
     def plan_reads(self, ranges: list[tuple[int, int]], budget: Any) -> None:
         """The ``(offset, length)`` ranges the caller will read next, in increasing order: fetched ahead,
@@ -374,7 +451,7 @@ class _RangedFile(io.RawIOBase):
         cap, and released once read past). Reads outside the plan are ranged GETs of their own."""
         self._budget = budget
         for offset, length in ranges:
-            end = min(offset + length, self._size)
+            end = self._end(offset, length)
             step = -(
                 -(end - offset) // max(round((end - offset) / READ_BLOCK_BYTES), 1)
             )  # even blocks, no tiny last one
@@ -400,8 +477,14 @@ class _RangedFile(io.RawIOBase):
             self._blocks.append((start, end, _read_pool.submit(self._fetch, start, end)))
 
     def _fetch(self, start: int, end: int) -> bytes:
-        """One ranged GET of ``[start, end)`` (keywords: s3fs's third positional parameter is a version id)."""
-        return self._store.fs.cat_file(self._key, start=start, end=end)
+        """One ranged GET of ``[start, end)`` (keywords: s3fs's third positional parameter is a version id);
+        short, or empty from the object's end on (S3 answers a range that starts there "not satisfiable")."""
+        try:
+            return self._store.fs.cat_file(self._key, start=start, end=end)
+        except OSError as exc:
+            if self._known_size is not None or not _unsatisfiable(exc):
+                raise
+            return b""
 
     def _drop_before(self, position: int) -> None:
         if self._budget is None:
@@ -431,7 +514,7 @@ class _RangedFile(io.RawIOBase):
         return None
 
     def read(self, size: int | None = -1) -> bytes:
-        end = self._size if size is None or size < 0 else min(self._pos + size, self._size)
+        end = self._size if size is None or size < 0 else self._end(self._pos, size)
         if end <= self._pos:
             return b""
         with self._store._errors(self.path):
@@ -450,7 +533,10 @@ class _RangedFile(io.RawIOBase):
         return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self._pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence] + offset
+        if whence == io.SEEK_END:
+            self._pos = self._size + offset
+        else:
+            self._pos = (self._pos if whence == io.SEEK_CUR else 0) + offset
         return self._pos
 
     def tell(self) -> int:
@@ -465,7 +551,7 @@ class _RangedFile(io.RawIOBase):
     def close(self) -> None:
         if not self.closed and self._budget is not None:
             self._planned.clear()
-            self._drop_before(self._size + 1)  # the blocks' bytes leave the budget
+            self._drop_before(1 << 62)  # the blocks' bytes leave the budget
         super().close()
 
 
@@ -630,6 +716,11 @@ def _bytes_of(data: bytes | str | Callable[[BinaryIO], object]) -> bytes:
         data(buffer)
         return buffer.getvalue()
     return data.encode() if isinstance(data, str) else bytes(data)
+
+
+def _unsatisfiable(exc: OSError) -> bool:
+    """Whether s3fs's ``exc`` is S3's answer to a byte range past an object's end (HTTP 416, as ``EINVAL``)."""
+    return "range is not satisfiable" in str(exc).lower() or "invalidrange" in str(exc).lower()
 
 
 def _modified(info: dict) -> float | None:

@@ -333,13 +333,21 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
 def read_capped(path: os.PathLike, limit: int) -> bytes:
     """The bytes of the plain file ``path``, or ``limit + 1`` of them when it holds more (the caller refuses it).
 
-    Sized by the file itself: a read of ``limit + 1`` bytes would allocate a
-    buffer of the cap's size (GiBs) for a file of a few bytes.
+    Read in growing pieces (1 MiB, then doubling) until one comes back short: a file of a few bytes costs
+    one read, with neither a buffer of the cap's size (GiBs) nor a size lookup first (on an object store a
+    lookup is a request of its own: the object is opened once, by its GET).
     """
-    store = storage_for(path)
-    with store.open_read(path) as f:
-        found = store.stat(path)
-        return f.read(min(found.size if found is not None else 0, limit) + 1)  # + 1: it may have grown meanwhile
+    pieces: list[bytes] = []
+    total, want = 0, min(1 << 20, limit + 1)
+    with storage_for(path).open_read(path) as f:
+        while want:
+            piece = f.read(want)
+            pieces.append(piece)
+            total += len(piece)
+            if len(piece) < want:
+                break
+            want = min(2 * want, limit + 1 - total)
+    return b"".join(pieces)
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
@@ -349,20 +357,20 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     :class:`NotACheckpointError` when it exists but was never committed.
     """
     directory = locate(directory)
-    store = storage_for(directory)
-    found = store.stat(directory, follow_symlinks=True)
-    if found is None:
-        raise FileNotFoundError(f"checkpoint path {str(directory)!r} does not exist")
-    if found.kind != "directory":
-        raise NotACheckpointError(f"{str(directory)!r} is a file, not a checkpoint directory")
     path = directory / MANIFEST_NAME
-    if store.stat(path) is None:
+    try:
+        raw = read_capped(path, _MAX_MANIFEST_BYTES)  # the directory is looked at only when this fails
+    except (FileNotFoundError, NotADirectoryError):
+        found = storage_for(directory).stat(directory, follow_symlinks=True)
+        if found is None:
+            raise FileNotFoundError(f"checkpoint path {str(directory)!r} does not exist") from None
+        if found.kind != "directory":
+            raise NotACheckpointError(f"{str(directory)!r} is a file, not a checkpoint directory") from None
         raise NotACheckpointError(
             f"{str(directory)!r} has no {MANIFEST_NAME}: it is not a committed {FORMAT_NAME} "
             "checkpoint (a save that did not finish, or a plain DCP directory); "
             "re-save it, or read it with torch.distributed.checkpoint directly"
-        )
-    raw = read_capped(path, _MAX_MANIFEST_BYTES)
+        ) from None
     if len(raw) > _MAX_MANIFEST_BYTES:
         raise CheckpointCorruptError(f"{path} is larger than {_MAX_MANIFEST_BYTES} bytes: not a manifest; {_FIX}")
     try:

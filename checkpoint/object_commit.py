@@ -28,7 +28,18 @@ writing with such a sequence started before this commit, read the old head,
 and can no longer commit. A killed save leaves only its own save directory,
 which the next committed save (or ``fsdp-ckpt gc``) removes. Nothing else
 under ``P`` is ever touched: only names of the save pattern that carry the marker
-(``gc``, run while no save runs, also those of the pattern without one).
+(``gc`` also those of the pattern without one).
+
+A save in progress holds a **lease**: its marker is a small JSON record
+(``{"save", "pid", "host", "renewed_ns", "lease_s"}``) written first, and renewed
+every ``lease_s / 3`` seconds while the save runs. ``fsdp-ckpt gc`` and retention,
+from any process, leave alone a save directory (or a commit claim) whose lease is
+held: by a live process on this host (its pid), or renewed within ``lease_s`` by
+a process on another host (its clock against ours: hosts must agree to within a
+small part of :data:`LEASE_S`). A killed save's lease is stale at once on its own
+host, after ``lease_s`` elsewhere; ``gc --force`` ignores leases. A save directory whose
+sequence is at most the head's read an older head and can never commit: no lease
+keeps it.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Hashable, Iterator
@@ -53,7 +65,6 @@ from checkpoint.atomic import (
     is_committed,
     is_ours,
     make_staging,
-    mark,
     remove_staging,
     staging_path,
     swap_into_place,
@@ -68,6 +79,7 @@ from checkpoint.storage_backend import Storage, VersionConflict, locate, storage
 __all__ = [
     "CLAIM_PREFIX",
     "HEAD_NAME",
+    "LEASE_S",
     "ConcurrentSaveError",
     "Head",
     "SaveProtocol",
@@ -91,6 +103,8 @@ was written names a head no save replaces any more, and does not block the next 
 _CLAIM = re.compile(r"fsdp-ckpt-claim-(fsdp-save-\d{8,}-[0-9a-f]{12}|first)\Z")
 _SAVE = re.compile(r"fsdp-save-(\d{8,})-[0-9a-f]{12}\Z")
 _HEAD_BYTES = 1 << 16
+LEASE_S = 300.0
+"""Seconds a save's lease stays held without renewal, for processes on other hosts (see the module docstring)."""
 
 
 class ConcurrentSaveError(FileExistsError):
@@ -111,13 +125,11 @@ class Head:
 
 def read_head(path: PurePath) -> Head | None:
     """The head of the checkpoint at ``path``, or ``None`` when it has none (absent, or saved by renames)."""
-    store = storage_for(path)
     where = path / HEAD_NAME
-    version = store.version(where)
-    if version is None:
+    found = _read_versioned(storage_for(path), where, _HEAD_BYTES + 1)
+    if found is None:
         return None
-    with store.open_read(where) as f:
-        raw = f.read(_HEAD_BYTES + 1)
+    raw, version = found
     try:
         data = json.loads(raw)
         save, sequence = data["save"], data["sequence"]
@@ -133,6 +145,19 @@ def read_head(path: PurePath) -> Head | None:
             "checkpoint at this path"
         ) from None
     return Head(save, sequence, version, committed_ns)
+
+
+def _read_versioned(store: Storage, where: PurePath, limit: int) -> tuple[bytes, Hashable] | None:
+    """The bytes at ``where`` (at most ``limit``) and their version, or ``None`` when absent: in one request
+    where the storage offers it (``FsspecStorage.read_versioned``: one GET), else a version, then a read."""
+    read_versioned = getattr(store, "read_versioned", None)
+    if read_versioned is not None:
+        return read_versioned(where, limit)
+    version = store.version(where)
+    if version is None:
+        return None
+    with store.open_read(where) as f:
+        return f.read(limit), version
 
 
 def resolve_for_load(path: str | os.PathLike) -> Path:
@@ -167,6 +192,9 @@ class SaveProtocol:
 
     needs_agreement = False
     """whether the ranks must learn the staging directory from the preparing rank (a fresh save id)"""
+    fresh_staging = False
+    """whether :meth:`begin` makes the staging directory under a name never used before, so that it holds only
+    what this save writes (nothing to list before the commit)"""
 
     def __init__(self, path: PurePath, store: Storage) -> None:
         self.path = path
@@ -219,34 +247,43 @@ class ObjectCommit(SaveProtocol):
     """The object-store protocol (see the module docstring)."""
 
     needs_agreement = True
+    fresh_staging = True
 
     def __init__(self, path: PurePath, store: Storage) -> None:
         super().__init__(path, store)
         self.head: Head | None = None
         self.save: str | None = None
+        self.lease: _Lease | None = None
+        self.listed: list[str] | None = None
+        """the names at the path when a first save (no head) began: what it removes after its commit is among
+        them (a save that began later cannot commit), so it need not list again"""
 
     def begin(self, held: contextlib.ExitStack) -> PurePath:
         self.store.make_dir(self.path)  # on an object store: a missing bucket is a clear error now
         self.head = read_head(self.path)
         if self.head is None:
-            self._check_target()
+            self.listed = self._check_target()
         sequence = (self.head.sequence if self.head else 0) + 1
         self.save = f"fsdp-save-{sequence:08d}-{uuid.uuid4().hex[:12]}"
         staged = self.path / self.save
         self.store.make_dir(staged)
-        mark(staged, fresh=True)  # a new save id: nothing of that name exists
+        self.lease = _Lease(staged / MARKER_NAME, self.save)  # the marker: a new save id, nothing of that name exists
+        held.callback(self._release)  # however the save ends (committed and abandoned saves release it earlier)
         return staged
 
-    def _check_target(self) -> None:
-        """Without a head, ``path`` may hold nothing, or only save directories left by killed saves."""
-        found = self.store.stat(self.path)
-        if found is None:
-            return
-        if found.kind != "directory":
-            raise FileExistsError(f"cannot save to {str(self.path)!r}: it is a file; save to another path")
-        others = sorted(name for name in self.store.list(self.path) if not _SAVE.match(name) and not _CLAIM.match(name))
+    def _check_target(self) -> list[str]:
+        """Without a head, ``path`` may hold nothing, or only save directories left by killed saves (and
+        claims); returns the names there. One listing (an object named like the path itself is no conflict
+        on an object store, where the path is a prefix)."""
+        try:
+            names = self.store.list(self.path)
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError:
+            raise FileExistsError(f"cannot save to {str(self.path)!r}: it is a file; save to another path") from None
+        others = sorted(name for name in names if not _SAVE.match(name) and not _CLAIM.match(name))
         if not others:
-            return
+            return names
         what = (
             "a checkpoint in the directory layout (copied there, not saved by the object-store protocol)"
             if MANIFEST_NAME in others
@@ -278,7 +315,9 @@ class ObjectCommit(SaveProtocol):
                 self.store.put_if(self.path / HEAD_NAME, record.encode(), version=version)
             except VersionConflict:
                 self._lost(staged)
-        remove_replaced(self.path, sequence, keep=staged.name)
+            finally:
+                self._release()  # committed (the head names it now) or removed
+        remove_replaced(self.path, sequence, keep=staged.name, listed=self.listed)
         if not getattr(self.store, "conditional_put", False):
             _remove_claims(self.path, below=sequence)
 
@@ -300,9 +339,8 @@ class ObjectCommit(SaveProtocol):
     def _claim(self, staged: PurePath) -> Iterator[None]:
         """Hold the claim on the head this save read (created only if absent) while it checks and writes the head."""
         claim = self.path / _claim_name(self.head)
-        holder = {"save": staged.name, "pid": os.getpid(), "host": socket.gethostname()}
         try:
-            self.store.put_if(claim, json.dumps(holder).encode(), version=None)
+            self.store.put_if(claim, _lease_record(staged.name), version=None)
         except VersionConflict:
             self.abandon(staged)
             raise ConcurrentSaveError(
@@ -316,7 +354,12 @@ class ObjectCommit(SaveProtocol):
             with contextlib.suppress(OSError):
                 self.store.delete(claim, missing_ok=True)
 
+    def _release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
     def abandon(self, staged: PurePath | None) -> None:
+        self._release()
         # Its own save directory, by its unique name: removed even when a racing save's cleanup already took
         # the marker (and then objects this save went on writing) from it.
         if staged is not None and staged.name == self.save:
@@ -328,16 +371,18 @@ def _claim_name(head: Head | None) -> str:
     return CLAIM_PREFIX + (head.save if head is not None else "first")
 
 
-def _remove_claims(path: PurePath, *, below: int | None = None) -> list[str]:
+def _remove_claims(path: PurePath, *, below: int | None = None, force: bool = True) -> list[str]:
     """Remove the claims at ``path`` on heads of a sequence ``below`` (all: ``None``): those heads were replaced,
-    so whoever holds such a claim can no longer commit; a later head's claim may be held by a live save.
-    Never raises."""
+    so whoever holds such a claim can no longer commit; a later head's claim may be held by a live save
+    (unless ``force``, kept while its lease is held). Never raises."""
     store = storage_for(path)
     removed = []
     try:
         for name in store.list(path):
             found = _CLAIM.match(name)
             if found and (below is None or found.group(1) == "first" or _sequence(found.group(1)) < below):
+                if not force and _held_by(path / name) is not None:
+                    continue
                 store.delete(path / name, missing_ok=True)
                 removed.append(name)
     except OSError as exc:
@@ -359,30 +404,44 @@ def _claim_holder(claim: PurePath) -> str:
         return f"{claim} exists"
 
 
-def remove_replaced(path: PurePath, sequence: int, *, keep: str) -> None:
-    """Remove the save directories of ``path`` up to ``sequence`` but ``keep`` (see the module docstring).
-    Never raises: what is left is removed by a later save or ``fsdp-ckpt gc``."""
+def remove_replaced(path: PurePath, sequence: int, *, keep: str, listed: list[str] | None = None) -> None:
+    """Remove the save directories of ``path`` up to ``sequence`` but ``keep`` (see the module docstring), among
+    ``listed`` names where given (else listed now). Never raises: what is left is removed by a later save or
+    ``fsdp-ckpt gc``."""
     try:
-        for name in _saves(path):
+        for name in _saves(path) if listed is None else sorted(n for n in listed if _SAVE.match(n)):
             if name != keep and int(_SAVE.match(name).group(1)) <= sequence:  # type: ignore[union-attr]
                 _remove_save(path / name)
     except OSError as exc:
         logger.warning("could not remove replaced saves under %s (%s); `fsdp-ckpt gc %s` removes them", path, exc, path)
 
 
-def collect_garbage(path: str | os.PathLike) -> list[str]:
+def collect_garbage(path: str | os.PathLike, *, force: bool = False) -> list[str]:
     """Remove what killed or failed saves left at ``path``: every save directory its head does not name
     (object-store protocol), or the staging directory (renames). Returns the names removed.
 
-    First waits for this process's async save in flight (and any being staged): its save directory is not
-    named by the head until it commits. A save by another process must not run meanwhile (one writer per
-    path: the job that saves runs ``gc``, or runs it between saves)."""
+    Never what a save in progress writes: this process's async save in flight (and any being staged) is
+    waited for; another process's save is left alone, by its lease (object-store protocol, see the module
+    docstring) or its write lock (renames). ``force``: remove leftovers whose lease looks held too (a save
+    on another host killed less than :data:`LEASE_S` ago; run it only while no save to ``path`` runs).
+    """
     wait_for_saves("gc removes unfinished saves")
-    return remove_unfinished(locate(path))
+    path = locate(path)
+    if not storage_for(path).renames_atomically:
+        return remove_unfinished(path, force=force)
+    try:
+        with write_lock(path, timeout=0):  # held by a save of another process while it writes its staging
+            return remove_unfinished(path)
+    except TimeoutError as exc:
+        logger.warning("gc: a save to %s is in progress (%s); nothing removed", path, exc)
+        return []
 
 
-def remove_unfinished(path: PurePath) -> list[str]:
-    """:func:`collect_garbage` without waiting for saves in flight: for the writer thread's own retention."""
+def remove_unfinished(path: PurePath, *, force: bool = False, replaced: int | None = None) -> list[str]:
+    """:func:`collect_garbage` without waiting for saves in flight nor taking the write lock: for the writer
+    thread's own retention. A save directory whose lease is held is kept unless ``force``; one whose sequence
+    is at most the head's (or ``replaced``, the sequence of a head just deleted) read an older head and can
+    never commit: removed whatever its lease says."""
     store = storage_for(path)
     if store.stat(path) is None:
         raise FileNotFoundError(f"{str(path)!r} does not exist")
@@ -393,10 +452,94 @@ def remove_unfinished(path: PurePath) -> list[str]:
             return [staged.name]
         return []
     head = read_head(path)
-    removed = [name for name in _saves(path) if head is None or name != head.save]
-    for name in removed:
+    settled = head.sequence if head is not None else replaced
+    removed = []
+    for name in _saves(path):
+        if head is not None and name == head.save:
+            continue
+        in_flight = not force and (settled is None or _sequence(name) > settled)
+        holder = _held_by(path / name / MARKER_NAME) if in_flight else None
+        if holder is not None:
+            logger.warning("gc: %s is being written (%s); left alone", path / name, holder)
+            continue
         _remove_save(path / name, marked_only=False)
-    return removed + _remove_claims(path)  # any left by a save killed while committing
+        removed.append(name)
+    return removed + _remove_claims(path, force=force)  # any left by a save killed while committing
+
+
+class _Lease:
+    """A save in progress, announced in its marker (see the module docstring): written now, renewed every
+    ``LEASE_S / 3`` seconds by a daemon thread until :meth:`release`."""
+
+    def __init__(self, marker: PurePath, save: str) -> None:
+        self.marker = marker
+        self.save = save
+        self.store = storage_for(marker)
+        with _leases_lock:
+            _leases.add(str(marker))
+        self.store.write_file(marker, _lease_record(save), sync_dir=True)  # found after a crash
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="checkpoint-save-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(LEASE_S / 3):
+            try:
+                version = self.store.version(self.marker)
+                if version is None:
+                    return  # a racing save's cleanup took it: this save cannot commit, and fails on its own
+                self.store.put_if(self.marker, _lease_record(self.save), version=version)
+            except OSError as exc:  # VersionConflict included: never brought back once removed
+                logger.warning("could not renew the lease of the save writing %s (%s)", self.marker.parent, exc)
+                return
+
+    def release(self) -> None:
+        """Stop renewing (the marker stays: what removes the save directory removes it last)."""
+        self._stop.set()
+        with _leases_lock:
+            _leases.discard(str(self.marker))
+
+
+_leases: set[str] = set()  # the markers of this process's saves in progress
+_leases_lock = threading.Lock()
+
+
+def _lease_record(save: str) -> bytes:
+    holder = {"save": save, "pid": os.getpid(), "host": socket.gethostname(), "renewed_ns": time.time_ns()}
+    return json.dumps({**holder, "lease_s": LEASE_S}).encode()
+
+
+def _held_by(where: PurePath) -> str | None:
+    """Who holds the lease recorded at ``where`` (a save's marker, a commit claim) while it is held, else
+    ``None``: absent, not a lease (a marker written before leases), or stale (see the module docstring)."""
+    try:
+        found = _read_versioned(storage_for(where), where, _HEAD_BYTES)
+        if found is None:
+            return None
+        record = json.loads(found[0])
+        pid, host, renewed_ns, lease_s = record["pid"], record["host"], record["renewed_ns"], record["lease_s"]
+        if not (type(pid) is int and isinstance(host, str) and type(renewed_ns) is int):
+            return None
+        lease_ns = float(lease_s) * 1e9
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    holder = f"save {record.get('save')!r}, pid {pid} on host {host}"
+    if host == socket.gethostname() and pid == os.getpid():
+        with _leases_lock:
+            return holder if str(where) in _leases else None  # a save of this process: in progress or over
+    if host == socket.gethostname():
+        return holder if _alive(pid) else None
+    return holder if time.time_ns() - renewed_ns < lease_ns else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return pid > 0
 
 
 def _saves(path: PurePath) -> list[str]:
@@ -411,7 +554,7 @@ def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:
     """Remove one save directory: its manifest first (a kill midway leaves it uncommitted, never half-read).
 
     ``marked_only``: only with the marker (what a save removes by itself); ``fsdp-ckpt gc``, run by the
-    user while no save runs, also removes one of the save name pattern that lost its marker (a save killed
+    user, also removes one of the save name pattern that lost its marker (a save killed
     after a racing save's cleanup took it).
     """
     store = storage_for(directory)

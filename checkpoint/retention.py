@@ -131,7 +131,8 @@ def _delete(path: PurePath) -> None:
     head = read_head(path)
     if head is not None:
         store.delete(path / HEAD_NAME)
-        remove_unfinished(path)  # every save directory, now that none is committed
+        # every save directory, now that none is committed, but for one another process is writing (its lease)
+        remove_unfinished(path, replaced=head.sequence)
         return
     directory = resolve_for_load(path)
     listed = sorted(read_manifest(directory).files)

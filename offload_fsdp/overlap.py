@@ -195,15 +195,13 @@ def _staged_is_current(r: ParamShard) -> bool:
 def _staged_equals_grad(r: ParamShard) -> bool:
     """True when ``r``'s host grad staging holds, bit for bit, its grad as it is now.
 
-    For a grad whose edits the key check cannot see (``ParamShard.grad_edits_move_key``):
-    the grad is read back once (one D2H) and compared.
+    Checked for every started record: writes below autograd (``p.grad.data.mul_``,
+    ``dist.all_reduce(p.grad)`` after backward, ``_foreach_*`` ops on a DTensor's local
+    shard) move no version counter (``records.grad_key``).
     """
     grad = get_grad(r.param)
-    assert grad is not None and r.host_grad_stage is not None  # a started record with a current key
-    now = torch.empty_like(r.host_grad_stage)
-    r.host_bucket.engine.fetch(now, local_tensor(grad))
-    bits = (t.reshape(-1).view(torch.uint8) for t in (now, r.host_grad_stage))
-    return torch.equal(*bits)  # bit for bit: a NaN equals itself here
+    assert grad is not None  # a started record with a current key
+    return r.staging_holds(local_tensor(grad))
 
 
 class OverlappedStep:
@@ -373,18 +371,20 @@ class OverlappedStep:
 
     @staticmethod
     def _grad_unchanged(r: ParamShard) -> bool:
-        return _staged_is_current(r) and (r.grad_edits_move_key or _staged_equals_grad(r))
+        return _staged_is_current(r) and _staged_equals_grad(r)
 
     @classmethod
     def _check_grad_unchanged(cls, r: ParamShard) -> None:
         if not cls._grad_unchanged(r):
             raise ValueError(
                 f"the gradient of parameter {r.name!r} was changed in place or replaced after its overlapped host "
-                "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit, "
-                "zero_grad, or DistributedDataParallel, whose all-reduce writes the averaged grads after "
-                "the hooks ran), so the update used the old gradient; with overlap_step_with_backward=True "
-                "leave gradients untouched between backward and step() and shard with FSDP2 (fully_shard) "
-                "rather than DDP, or build the optimizer without it"
+                "update started during backward (gradient clipping, GradScaler.unscale_, a manual edit such as "
+                "p.grad.data.mul_, zero_grad, your own dist.all_reduce(p.grad) after backward, or "
+                "DistributedDataParallel, whose all-reduce writes the averaged grads after the hooks ran), so the "
+                "update used the old gradient. Build the optimizer with speculative_clipping=True (such a bucket "
+                "is then redone in step()), or leave gradients untouched between backward and step() (reduce "
+                "them in a backward hook, shard with FSDP2 (fully_shard) rather than DDP), or build the "
+                "optimizer without overlap_step_with_backward"
             )
 
     def forget_readiness(self) -> None:

@@ -78,9 +78,8 @@ class Transfer:
         """Copy ``grad`` to the record's host grad staging unless this very grad, unmodified, is already there.
 
         The key includes the tensor's version counter: accumulation into the grad
-        (next micro-batch) or in-place edits after backward (clipping, unscaling)
-        bump it, so the grad is copied again. Keys are cleared after each step and
-        by zero_grad, so a reused allocation can never match a stale key.
+        (next micro-batch) bumps it, so the grad is copied again. Keys are cleared after
+        each step and by zero_grad, so a reused allocation can never match a stale key.
         """
         key = grad_key(grad)
         if record.staged_grad_key == key:
@@ -91,11 +90,18 @@ class Transfer:
         record.staged_grad_key = key
 
     def stage_grads(self, active: list[tuple[ParamShard, torch.Tensor]], done: set[int]) -> None:
-        """``step()``'s copies: every (offloaded record, local grad) not staged yet, or changed since."""
+        """``step()``'s copies: every (offloaded record, local grad) not staged yet, or changed since.
+
+        A copy the hooks made under the same key is kept only when its bits are the grad's (a key
+        cannot show a write below autograd, ``records.grad_key``): compared in place for a host
+        grad; a device grad is copied again, which costs what reading it back to compare would.
+        """
         with profiled("HybridDeviceOptimizer.d2h"):
             for r, g in active:
-                if not r.grad_edits_move_key and id(r) not in done:
-                    r.staged_grad_key = None  # the hooks' copy may predate an unseen edit: copy again
+                hooks_copy = id(r) not in done and r.staged_grad_key == grad_key(g)
+                # A host grad's engine copies synchronously (engine_device): its hooks' copy is complete.
+                if hooks_copy and not (g.device.type == "cpu" and r.staging_holds(g)):
+                    r.staged_grad_key = None  # the hooks' copy may predate such a write: copy again
                 self.stage_grad(r, g)
 
     def push(self, bucket: HostBucket, records: list[ParamShard]) -> None:

@@ -1,22 +1,26 @@
-"""Gradient-norm clipping on local shards, with one reduction per process group.
+"""Gradient-norm clipping on local shards, with one reduction per process group: torch's bits.
 
 ``torch.nn.utils.clip_grad_norm_`` on DTensor gradients issues collectives
 through DTensor dispatch, cannot see gradients in ``decoupled_grad`` and knows
 nothing of flat-shard parameters. :func:`clip_grad_norm_` works on what each
-rank holds:
+rank holds and gives torch's result bit for bit where torch has one:
 
-* a **DTensor** gradient contributes its local tensor; the partial norms of all
-  DTensors on one mesh are reduced with a single ``all_reduce`` over that mesh.
-  Along ``Replicate`` mesh dims (HSDP) only the replica at coordinate 0
-  contributes, so identical replicas are not counted twice;
+* **plain** tensors without a shard spec are whole tensors: their norm is
+  ``torch.nn.utils.get_total_norm``'s (per-tensor norms in the grads' own dtype, a
+  bf16 norm of bf16 grads as torch computes it, then the norm of their stack), not reduced;
+* a **DTensor** gradient contributes its local tensor; the local norm of all DTensors
+  sharded on one mesh dim (FSDP2; HSDP's shard dim) is reduced over that dim's group
+  as DTensor reduces a partial norm (x^p, one ``all_reduce`` SUM, ^(1/p); MAX for the
+  inf-norm), so the norm and the clipped grads equal torch's clip on the same DTensors;
+  replicas (``Replicate`` dims) each compute the same value;
 * a **flat-shard / box** parameter (one with a :class:`~offload_fsdp.shard_spec.ShardSpec`)
-  contributes its local gradient, reduced over ``mesh_or_group`` (default: the
+  contributes its local gradient, reduced the same way over ``mesh_or_group`` (default: the
   world), again with one ``all_reduce`` for all of them;
-* a **plain** tensor without a shard spec is a whole tensor: it is counted
-  locally and not reduced (every rank holds the same copy);
+* several of these kinds in one call: their norms are combined as torch combines
+  per-tensor norms (``vector_norm`` of their stack): the same norm, torch has no bits for it;
 * gradients are read with :func:`~offload_fsdp.grad.get_grad`, so ``decoupled_grad``
-  is honoured; they may sit on different devices (host and accelerator): norms
-  are computed per (device, dtype) group with one foreach kernel and summed.
+  is honoured; they may sit on different devices (host and accelerator), grouped per
+  (device, dtype) as torch groups them.
 
 Preconditions: every rank passes the same parameters in the same order, each
 with or without a gradient on all ranks alike (the collectives must match).
@@ -33,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from offload_fsdp.grad import get_grad, local_tensor
 from offload_fsdp.overlap import refuse_overlapped
@@ -46,13 +51,30 @@ _LOCAL = "local"
 
 
 @dataclass
+class _Reduction:
+    """The local gradient tensors whose norm is reduced over one process group (or kept local)."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    """local grads whose norm this rank contributes"""
+    dtensor_only: bool = True
+    """every tensor is a DTensor's local shard: torch's clip takes per-tensor norms there (foreach=None)"""
+
+
+@dataclass
 class _Buckets:
     """Local gradient tensors sorted by where their partial norm must be reduced."""
 
-    counted: dict[object, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
-    """reduction key (``_LOCAL`` or a process group) -> local grads whose norm this rank contributes"""
+    counted: dict[object, _Reduction] = field(default_factory=lambda: defaultdict(_Reduction))
+    """reduction key (``_LOCAL`` or a process group) -> the local grads whose norm this rank contributes"""
     all_grads: list[torch.Tensor] = field(default_factory=list)
     """every local grad tensor, counted or not: all of them are scaled when clipping"""
+
+    def count(self, key: object, local: torch.Tensor, *, dtensor: bool, replica: bool = False) -> None:
+        """Add ``local`` to ``key``'s reduction; a ``replica`` of what another rank counts adds a norm of 0
+        (an empty tensor of its dtype: every rank's stack of norms stays as long, in the same order)."""
+        reduction = self.counted[key]
+        reduction.tensors.append(local.new_empty(0) if replica else local)
+        reduction.dtensor_only &= dtensor
 
 
 def _group_of_mesh(mesh: DeviceMesh) -> dist.ProcessGroup | None:
@@ -65,20 +87,36 @@ def _group_of_mesh(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return mesh._flatten().get_group()
 
 
-def _counts_on_this_rank(mesh: DeviceMesh, placements: tuple, name: str) -> bool:
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # this rank is not part of the mesh: it holds nothing of the tensor
-        return False
+def _check_not_partial(placements: tuple, name: str) -> None:
     for dim, placement in enumerate(placements):
         if isinstance(placement, Partial):
             raise ValueError(
                 f"{name}: gradient is Partial on mesh dim {dim}; reduce it (e.g. redistribute to Shard/Replicate) "
                 "before clipping, a norm of unreduced partial sums is meaningless"
             )
-        # Replicas along a Replicate dim hold identical data: count the one at coordinate 0 only.
-        if isinstance(placement, Replicate) and coordinate[dim] != 0:
-            return False
-    return True
+
+
+def _dtensor_key(mesh: DeviceMesh, placements: tuple, name: str) -> tuple[object, bool]:
+    """Where a DTensor grad's local norm is reduced, as torch's DTensor clip reduces it, and whether this
+    rank is a replica that must not count it.
+
+    torch's norm of a DTensor is partial along its ``Shard`` mesh dims and is reduced over those
+    dims' groups only (a replica holds the same value): with one such dim (FSDP2, HSDP), every rank
+    counts its local shard and reduces over that dim's group, which gives torch's bits. With several
+    (FSDP + TP), one ``all_reduce`` over the whole mesh, the replica at coordinate 0 of each
+    ``Replicate`` dim counting: the same norm, not necessarily torch's last bit.
+    """
+    _check_not_partial(placements, name)
+    sharded = [dim for dim, placement in enumerate(placements) if isinstance(placement, Shard)]
+    if not sharded:
+        return _LOCAL, False  # replicated on every dim: every rank holds the whole norm
+    if len(sharded) == 1:
+        dim = sharded[0]
+        return (None if mesh.size(dim) == dist.get_world_size() else mesh.get_group(dim)), False
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # the caller checked that this rank is in the mesh
+    replica = any(isinstance(p, Replicate) and coordinate[d] != 0 for d, p in enumerate(placements))
+    return _group_of_mesh(mesh), replica
 
 
 def _resolve_flat_group(mesh_or_group: DeviceMesh | dist.ProcessGroup | None) -> object:
@@ -109,61 +147,58 @@ def _bucket(params: list[torch.Tensor], mesh_or_group: DeviceMesh | dist.Process
         buckets.all_grads.append(local)
         if isinstance(source, DTensor):
             # A plain (decoupled) gradient of a DTensor param is that param's local shard.
-            # The key is registered even when this rank does not count: every rank must see the
-            # same groups in the same order, or the all_reduces below would pair up wrongly.
-            counted = buckets.counted[_group_of_mesh(source.device_mesh)]
-            if _counts_on_this_rank(source.device_mesh, tuple(source.placements), name):
-                counted.append(local)
+            if source.device_mesh.get_coordinate() is None:
+                continue  # this rank is not part of the mesh: it holds nothing of the tensor
+            key, replica = _dtensor_key(source.device_mesh, tuple(source.placements), name)
+            buckets.count(key, local, dtensor=True, replica=replica)
         elif shard_spec_of(param) is not None or shard_spec_of(grad) is not None:
             if flat_group is ...:
                 flat_group = _resolve_flat_group(mesh_or_group)
-            buckets.counted[flat_group].append(local)
+            buckets.count(flat_group, local, dtensor=False)
         else:
-            buckets.counted[_LOCAL].append(local)
+            buckets.count(_LOCAL, local, dtensor=False)
     return buckets
 
 
-def _accumulate_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+def _tensor_norms(reduction: _Reduction, norm_type: float, foreach: bool | None) -> torch.Tensor:
+    """This rank's per-tensor norms, stacked, exactly as torch's ``get_total_norm`` takes them before their norm.
+
+    torch groups the tensors by (device, dtype), takes each group's norms in its dtype (a bf16 norm
+    of bf16 grads) with one foreach kernel where it has one (never for DTensors unless ``foreach=True``),
+    and stacks them in that order on the first tensor's device (promoted to a common dtype).
+    """
+    tensors = reduction.tensors
+    if math.isinf(norm_type):
+        # A max is exact in any order and grouping. torch's inf-norm of an empty tensor raises; an
+        # empty shard adds nothing to a max: a zero in its place keeps every rank's stack as long.
+        return torch.stack([_inf_norm(t).to(tensors[0].device) for t in tensors])
+    if reduction.dtensor_only:
+        foreach = bool(foreach)  # torch's clip has no foreach support for DTensors unless asked for
+    # Private: torch's own grouping, so that the norms are stacked in the order torch stacks them (the
+    # order changes the last bit of their norm); renamed -> test_torch_private_uses fails first.
+    grouped = _group_tensors_by_device_and_dtype([tensors])  # type: ignore[list-item]
+    norms: list[torch.Tensor] = []
+    for (device, _), ([group], _) in grouped.items():
+        norms.extend(_group_norms([t for t in group if t is not None], device, norm_type, foreach))
+    return torch.stack([n.to(tensors[0].device) for n in norms])
 
 
-def _partial_norm(
-    tensors: list[torch.Tensor],
-    norm_type: float,
-    acc_dtype: torch.dtype,
-    out_device: torch.device,
-    foreach: bool | None,
-) -> torch.Tensor:
-    """Sum of |x|^p (or max |x| for inf) over ``tensors``, as a 0-d ``acc_dtype`` tensor on ``out_device``."""
-    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for t in tensors:
-        # Empty shards are skipped: the inf-norm of an empty tensor is undefined in torch.
-        if t.numel():
-            by_device[(t.device, t.dtype)].append(t)
-    partials = [torch.zeros((), dtype=acc_dtype, device=out_device)]
-    for group in by_device.values():
-        stacked = torch.stack(_norms(group, norm_type, acc_dtype, foreach))
-        part = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
-        # One small device->host (or cross-device) move per device, not per tensor.
-        partials.append(part.to(out_device))
-    combined = torch.stack(partials)
-    return combined.max() if math.isinf(norm_type) else combined.sum()
+def _inf_norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, math.inf) if t.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
 
 
-def _norms(
-    group: list[torch.Tensor], norm_type: float, acc_dtype: torch.dtype, foreach: bool | None
+def _group_norms(
+    group: list[torch.Tensor], device: torch.device, norm_type: float, foreach: bool | None
 ) -> list[torch.Tensor]:
-    """Per-tensor norms of one (device, dtype) group: one foreach kernel where the backend has it."""
-    if foreach is not False:
+    """Per-tensor norms of one (device, dtype) group, as torch takes them; a backend that claims foreach
+    support without a foreach norm kernel (some PrivateUse1 ones) goes per tensor unless ``foreach=True``."""
+    if foreach or (foreach is None and _has_foreach_support(group, device)):
         try:
-            # not nn.utils.get_total_norm: it returns a finished norm, and the cross-rank sum needs the
-            # per-tensor norms (re-powering a norm is not bit-identical); renamed -> clip_grad_norm_ raises
-            return list(torch._foreach_norm(group, norm_type, dtype=acc_dtype))
+            return list(torch._foreach_norm(group, norm_type))
         except (NotImplementedError, RuntimeError):
             if foreach:  # asked for explicitly: the backend's error stands
                 raise
-            # default: a backend without a foreach norm kernel (some PrivateUse1 ones) goes per tensor
-    return [torch.linalg.vector_norm(t, norm_type, dtype=acc_dtype) for t in group]
+    return [torch.linalg.vector_norm(t, norm_type) for t in group]
 
 
 def _reduce_device(group: object) -> torch.device:
@@ -186,22 +221,39 @@ def _check_norm_type(norm_type: float) -> float:
     return norm_type
 
 
+def _reduced_norms(norms: torch.Tensor, group: object, norm_type: float) -> torch.Tensor:
+    """Each tensor's norm over ``group`` from each rank's norms of its shards, as DTensor makes a stack of
+    partial norms whole before taking their norm (``_NormPartial``: x^p, one all_reduce SUM, ^(1/p);
+    the inf-norm: all_reduce MAX)."""
+    part = norms.to(_reduce_device(group))
+    if math.isinf(norm_type):
+        dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
+        return part
+    part = part**norm_type
+    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+    return part ** (1.0 / norm_type)
+
+
 def _total_norm(buckets: _Buckets, norm_type: float, foreach: bool | None) -> torch.Tensor:
-    """The global norm of the bucketed gradients: one ``all_reduce`` per process group among them."""
-    acc_dtype = _accumulate_dtype(buckets.all_grads)
-    result_device = next((t.device for t in buckets.all_grads if t.device.type != "cpu"), torch.device("cpu"))
-    is_inf = math.isinf(norm_type)
-    total = torch.zeros((), dtype=acc_dtype, device=result_device)
+    """The global norm of the bucketed gradients: one ``all_reduce`` per process group among them.
+
+    One kind of gradient gives torch's bits: plain tensors ``torch.nn.utils.get_total_norm``'s,
+    FSDP2 DTensors those of torch's clip on the DTensors. Several kinds are combined as torch combines
+    per-tensor norms (``vector_norm`` of their stack).
+    """
+    if not buckets.all_grads:
+        return torch.tensor(0.0)  # torch's norm of no gradients
+    result_device = buckets.all_grads[0].device  # torch's: the first gradient's
+    parts = []
     # Insertion order follows the parameter order, the same on every rank.
-    for key, tensors in buckets.counted.items():
-        if key == _LOCAL:
-            part = _partial_norm(tensors, norm_type, acc_dtype, result_device, foreach)
-        else:
-            part = _partial_norm(tensors, norm_type, acc_dtype, _reduce_device(key), foreach)
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=key)
-            part = part.to(result_device)
-        total = torch.maximum(total, part) if is_inf else total + part
-    return total if is_inf else total.pow(1.0 / norm_type)
+    for key, reduction in buckets.counted.items():
+        norms = _tensor_norms(reduction, norm_type, foreach)
+        if key != _LOCAL:
+            norms = _reduced_norms(norms, key, norm_type)
+        parts.append(torch.linalg.vector_norm(norms.to(result_device), norm_type))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.linalg.vector_norm(torch.stack(parts), norm_type)
 
 
 def grad_norm(
@@ -214,8 +266,9 @@ def grad_norm(
     """The global gradient norm of ``params`` from local shards (see the module doc); no gradient is changed.
 
     Collective: one ``all_reduce`` per distinct process group among the
-    gradients (typically one). Returns a 0-d fp32 (fp64 for fp64 grads) tensor
-    on the CPU, or on the device of the first non-CPU gradient.
+    gradients (typically one). Returns what ``torch.nn.utils.get_total_norm`` returns
+    for the same gradients: a 0-d tensor in their (promoted) dtype, so bf16 for bf16
+    grads, on the first gradient's device.
     """
     norm_type = _check_norm_type(norm_type)
     params = [params] if torch.is_tensor(params) else list(params)

@@ -776,7 +776,7 @@ print(before, peak[0])
 """
 
 
-def bench_remote(mib: int) -> None:
+def bench_remote(mib: int, rounds: int = 5) -> None:
     import subprocess
     import sys
 
@@ -811,7 +811,7 @@ def bench_remote(mib: int) -> None:
             checkpoint.load_state_dict(target, f"s3://{bucket}/{key}")
 
         times: dict[str, list[tuple[float, float]]] = {}
-        for round_ in range(3):  # interleaved; round 0 is a warm-up
+        for round_ in range(rounds + 1):  # interleaved; round 0 is a warm-up
             for name, fn in (
                 ("s3fs put", s3fs_put),
                 ("ours save", ours_save),
@@ -823,16 +823,23 @@ def bench_remote(mib: int) -> None:
                 fn(key)
                 times.setdefault(name, []).append((time.perf_counter() - wall, time.process_time() - cpu))
         print(
-            f"\n== remote: {nbytes / 2**20:.0f} MiB to s3:// on moto_server (127.0.0.1), best of 2 after a warm-up "
-            f"(load: {os.getloadavg()[0]:.1f})"
+            f"\n== remote: {nbytes / 2**20:.0f} MiB to s3:// on moto_server (127.0.0.1), best of {rounds} "
+            f"interleaved rounds after a warm-up (load: {os.getloadavg()[0]:.1f})"
         )
         best = {name: min(t[1:]) for name, t in times.items()}
         for name, (wall, cpu) in best.items():
             print(f"{name:10s} {wall:6.2f} s ({nbytes / wall / 2**20:6.1f} MiB/s), process CPU {cpu:6.2f} s")
         print(
             f"ours / s3fs: save {best['s3fs put'][0] / best['ours save'][0]:.2f}x the MB/s, "
-            f"load {best['s3fs get'][0] / best['ours load'][0]:.2f}x"
+            f"load {best['s3fs get'][0] / best['ours load'][0]:.2f}x (best against best)"
         )
+        for ours, theirs in (("ours save", "s3fs put"), ("ours load", "s3fs get")):
+            # each round's pair ran back to back: the server's load swings between rounds more than within one
+            ratios = sorted(t[0] / o[0] for o, t in zip(times[ours][1:], times[theirs][1:]))
+            print(
+                f"{ours} / {theirs} per round: median {ratios[len(ratios) // 2]:.2f}x, "
+                f"lowest {ratios[0]:.2f}x, highest {ratios[-1]:.2f}x ({', '.join(f'{r:.2f}' for r in ratios)})"
+            )
         repo = str(Path(__file__).resolve().parents[1])
         for who in ("ours",):
             out = subprocess.run(
@@ -960,6 +967,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replica-mib", type=int, default=48, help="model + AdamW state for the replicas part (MiB)")
     parser.add_argument("--capped-mib", type=int, default=512, help="checkpoint size for the capped part (MiB)")
     parser.add_argument("--remote-mib", type=int, default=128, help="state size for the remote (s3://) part (MiB)")
+    parser.add_argument("--remote-rounds", type=int, default=5, help="interleaved rounds of the remote part")
     parser.add_argument("--scaling-mib", type=int, default=16, help="state size for the per-tensor scaling part (MiB)")
     parser.add_argument(
         "--scaling-params",
@@ -1017,7 +1025,7 @@ def main(argv: list[str] | None = None) -> None:
             bench_scaling(root, args.scaling_mib, args.scaling_params, args.scaling_rounds, args.scaling_optimizers)
             bench_plan_collectives(root, [c for c in args.scaling_params if c <= 1000] or [100])
         if "remote" in args.parts:
-            bench_remote(args.remote_mib)
+            bench_remote(args.remote_mib, args.remote_rounds)
         if "tiers" in args.parts:
             bench_tiers(root)
     finally:

@@ -13,7 +13,8 @@ with AdamW, every param offloaded (``offload_fraction=1``), one layer per host b
 take about the same time (where overlap gains most). Threads: ``torch.set_num_threads(1)``
 for the measured modes, so backward runs on one core (the main thread) and the
 host worker's step on the other (its torch ops and the compiled C step use torch's
-thread count, 1); the default mode and plain torch are also timed with 2 threads,
+thread count, 1); T_check: the bit comparison of every grad with its host copy that an
+overlapped ``step()`` makes (plain and DTensor grads alike); the default mode and plain torch are also timed with 2 threads,
 so the comparison is against the best use of both cores without overlap. Printed:
 forward+backward alone (T_backward), default-mode ``step()`` alone (T_host), the
 iteration time (forward, backward, step, zero_grad; fastest of ``--repeats`` rounds,
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # a plain `pyth
 
 import optim  # noqa: E402
 from offload_fsdp import HybridDeviceOptimizer  # noqa: E402
+from offload_fsdp.records import bit_views  # noqa: E402
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
@@ -82,6 +84,11 @@ def _fastest(fns: dict[str, tuple[int, Callable[[], None]]], rounds: int) -> dic
 CORES_USED: dict[str, float] = {}
 """name -> process CPU time / wall time of its fastest run: about 2 when both threads of the
 overlapped mode got a core each; well under 1 means the machine starved this process."""
+
+
+def _same_bits(grads: list[torch.Tensor], staged: list[torch.Tensor]) -> bool:
+    """What the overlapped ``step()`` does per started grad (``ParamShard.staging_holds``)."""
+    return all(torch.equal(*bit_views(g, s)) for g, s in zip(grads, staged))
 
 
 def _backward(model: torch.nn.Module, x: torch.Tensor) -> None:
@@ -134,9 +141,12 @@ def part1(args: argparse.Namespace) -> None:
     default, default_opt = _offloaded(width, layers, bucket_numel, overlap=False)
     overlapped, overlapped_opt = _offloaded(width, layers, bucket_numel, overlap=True)
     _backward(timed_alone, x)  # its grads stay: step() alone is timed on them every round
+    grads = [p.grad for p in timed_alone.parameters()]
+    staged = [g.clone() for g in grads]
     modes = {
         "T_backward": (1, lambda: _backward(plain, x)),
         "T_host": (1, alone_opt.step),
+        "T_check": (1, lambda: _same_bits(grads, staged)),
         "no offload (torch AdamW), 1 thread": (1, _iteration(plain, plain_opt, x)),
         "no offload (torch AdamW), 2 threads": (2, _iteration(plain, plain_opt, x)),
         "default mode, 1 thread": (1, _iteration(default, default_opt, x)),
@@ -144,11 +154,13 @@ def part1(args: argparse.Namespace) -> None:
         "overlapped mode, 1 thread backward + 1 host worker": (1, _iteration(overlapped, overlapped_opt, x)),
     }
     t = _fastest(modes, args.repeats)
-    t_backward, t_host = t.pop("T_backward"), t.pop("T_host")
+    t_backward, t_host, t_check = t.pop("T_backward"), t.pop("T_host"), t.pop("T_check")
     t_overlap = t["overlapped mode, 1 thread backward + 1 host worker"]
     rows = list(t.items())
     print(f"T_backward (forward+backward, 1 thread): {t_backward * 1e3:8.1f} ms")
     print(f"T_host (default step(), 1 thread):        {t_host * 1e3:8.1f} ms")
+    print(f"T_check (bit comparison of every grad with its host copy, in each overlapped step(); 1 thread): "
+          f"{t_check * 1e3:.1f} ms = {t_check / t_host:.2f} T_host")  # fmt: skip
     reference = t["default mode, 1 thread"]
     for name, seconds in rows:
         print(f"  {name:52s} {seconds * 1e3:8.1f} ms/iter  {seconds / reference:5.2f}x default (1 thread)  "

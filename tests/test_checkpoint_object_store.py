@@ -595,3 +595,287 @@ def test_a_load_of_part_of_a_chunk_from_s3_gets_only_the_bytes_it_needs(s3_bucke
     checkpoint.load_state_dict({"w": rows}, url, verify="sizes")
     assert torch.equal(rows.local, full[40:48])
     assert 8 * 4096 * 4 <= watched.total_bytes < 8 * 4096 * 4 + (16 << 10)  # those rows and the archive's directory
+
+
+_WITHOUT = """
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None  # an import of it fails as if it were not installed
+import torch, checkpoint
+try:
+    checkpoint.save_state_dict({"w": torch.ones(2)}, "s3://bucket/ck")
+except ImportError as exc:
+    print(exc)
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.parametrize("missing", ["s3fs", "fsspec,s3fs"])
+def test_an_s3_url_without_the_s3_extra_is_an_import_error_naming_the_extra(tmp_path, missing):
+    import subprocess
+    import sys
+
+    from tests.cli import REPO
+
+    # a fresh interpreter without the module: this one has it imported already
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, missing],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "pip install 'offload-fsdp[s3]'" in proc.stdout
+    assert os.listdir(tmp_path) == []  # nothing written locally
+
+
+def _held_save(path: str, env: dict, value: float, told, go) -> None:
+    """Save ``value`` to ``path`` from another process, stopped just before its commit (every object written)
+    until ``go`` is set; exit 0 when it committed, 3 after putting its error on ``told``."""
+    import checkpoint.object_commit as object_commit
+
+    apply(env)
+    for protocol in (object_commit.ObjectCommit, object_commit.RenameCommit):
+
+        def publish(self, staged, real=protocol.publish):
+            told.put("committing")
+            go.wait(timeout=300)
+            real(self, staged)
+
+        protocol.publish = publish
+    try:
+        checkpoint.save_state_dict({"w": torch.full((16,), value)}, path)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        told.put(f"{type(exc).__name__}: {exc}")
+        told.close()
+        told.join_thread()
+        os._exit(3)
+    os._exit(0)
+
+
+class _HeldSaver:
+    def __init__(self, path: str, env: dict, value: float) -> None:
+        self.told, self.go = PROCESSES.Queue(), PROCESSES.Event()
+        self.proc = PROCESSES.Process(target=_held_save, args=(path, env, value, self.told, self.go))
+        self.proc.start()
+        assert self.told.get(timeout=300) == "committing"  # its objects are all written, the head is not
+
+    def outcome(self) -> str:
+        self.go.set()
+        self.proc.join(timeout=300)
+        return "ok" if self.proc.exitcode == 0 else self.told.get(timeout=10)
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_gc_from_another_process_deletes_nothing_of_a_save_in_flight_and_removes_it_once_its_saver_is_killed(
+    where, s3_server, tmp_path, cli, request
+):
+    url = f"{request.getfixturevalue('s3_bucket')}/lease/ck" if where == "s3" else str(tmp_path / "ck")
+    env = environment(s3_server)
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, url)
+    saver = _HeldSaver(url, env, 2.0)
+    try:
+        assert "0 unfinished save(s) removed" in cli("gc", url).stdout  # this test's process is not the saver's
+    finally:
+        outcome = saver.outcome()
+    assert outcome == "ok"
+    target = {"w": torch.zeros(16)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 2.0))
+
+    killed = _HeldSaver(url, env, 3.0)
+    killed.proc.kill()  # SIGKILL at that point: its lease (or lock) dies with it
+    killed.proc.join()
+    assert "1 unfinished save(s) removed" in cli("gc", url).stdout
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 2.0))
+    if where == "s3":
+        assert len({n.split("/")[0] for n in _objects(url) if n.startswith("fsdp-save-")}) == 1
+
+
+def test_gc_keeps_a_save_whose_lease_another_host_renewed_lately_and_removes_a_stale_one(s3_bucket, cli):
+    import json
+
+    from checkpoint.object_commit import LEASE_S
+
+    url = f"{s3_bucket}/hosts/ck"
+    checkpoint.save_state_dict({"w": torch.full((4,), 1.0)}, url)
+    now = time.time_ns()
+    for name, renewed in (("fsdp-save-00000002-00000000000a", now), ("fsdp-save-00000002-00000000000b", 0)):
+        lease = {"save": name, "pid": 1, "host": "another-host", "renewed_ns": renewed, "lease_s": LEASE_S}
+        _write(f"{url}/{name}/.fsdp-ckpt-owned", json.dumps(lease).encode())
+        _write(f"{url}/{name}/__0_0.distcp", b"being written")
+    assert "1 unfinished save(s) removed" in cli("gc", url).stdout
+    assert [n for n in _objects(url) if n.startswith("fsdp-save-00000002-")] == [
+        "fsdp-save-00000002-00000000000a/.fsdp-ckpt-owned",
+        "fsdp-save-00000002-00000000000a/__0_0.distcp",
+    ]
+    assert "1 unfinished save(s) removed" in cli("gc", url, "--force").stdout  # no save runs: the user says so
+    target = {"w": torch.zeros(4)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((4,), 1.0))
+
+
+class _Requests:
+    """The S3 requests the storage of ``url`` sends while in use, as (operation, key): botocore's own
+    ``before-parameter-build`` event on s3fs's client, so every request on the wire is seen, whichever call made it."""
+
+    def __init__(self, url: str) -> None:
+        from checkpoint.storage_backend import locate
+
+        self.client = locate(url).storage.fs.s3  # connected by a save before
+        self.sent: list[tuple[str, str]] = []
+
+    def _seen(self, model, params, **kwargs) -> None:
+        self.sent.append((model.name, params.get("Key", "")))
+
+    def __enter__(self) -> list[tuple[str, str]]:
+        self.client.meta.events.register("before-parameter-build.s3", self._seen, unique_id="test-requests")
+        return self.sent
+
+    def __exit__(self, *exc) -> None:
+        self.client.meta.events.unregister("before-parameter-build.s3", unique_id="test-requests")
+
+
+def test_a_first_save_to_s3_looks_up_only_one_listing_and_the_head_and_writes_each_object_once(s3_bucket):
+    from collections import Counter
+
+    state = {"w": torch.randn(64), "b": torch.arange(5)}
+    checkpoint.save_state_dict(state, f"{s3_bucket}/warm/ck")  # the client connects, the bucket is checked
+    with _Requests(s3_bucket) as sent:
+        checkpoint.save_state_dict(state, f"{s3_bucket}/first/ck")
+    ops = Counter(op for op, _ in sent)
+    assert ops["ListObjectsV2"] == 1 and ops["GetObject"] == 1 and ops["HeadObject"] == 0, sent
+    puts = [key for op, key in sent if op == "PutObject"]
+    assert len(puts) == len(set(puts)) == len(_objects(f"{s3_bucket}/first/ck")), sent
+
+
+def test_a_load_from_s3_opens_each_object_once(s3_bucket):
+    from collections import Counter
+
+    state = {"w": torch.randn(64), "b": torch.arange(5), "extra": {"step": 3}}
+    url = f"{s3_bucket}/once/ck"
+    checkpoint.save_state_dict(state, url)
+    target = {"w": torch.zeros(64), "b": torch.zeros(5, dtype=torch.int64), "extra": {"step": None}}
+    with _Requests(url) as sent:
+        checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], state["w"]) and target["extra"]["step"] == 3
+    looked_up = Counter(key for op, key in sent if op == "HeadObject")
+    assert looked_up and max(looked_up.values()) == 1, sent
+    assert "ListObjectsV2" not in {op for op, _ in sent}, sent
+
+
+def test_retention_from_another_process_deletes_nothing_of_a_save_in_flight(s3_bucket, s3_server):
+    root = f"{s3_bucket}/keep"
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, f"{root}/a")
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, f"{root}/b")  # committed later: "a" is the oldest
+    saver = _HeldSaver(f"{root}/a", environment(s3_server), 2.0)
+    try:
+        in_flight = [n for n in _objects(f"{root}/a") if n.startswith("fsdp-save-00000002-")]
+        assert [p.name for p in checkpoint.retain(root, keep_last=1)] == ["a"]  # its committed save is gone
+        assert [n for n in _objects(f"{root}/a") if n.startswith("fsdp-save-00000002-")] == in_flight
+    finally:
+        outcome = saver.outcome()
+    # the checkpoint it was replacing was deleted under it: it does not commit, says so, and removes its objects
+    assert outcome.startswith("ConcurrentSaveError: another save committed"), outcome
+    assert checkpoint.latest(root).name == "b" and not [n for n in _objects(root) if n.startswith("a/")]
+
+
+def test_a_save_renews_its_lease_while_it_runs(s3_bucket, monkeypatch):
+    import json
+    import threading
+
+    import checkpoint.object_commit as object_commit
+    import checkpoint.storage as storage_module
+
+    monkeypatch.setattr(object_commit, "LEASE_S", 0.6)  # renewed every 0.2 s
+    url = f"{s3_bucket}/renew/ck"
+    writing, release = threading.Event(), threading.Event()
+    real_write = storage_module.write_tensor
+
+    def write_when_released(stream, tensor):
+        writing.set()
+        release.wait(timeout=120)
+        real_write(stream, tensor)
+
+    monkeypatch.setattr(storage_module, "write_tensor", write_when_released)
+    saving = threading.Thread(target=checkpoint.save_state_dict, args=({"w": torch.full((4,), 5.0)}, url))
+    saving.start()
+    try:
+        assert writing.wait(timeout=120)
+        (marker,) = [n for n in _objects(url) if n.endswith("/.fsdp-ckpt-owned")]
+        first = json.loads(_read(f"{url}/{marker}"))["renewed_ns"]
+        deadline = time.monotonic() + 120
+        while json.loads(_read(f"{url}/{marker}"))["renewed_ns"] == first:  # until the renewal thread wrote it
+            assert time.monotonic() < deadline, "the lease was never renewed"
+            time.sleep(0.05)
+    finally:
+        release.set()
+        saving.join(timeout=120)
+    target = {"w": torch.zeros(4)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((4,), 5.0))
+
+
+def _fsdp2_optimizer(model, hybrid: bool, lr: float):
+    from offload_fsdp import HybridDeviceOptimizer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return HybridDeviceOptimizer(opt, offload_fraction=1.0) if hybrid else opt
+
+
+def _fsdp2_save_to_s3(rank: int, world_size: int, env: dict, url: str) -> dict:
+    """FSDP2 on ``world_size`` ranks: train 2 steps, async save to S3 (then train on: not in the checkpoint);
+    the states saved, gathered."""
+    from tests.test_checkpoint_dist import _fsdp, _full_state, _net, _portable, _train
+
+    apply(env)
+    saved = {}
+    for kind in ("adamw", "hybrid"):
+        model = _fsdp(_net(0), world_size)
+        opt = _fsdp2_optimizer(model, kind == "hybrid", 1e-2)
+        _train(model, opt, [1, 2])
+        saved[kind] = _portable(_full_state(model, opt))
+        saving = checkpoint.async_save(f"{url}-{kind}", model=model, optimizer=opt, extra={"step": 2})
+        _train(model, opt, [3])  # while the save runs: it wrote the staged state
+        saving.result(timeout=120)
+    return saved
+
+
+def _fsdp2_load_from_s3(rank: int, world_size: int, env: dict, url: str, saved: dict) -> dict:
+    from tests.test_checkpoint_dist import _fsdp, _mismatches, _net, _tensors
+
+    apply(env)
+    out = {}
+    for kind in ("adamw", "hybrid"):
+        model = _fsdp(_net(5), world_size)
+        opt = _fsdp2_optimizer(model, kind == "hybrid", 0.3)
+        extra = checkpoint.load(f"{url}-{kind}", model=model, optimizer=opt)
+        lr = opt.param_groups[0]["lr"]  # the checkpoint's, not the 0.3 given here
+        out[kind] = (extra["step"], lr, _mismatches(model, opt, _tensors(saved[kind])))
+    return out
+
+
+def test_fsdp2_with_adamw_and_hybrid_saved_async_to_s3_on_2_ranks_loads_bit_exact_on_3(s3_bucket, s3_server):
+    url = f"{s3_bucket}/fsdp2/step2"
+    env = environment(s3_server)
+    saved = run_ranks(_fsdp2_save_to_s3, world_size=2, args=(env, url))[0]
+    for result in run_ranks(_fsdp2_load_from_s3, world_size=3, args=(env, url, saved)):
+        assert result == {"adamw": (2, 1e-2, []), "hybrid": (2, 1e-2, [])}
+
+
+def test_two_processes_saving_to_one_s3_url_never_mix_and_the_later_committer_fails_clearly(s3_bucket, s3_server):
+    url = f"{s3_bucket}/two/ck"
+    checkpoint.save_state_dict({"w": torch.full((16,), 1.0)}, url)
+    other = _HeldSaver(url, environment(s3_server), 2.0)  # every object written, about to commit
+    try:
+        checkpoint.save_state_dict({"w": torch.full((16,), 3.0)}, url)  # commits first (and cleans up)
+    finally:
+        outcome = other.outcome()
+    assert outcome.startswith("ConcurrentSaveError: another save committed"), outcome
+    target = {"w": torch.zeros(16)}
+    checkpoint.load_state_dict(target, url)
+    assert torch.equal(target["w"], torch.full((16,), 3.0))
+    assert len({n.split("/")[0] for n in _objects(url) if n.startswith("fsdp-save-")}) == 1

@@ -3,8 +3,8 @@
 The loop users write: ``loss.backward(); optim.clip_grad_norm_(params, max_norm); opt.step()``.
 Host buckets update during backward as if no clip applies; ``step()`` commits the ones whose
 grads the clip left alone (coefficient 1) and redoes the others. Each step's params are compared
-bit for bit with the same clip followed by the same optimizer without offload: torch's class
-itself for fp32 params (fused, the host kernels' arithmetic), and for bf16 params (fp32 masters,
+bit for bit with torch's own ``clip_grad_norm_`` followed by the same optimizer without offload:
+torch's class itself for fp32 params (fused, the host kernels' arithmetic), and for bf16 params (fp32 masters,
 which torch's class does not keep) the default after-backward mode, itself compared with torch
 in tests/test_offload_parity.py. What happened is read from ``optimizer.speculation_counts``.
 """
@@ -68,11 +68,13 @@ def _reference(model, name, dtype, fraction=1.0) -> torch.optim.Optimizer:
 
 
 def _compare(name, dtype, max_norms, clip=optim.clip_grad_norm_, **kw) -> HybridDeviceOptimizer:
+    """``clip`` on ours; on the reference the same, with torch's ``clip_grad_norm_`` for optim's."""
     ours, ref = _net(dtype), _net(dtype)
     opt, ref_opt = _speculating(ours, name, **kw), _reference(ref, name, dtype, kw.get("fraction", 1.0))
+    ref_clip = getattr(clip, "with_torchs_clip", torch.nn.utils.clip_grad_norm_)
     for step, max_norm in enumerate(max_norms):
         _step(ours, opt, step, max_norm, clip, dtype)
-        _step(ref, ref_opt, step, max_norm, clip, dtype)
+        _step(ref, ref_opt, step, max_norm, ref_clip, dtype)
         for (pname, p), q in zip(ours.named_parameters(), ref.parameters()):
             assert _same_bits(p, q), f"step {step}: {pname} differs from the clip + optimizer without offload"
     return opt
@@ -120,22 +122,32 @@ def test_a_device_share_and_bound_host_cores_change_nothing_in_the_bits():
     assert counts.committed > 0 and counts.redone > 0
 
 
-def test_a_non_finite_norm_redoes_the_step_with_the_nan_grads_as_torch_would():
-    def clip_to_nan(params, max_norm):
-        params = list(params)
-        params[0].grad[0, 0] = float("inf")  # an inf grad: the norm is inf, the coefficient 0, inf * 0 = NaN
-        return optim.clip_grad_norm_(params, max_norm)
+def _before_clip(edit):
+    """A clip that runs ``edit`` on the params first: optim's, and torch's for the reference (``_compare``)."""
 
+    def clip(params, max_norm, clip_grad_norm_=optim.clip_grad_norm_):
+        params = list(params)
+        edit(params)
+        return clip_grad_norm_(params, max_norm)
+
+    clip.with_torchs_clip = lambda params, max_norm: clip(params, max_norm, torch.nn.utils.clip_grad_norm_)
+    return clip
+
+
+def test_a_non_finite_norm_redoes_the_step_with_the_nan_grads_as_torch_would():
+    def inf_grad(params):
+        params[0].grad[0, 0] = float("inf")  # an inf grad: the norm is inf, the coefficient 0, inf * 0 = NaN
+
+    clip_to_nan = _before_clip(inf_grad)
     ours = _compare("adamw", torch.float32, [1e9, 1.0], clip=clip_to_nan)
     assert ours.speculation_counts.redone > 0 and ours.speculation_counts.committed == 0
 
 
 def test_a_grad_edited_before_a_clip_that_does_not_fire_is_redone_not_committed():
-    def halve_then_clip(params, max_norm):
-        params = list(params)
+    def halve(params):
         params[0].grad.mul_(0.5)  # an edit the clip's coefficient of 1 does not account for
-        return optim.clip_grad_norm_(params, max_norm)
 
+    halve_then_clip = _before_clip(halve)
     counts = _compare("adamw", torch.float32, MAX_NORMS["never"], clip=halve_then_clip).speculation_counts
     assert counts.redone == STEPS  # the bucket holding params[0], every step; the others commit
     assert counts.committed > 0
@@ -152,7 +164,8 @@ def _scaler_run(overlapped: bool, dtype: torch.dtype) -> tuple[torch.nn.Module, 
             loss = loss * float("inf")  # inf grads: GradScaler skips the step and lowers the scale
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        optim.clip_grad_norm_(model.parameters(), max_norm)
+        # the reference (after backward) clips with torch's own clip_grad_norm_
+        (optim.clip_grad_norm_ if overlapped else torch.nn.utils.clip_grad_norm_)(model.parameters(), max_norm)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -200,9 +213,10 @@ def _fsdp_body(rank: int, world_size: int, name: str, dtype_name: str) -> dict:
     opt = _speculating(ours, name)
     ref_opt = HybridDeviceOptimizer(ref.parameters(), 1.0, cpu_optimizer_cls=cls, bucket_numel=80, **hyper)
     for step, max_norm in enumerate(MAX_NORMS["sometimes"]):
-        for model, o in ((ours, opt), (ref, ref_opt)):
+        # the reference: torch's own clip_grad_norm_ on the DTensor params, then the default mode
+        for model, o, clip in ((ours, opt, optim.clip_grad_norm_), (ref, ref_opt, torch.nn.utils.clip_grad_norm_)):
             model(_batch(step * world_size + rank, dtype)).float().square().mean().backward()
-            optim.clip_grad_norm_(model.parameters(), max_norm)
+            clip(model.parameters(), max_norm)
             o.step()
             o.zero_grad()
         for p, q in zip(ours.parameters(), ref.parameters()):

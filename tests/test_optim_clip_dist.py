@@ -186,3 +186,55 @@ def test_clip_norm_on_local_shards_equals_single_process_reference_with_one_all_
         for name, (norm, all_reduces, ref) in results.items():
             assert norm == pytest.approx(ref, rel=1e-5), f"rank {rank}, {name}: {norm} != reference {ref}"
             assert all_reduces == 1, f"rank {rank}, {name}: {all_reduces} all_reduce calls, expected one"
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().reshape(-1).view(torch.uint8).tolist())
+
+
+def _torch_clip_checks(rank: int, world_size: int, dtype_name: str, mesh_shape: tuple[int, ...]) -> dict:
+    """optim.clip_grad_norm_ against torch's own clip on the same FSDP2 DTensor params, bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from optim import clip_grad_norm_
+
+    dtype = getattr(torch, dtype_name)
+    names = ("replicate", "shard")[-len(mesh_shape) :]  # HSDP: (replicate, shard)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5)).to(dtype)
+        for layer in model[::2]:
+            fully_shard(layer, mesh=mesh)
+        models.append(fully_shard(model, mesh=mesh))
+    ours, theirs = models
+    batch = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + rank)).to(dtype)  # differs per rank
+    mismatches = []
+    # inf: only where no rank holds an empty shard (torch's inf-norm of an empty local shard raises)
+    norm_types = (2.0, 1.0, 3.0, math.inf) if world_size == 2 else (2.0, 1.0)
+    for norm_type in norm_types:
+        for max_norm in (1e-2, 1e6):  # fires, does not
+            for model in models:
+                model.zero_grad()
+                model(batch).float().square().mean().backward()
+            norm = clip_grad_norm_(ours.parameters(), max_norm, norm_type)
+            ref = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, norm_type).full_tensor()
+            if _bits(norm) != _bits(ref) or norm.dtype != ref.dtype:
+                mismatches.append(f"p={norm_type} max_norm={max_norm}: norm {norm.item()} vs torch {ref.item()}")
+            for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+                if _bits(p.grad.to_local()) != _bits(q.grad.to_local()):
+                    mismatches.append(f"p={norm_type} max_norm={max_norm}: grad of {name}")
+    return {"mismatches": mismatches}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "mesh_shape"),
+    [("float32", (2,)), ("bfloat16", (2,)), ("float32", (3,)), ("bfloat16", (2, 2))],
+    ids=["fp32-2", "bf16-2", "fp32-3-uneven", "bf16-hsdp-2x2"],
+)
+def test_fsdp2_dtensor_grads_are_clipped_bit_for_bit_as_torchs_own_clip(dtype, mesh_shape):
+    world_size = math.prod(mesh_shape)
+    for rank, result in enumerate(run_ranks(_torch_clip_checks, world_size, args=(dtype, mesh_shape), timeout_s=120)):
+        assert result["mismatches"] == [], f"rank {rank}: {result['mismatches']}"

@@ -19,7 +19,9 @@ from tests.distributed import run_ranks
 PRIVATE_USES = [
     ("torch", "_foreach_add_", "offload_fsdp/host_kernels.py AdamKernel.step_bucket (step counters)"),
     ("torch", "_foreach_zero_", "offload_fsdp/grad.py _clear_slots"),
-    ("torch", "_foreach_norm", "optim/clip.py _norms"),
+    ("torch", "_foreach_norm", "optim/clip.py _group_norms"),
+    ("torch.utils._foreach_utils", "_group_tensors_by_device_and_dtype", "optim/clip.py _tensor_norms"),
+    ("torch.utils._foreach_utils", "_has_foreach_support", "optim/clip.py _group_norms"),
     ("torch", "_foreach_mul_", "optim/clip.py clip_grad_norm_"),
     (
         "torch.autograd",

@@ -161,8 +161,9 @@ _EXAMPLES = {
   fsdp-ckpt diff ckpt/a ckpt/b                 # exact; exit 1 on any difference
   fsdp-ckpt diff ckpt/a ckpt/b --atol 1e-6 --rtol 1e-5""",
     "gc": """examples:
-  fsdp-ckpt gc s3://bucket/run/step_500      # only while no save to that path runs
-  fsdp-ckpt gc ckpt/step_500""",
+  fsdp-ckpt gc s3://bucket/run/step_500      # a save in progress (its lease, or its lock) is left alone
+  fsdp-ckpt gc ckpt/step_500
+  fsdp-ckpt gc s3://bucket/run/step_500 --force   # also leftovers whose lease looks held (no save runs)""",
 }
 
 
@@ -198,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_diff(add)
     p = add("gc", "remove what killed or failed saves left at a checkpoint path (never the committed checkpoint)")
     p.add_argument("ckpt")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="also remove save directories and commit claims whose lease looks held (a save on another host "
+        "killed less than the lease time ago); only while no save to that path runs",
+    )
     p.set_defaults(func=cmd_gc)
     return parser
 

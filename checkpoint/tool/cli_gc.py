@@ -10,7 +10,7 @@ __all__ = ["cmd_gc"]
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    removed = collect_garbage(args.ckpt)
+    removed = collect_garbage(args.ckpt, force=args.force)
     for name in removed:
         print(f"removed {name}")
     print(f"{args.ckpt}: {len(removed)} unfinished save(s) removed; the committed checkpoint is untouched")
