@@ -76,3 +76,24 @@ def test_written_metadata_unpickles_plainly_and_safely_to_the_same_records_in_fe
         assert back.storage_data == metadata.storage_data and back.planner_data == metadata.planner_data
         assert all(type(i.offset) is torch.Size for i in back.storage_data if i.offset is not None)
     assert len(data) < len(pickle.dumps(metadata))
+
+
+def test_storage_problems_allow_values_sharing_one_range_and_name_every_other_shared_or_overrun_range():
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from checkpoint.manifest import FileRecord
+    from checkpoint.opener import storage_problems
+
+    def problems(ranges: dict[MetadataIndex, tuple[int, int]]) -> list[str]:
+        storage = {index: StorageInfo("f", offset, length) for index, (offset, length) in ranges.items()}
+        return storage_problems(Metadata({}, storage_data=storage), {"f": FileRecord(size=100, crc32=0)})
+
+    value = {MetadataIndex(f"g.p{i}.lr"): (10, 5) for i in range(3)}  # one option value, keyed per param
+    chunk = MetadataIndex("w", (0,))
+    assert problems({**value, chunk: (15, 20)}) == []
+    same_range = problems({**value, chunk: (10, 5)})
+    assert len(same_range) == 1 and "'w' chunk [0]" in same_range[0] and "share bytes of f" in same_range[0]
+    overlap = problems({**value, chunk: (12, 20)})
+    assert len(overlap) == 1 and "'w' chunk [0]" in overlap[0]
+    past_end = problems({**value, chunk: (90, 20)})
+    assert past_end == ["'w' chunk [0] is stored past the end of f (byte 110)"]
