@@ -12,7 +12,8 @@ The archive holds what ``torch.save`` writes for one contiguous CPU tensor
 (``data.pkl`` with ``torch._utils._rebuild_tensor_v2`` and one storage,
 ``.format_version``, ``.storage_alignment``, ``byteorder``, ``data/0``,
 ``version``, ``.data/serialization_id``), stored (not compressed), the data
-record aligned to 64 bytes from the archive start, sizes and CRCs in zip data
+record aligned to 64 bytes from the archive start (the other records are not padded,
+unlike ``torch.save``'s, and unlike this module's before 2026-11), sizes and CRCs in zip data
 descriptors as ``torch.save`` does. ``torch.load(weights_only=True)`` accepts it.
 The serialization id is derived from the data's CRC-32, so equal tensors give
 byte-identical archives.
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ArchiveLayout", "archive_layout", "plan_archive"]
+__all__ = ["ArchiveLayout", "archive_layout", "plan_archive", "stored_layout"]
 
 _ARCHIVE = "archive"
 _ALIGN = 64
@@ -42,6 +43,9 @@ _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _DESCRIPTOR = struct.Struct("<IIII")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _EOCD = struct.Struct("<IHHHHIIH")
+_U32 = struct.Struct("<I")
+_ZEROS_CRC = zlib.crc32(b"0" * 20)
+"""CRC-32 of the serialization id's first half (see :meth:`ArchiveLayout.tail`)"""
 _MAX_PLAIN_ZIP = 0xFFFFFFFF - (1 << 20)
 """Beyond this (zip64 territory) the writer falls back to ``torch.save``."""
 
@@ -97,6 +101,13 @@ class ArchiveLayout:
     _records: list[tuple[str, int, int, int]]
     """(name, local header offset, size, crc) of the records in ``head``; the data record's crc filled later"""
     _after: list[tuple[str, bytes]]
+    padded: bool = False
+    """every record's payload 64-byte aligned, as written before 2026-11 (only the data record's is now)"""
+
+    @property
+    def size(self) -> int:
+        """The archive's length in bytes."""
+        return len(self.head) + self.data_size + self.tail_size
 
     @functools.cached_property
     def tail_size(self) -> int:
@@ -115,17 +126,19 @@ class ArchiveLayout:
             return self._build_tail(data_crc)
         template, patches = self._tail_template
         out = bytearray(template)
-        serialization_id = f"{0:020d}{data_crc:020d}".encode()
-        id_crc = zlib.crc32(serialization_id)
-        for kind, pos in patches:
-            if kind == "id":
-                out[pos : pos + len(serialization_id)] = serialization_id
-            else:
-                struct.pack_into("<I", out, pos, data_crc if kind == "data_crc" else id_crc)
+        digits = b"%020d" % data_crc  # the serialization id is 20 zeros and these digits
+        id_crc = zlib.crc32(digits, _ZEROS_CRC)
+        # one call per tensor: positions grouped by kind, fewest Python steps (2 CRCs, the id, 2 id CRCs)
+        crc_at, id_at, id_crc_at = patches
+        for pos in crc_at:
+            _U32.pack_into(out, pos, data_crc)
+        out[id_at + 20 : id_at + 40] = digits
+        for pos in id_crc_at:
+            _U32.pack_into(out, pos, id_crc)
         return bytes(out)
 
     @functools.cached_property
-    def _tail_template(self) -> tuple[bytes, list[tuple[str, int]]] | None:
+    def _tail_template(self) -> tuple[bytes, tuple[list[int], int, list[int]]] | None:
         """:meth:`tail` for a sentinel CRC, and where the data's CRC, the serialization id and its CRC sit in it
         (``None`` in the unlikely case the sentinel's bytes also occur elsewhere: then built each time)."""
         sentinel = 0x9E3779B9  # any value: only its positions are used, found by building the tail around it
@@ -143,10 +156,10 @@ class ArchiveLayout:
                 patches.append((kind, pos))
                 pos = built.find(needle, pos + 1)
         # the data CRC sits in its descriptor and directory entry, the id once, its CRC in its descriptor and entry
-        kinds = [k for k, _ in patches]
-        if (kinds.count("data_crc"), kinds.count("id"), kinds.count("id_crc")) != (2, 1, 2):
+        at = {kind: [pos for k, pos in patches if k == kind] for kind in ("data_crc", "id", "id_crc")}
+        if tuple(len(v) for v in at.values()) != (2, 1, 2):
             return None
-        return built, patches
+        return built, (at["data_crc"], at["id"][0], at["id_crc"])
 
     def _build_tail(self, data_crc: int) -> bytes:
         out = bytearray(_DESCRIPTOR.pack(0x08074B50, data_crc, self.data_size, self.data_size))
@@ -157,7 +170,7 @@ class ArchiveLayout:
         after = list(self._after)
         after.append((f"{_ARCHIVE}/.data/serialization_id", f"{0:020d}{data_crc:020d}".encode()))
         for name, payload in after:
-            record, crc = _record(name, payload, pos)
+            record, crc = _record(name, payload, pos, padded=self.padded)
             records.append((name, pos, len(payload), crc))
             out += record
             pos += len(record)
@@ -173,18 +186,22 @@ class ArchiveLayout:
         return bytes(out)
 
 
-def _local_header(name: str, pos: int) -> bytes:
-    """A local file header whose payload starts 64-byte aligned from the archive start (torch's "FB" padding)."""
+def _local_header(name: str, pos: int, *, aligned: bool) -> bytes:
+    """A local file header; ``aligned``: its payload starts 64-byte aligned from the archive start (torch's
+    "FB" padding extra field)."""
     encoded = name.encode()
-    bare = pos + _LOCAL.size + len(encoded)
-    pad = (-(bare + 4)) % _ALIGN
-    extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    extra = b""
+    if aligned:
+        pad = (-(pos + _LOCAL.size + len(encoded) + 4)) % _ALIGN
+        extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
     return _LOCAL.pack(0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), len(extra)) + encoded + extra
 
 
-def _record(name: str, payload: bytes, pos: int) -> tuple[bytes, int]:
+def _record(name: str, payload: bytes, pos: int, *, padded: bool) -> tuple[bytes, int]:
+    """A small record; unpadded unless ``padded``: ``torch.load`` reads it whole with ``get_record``, so only
+    the data record needs torch's alignment (for ``mmap=True`` loads); padding every record cost ~300 B a chunk."""
     crc = zlib.crc32(payload)
-    header = _local_header(name, pos)
+    header = _local_header(name, pos, aligned=padded)
     return header + payload + _DESCRIPTOR.pack(0x08074B50, crc, len(payload), len(payload)), crc
 
 
@@ -201,9 +218,20 @@ def plan_archive(tensor: torch.Tensor) -> ArchiveLayout | None:
     return archive_layout(tensor.dtype, tuple(tensor.shape))
 
 
+def stored_layout(dtype: torch.dtype, shape: tuple[int, ...], length: int) -> ArchiveLayout | None:
+    """The layout of a stored archive of ``length`` bytes for ``dtype`` and ``shape``, if this module writes
+    or wrote (before 2026-11, every record padded) one of that length; ``None`` otherwise (another writer's)."""
+    for padded in (False, True):
+        layout = archive_layout(dtype, shape, padded=padded)
+        if layout is None or layout.size == length:
+            return layout
+    return None
+
+
 @functools.lru_cache(maxsize=4096)
-def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout | None:
-    """The archive this module writes for a tensor of ``dtype`` and ``shape`` (``None``: not one it writes).
+def archive_layout(dtype: torch.dtype, shape: tuple[int, ...], *, padded: bool = False) -> ArchiveLayout | None:
+    """The archive this module writes for a tensor of ``dtype`` and ``shape`` (``None``: not one it writes);
+    ``padded``: the one it wrote before 2026-11, each record's payload aligned (see :class:`ArchiveLayout`).
 
     A reader uses it to find the data of an archive it recognises byte for byte
     without parsing the zip directory first. Cached: thousands of tensors share a few shapes, and the
@@ -227,10 +255,10 @@ def archive_layout(dtype: torch.dtype, shape: tuple[int, ...]) -> ArchiveLayout 
         ("byteorder", b"little"),
     ):
         full = f"{_ARCHIVE}/{name}"
-        record, crc = _record(full, payload, len(head))
+        record, crc = _record(full, payload, len(head), padded=padded)
         records.append((full, len(head), len(payload), crc))
         head += record
     data_name = f"{_ARCHIVE}/data/0"
     records.append((data_name, len(head), nbytes, 0))
-    head += _local_header(data_name, len(head))
-    return ArchiveLayout(bytes(head), nbytes, records, [(f"{_ARCHIVE}/version", b"3\n")])
+    head += _local_header(data_name, len(head), aligned=True)
+    return ArchiveLayout(bytes(head), nbytes, records, [(f"{_ARCHIVE}/version", b"3\n")], padded)

@@ -23,6 +23,7 @@ __all__ = [
     "StatefulPath",
     "assign_back",
     "convert_tree",
+    "is_one_chunk",
     "load_stateful",
     "materialize_meta",
     "resolve_stateful",
@@ -40,6 +41,7 @@ def to_checkpointable(
     rank: int = 0,
     replicas_on_rank0_only: bool = False,
     max_chunk_bytes: int | None = None,
+    whole_as_is: bool = False,
 ) -> Any:
     """``value`` as a :class:`CheckpointShard` if it is a tensor, else unchanged.
 
@@ -53,11 +55,16 @@ def to_checkpointable(
 
     With ``replicas_on_rank0_only`` (scale mode, where there is no global plan
     to de-duplicate replicas) only one rank writes each replicated region.
+    ``whole_as_is``: a plain tensor stored whole as one chunk (no ``ShardSpec``, within
+    ``max_chunk_bytes``) is returned as it is, for a writer that stores such a tensor itself
+    (:mod:`checkpoint.save_plan`: the wrapper costs ~25 us a tensor, most of a small tensor's save).
     Loading writes into the local tensor in place.
     """
     if type(value) in _PLAIN_VALUES:  # most leaves (a group's options per parameter): skip the protocol checks
         return value
     if type(value) is torch.Tensor:  # exactly a plain tensor: none of the kinds below, only a ShardSpec to look for
+        if whole_as_is and is_one_chunk(value, max_chunk_bytes, name=name):
+            return value
         return _from_tensor(
             value, name=name, rank=rank, replicas_on_rank0_only=replicas_on_rank0_only, max_chunk_bytes=max_chunk_bytes
         )
@@ -80,14 +87,25 @@ def to_checkpointable(
     )
 
 
+def is_one_chunk(value: torch.Tensor, max_chunk_bytes: int | None, *, name: str) -> bool:
+    """Whether the plain tensor ``value`` is stored whole, as one chunk (no ``ShardSpec``, within the bound);
+    a malformed shard description is an error naming ``name``."""
+    fits = max_chunk_bytes is None or value.numel() * value.element_size() <= max_chunk_bytes
+    return fits and _spec_of(value, name=name) is None
+
+
+def _spec_of(value: torch.Tensor, *, name: str) -> ShardSpec | None:
+    try:
+        return shard_spec_of(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {exc}") from exc
+
+
 def _from_tensor(
     value: torch.Tensor, *, name: str, rank: int, replicas_on_rank0_only: bool, max_chunk_bytes: int | None
 ) -> CheckpointShard:
     """A tensor that is none of the kinds above: its :class:`ShardSpec`'s region, or the whole tensor."""
-    try:
-        spec = shard_spec_of(value)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {exc}") from exc
+    spec = _spec_of(value, name=name)
     if spec is not None:
         if spec.is_flat and not value.is_contiguous():
             raise ValueError(f"{name}: a flat-range shard must be contiguous to be saved or loaded in place")

@@ -12,6 +12,7 @@ save) and the tensor-major writer behind reshard / import. Both go through
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import zlib
@@ -36,6 +37,7 @@ from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_fo
 __all__ = [
     "MetadataBuilder",
     "key_identities",
+    "metadata_bytes",
     "shared_key_problems",
     "shared_values",
     "with_storage",
@@ -147,20 +149,49 @@ def with_storage(metadata: Metadata, storage: Mapping[MetadataIndex, StorageInfo
     return metadata
 
 
+class _CompactPickler(pickle.Pickler):
+    """Pickles DCP's per-item records as calls of their constructors on their fields.
+
+    A dataclass instance pickles by default as an empty object plus a dict of field names to values
+    (~30 bytes a record even when every string in it is a memo reference); ``MetadataIndex(fqn, offset)``
+    and ``_StorageInfo(file, offset, length)`` as constructor calls take about half, and there are one or
+    two per key (~0.4 KB a parameter with AdamW in torch's flattened layout). Plain ``pickle.load`` (DCP's
+    reader) builds the very same objects, and :class:`~checkpoint.safe_unpickle.MetadataUnpickler` admits
+    these calls as it admits the default form, then checks every field.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind is MetadataIndex:
+            # index is a lookup hint that takes no part in equality or hashing: not stored, as DCP stores None
+            return (MetadataIndex, (obj.fqn,) if obj.offset is None else (obj.fqn, tuple(obj.offset)))
+        if kind is StorageInfo and obj.transform_descriptors is None:
+            return (StorageInfo, (obj.relative_path, obj.offset, obj.length))
+        if kind is ChunkStorageMetadata:
+            return (ChunkStorageMetadata, (obj.offsets, obj.sizes))
+        return NotImplemented
+
+
+def metadata_bytes(metadata: Metadata) -> bytes:
+    """``metadata`` pickled as :func:`write_metadata` writes it (compact per-item records, see :class:`_CompactPickler`)."""
+    buffer = io.BytesIO()
+    _CompactPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(metadata)
+    return buffer.getvalue()
+
+
 def write_metadata(directory: str | os.PathLike, metadata: Metadata | bytes) -> FileRecord:
-    """Pickle ``metadata`` into ``directory/.metadata``, replaced whole and durably; its size and CRC-32.
+    """Pickle ``metadata`` into ``directory/.metadata`` (:func:`metadata_bytes`), replaced whole and durably;
+    its size and CRC-32.
 
     ``metadata`` may be given already pickled (a save that reuses the previous one's). The record is
     computed from the bytes as they are written, for the manifest.
     """
     record: list[FileRecord] = []
+    data = metadata if isinstance(metadata, bytes) else metadata_bytes(metadata)
 
     def dump(f) -> None:
         stream = CrcStream(f, owns_raw=False)  # write_file fsyncs and closes f
-        if isinstance(metadata, bytes):
-            stream.write(metadata)
-        else:
-            pickle.dump(metadata, stream)
+        stream.write(data)
         stream.wait_for_hints()
         record.append(FileRecord(size=stream.size, crc32=stream.crc))
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
-from checkpoint.chunk_archive import ArchiveLayout, archive_layout
+from checkpoint.chunk_archive import ArchiveLayout, stored_layout
 from checkpoint.content_check import ContentCheck
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
@@ -123,7 +123,7 @@ class DirectReader(FileSystemReader):
         self._direct = direct
         self._check = check
         self.budget = ReadBudget(max_read_bytes)
-        self._layouts: dict = {}  # (dtype, chunk shape) -> ArchiveLayout | None
+        self._layouts: dict = {}  # ((dtype, chunk shape), stored length) -> ArchiveLayout | None
         self._store = storage_for(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -297,10 +297,10 @@ class DirectReader(FileSystemReader):
         if not _fills_in_place(target, dtype) or target.numel() == 0:
             return None
         key = (dtype, chunk_sizes)
-        if key not in self._layouts:
-            self._layouts[key] = archive_layout(*key)
-        layout = self._layouts[key]
-        if layout is None or len(layout.head) + layout.data_size + layout.tail_size != info.length:
+        if (key, info.length) not in self._layouts:
+            self._layouts[key, info.length] = stored_layout(*key, info.length)
+        layout = self._layouts[key, info.length]
+        if layout is None:
             return None
         return layout
 

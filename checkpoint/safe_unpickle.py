@@ -442,15 +442,22 @@ def _check_leaves(tree: Any, prefix: str = "") -> None:
 
 
 _PLAIN_SEQUENCE_LEN = 16
-"""A tuple / list of at most this many plain scalars (a param group's ``betas``) skips the round trip; a longer
-or nested one goes through :func:`check_weights_only` and its cost budget (shared references make a short
+"""A tuple / list of at most this many plain scalars and tensors skips the round trip (one of scalars only
+skips it at any length); a longer or nested one goes through :func:`check_weights_only` and its cost budget (shared references make a short
 nested value a huge one to walk: a billion-laughs list)"""
 
 
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
 def _is_plain(value: Any) -> bool:
-    """A plain scalar or tensor, or a short flat tuple / list of them (a param group's ``betas``): loads
-    weights-only without the torch.save + torch.load round trip per value."""
+    """A plain scalar or tensor, a short flat tuple / list of them (a param group's ``betas``), or a flat one
+    of plain scalars of any length (a group's ``param_names``): loads weights-only without the torch.save +
+    torch.load round trip per value. Each scalar of a flat sequence is spelled out in the pickle (no nested
+    shared references), so its load costs no more than its bytes (:mod:`~checkpoint.pickle_budget`)."""
     if type(value) in (tuple, list):
+        if all(type(v) in _SCALARS for v in value):
+            return True
         return len(value) <= _PLAIN_SEQUENCE_LEN and all(isinstance(v, _PLAIN) for v in value)
     return isinstance(value, _PLAIN)
 

@@ -32,7 +32,6 @@ One process (no process group) does the same without communication.
 from __future__ import annotations
 
 import io
-import pickle
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +47,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from checkpoint.commit import ManifestKeys, manifest_keys
 from checkpoint.data_file import StorageInfo, data_file_name
-from checkpoint.dcp_metadata import MetadataBuilder, with_storage, write_metadata
+from checkpoint.dcp_metadata import MetadataBuilder, metadata_bytes, with_storage, write_metadata
+from checkpoint.layout import Box
 from checkpoint.manifest import METADATA_NAME, FileRecord
 from checkpoint.planner import metadata_problems
 from checkpoint.save_errors import CheckpointSaveError, describe_error
@@ -64,12 +64,16 @@ for a tensor, ``chunks`` the ``(offsets, sizes)`` boxes this rank writes (none w
 
 
 def local_layout(flat: dict[str, Any], paths: dict[str, tuple]) -> list[Entry]:
-    """This rank's layout from its flattened, converted state (values :class:`CheckpointShard` or plain)."""
+    """This rank's layout from its flattened, converted state (values :class:`CheckpointShard`, plain tensors
+    stored whole, or plain values)."""
     entries: list[Entry] = []
     for key, value in flat.items():
         if isinstance(value, CheckpointShard):
             chunks = tuple(value.chunks) if value.writes else ()
             entries.append((key, paths[key], value.dtype, tuple(value.shape), chunks))
+        elif type(value) is torch.Tensor:  # stored whole as one chunk (converted with whole_as_is)
+            shape = tuple(value.shape)
+            entries.append((key, paths[key], value.dtype, shape, (Box((0,) * len(shape), shape),)))
         else:
             entries.append((key, paths[key]))
     return entries
@@ -305,7 +309,7 @@ class PlannedSave:
                     torch.save(value, buffer)  # as DCP's planner pickles a value, so plain dcp.load reads it
                     pickled[id(value)] = buffer.getvalue()
                 return pickled[id(value)]
-            return value.__get_tensor_shard__(index)
+            return value if type(value) is torch.Tensor else value.__get_tensor_shard__(index)
 
         gates = {v.gate for v in flat.values() if isinstance(v, StagedShard)}
         name = data_file_name(f"__{self.rank}_")
@@ -352,7 +356,7 @@ class PlannedSave:
                 changed = True
         if changed:  # else the last save's .metadata and manifest records, unchanged (no item moved)
             plan.metadata = self._metadata(plan)
-            plan.pickled = pickle.dumps(plan.metadata)
+            plan.pickled = metadata_bytes(plan.metadata)
             plan.keys = manifest_keys(plan.metadata)
         assert plan.pickled is not None and plan.metadata is not None and plan.keys is not None
         files[METADATA_NAME] = write_metadata(self.directory, plan.pickled)

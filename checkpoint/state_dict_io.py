@@ -309,8 +309,10 @@ def write_state_dict(
     rank, world_size, in_group = _dist_info(process_group)
     distributed = in_group if distributed is None else distributed
     _refuse_lost_group(path, distributed)
+    scale = mode == "scale" and distributed
+    # whole_as_is: the collective save (checkpoint.save_plan) stores a whole plain tensor without a wrapper
     convert = partial(
-        convert_tree, rank=rank, replicas_on_rank0_only=mode == "scale" and distributed, max_chunk_bytes=max_chunk_bytes
+        convert_tree, rank=rank, replicas_on_rank0_only=scale, max_chunk_bytes=max_chunk_bytes, whole_as_is=not scale
     )
     if check_values:
         convert = partial(_checked_then, convert)
@@ -332,7 +334,7 @@ def write_state_dict(
                 prepare = None  # type: ignore[assignment]  # done
             else:
                 staged = protocol.staged()
-            if mode == "scale" and distributed:
+            if scale:
                 _save_scale(
                     state_dict, protocol, rank, world_size, max_chunk_bytes, convert, prepare, process_group, staged
                 )

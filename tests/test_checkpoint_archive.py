@@ -48,6 +48,21 @@ def test_a_raw_archive_is_a_valid_zip_that_torch_load_reads_back_exactly(tensor)
     assert sorted(ours) == sorted(zipfile.ZipFile(io.BytesIO(reference.getvalue())).namelist())
 
 
+def test_a_raw_archive_keeps_its_data_aligned_for_mmap_loads_and_is_smaller_than_torch_save(tmp_path):
+    tensor = torch.randn(419)
+    blob = _archive(tensor)
+    (data,) = [i for i in zipfile.ZipFile(io.BytesIO(blob)).infolist() if i.filename.endswith("/data/0")]
+    name_and_extra = len(data.filename.encode()) + int.from_bytes(
+        blob[data.header_offset + 28 : data.header_offset + 30], "little"
+    )
+    assert (data.header_offset + 30 + name_and_extra) % 64 == 0  # torch.load(mmap=True) maps the storage there
+    (tmp_path / "t.pt").write_bytes(blob)
+    assert torch.equal(torch.load(tmp_path / "t.pt", mmap=True, weights_only=True), tensor)
+    reference = io.BytesIO()
+    torch.save(tensor, reference)
+    assert len(blob) < len(reference.getvalue())  # only the data record is padded
+
+
 def test_crc32_combine_equals_the_crc_of_the_concatenation():
     pieces = [b"", b"x", os.urandom(1), os.urandom(1000), os.urandom(70_001)]
     # the library's combine (ISA-L's where installed) and the pure-Python one used where isal is not
@@ -143,6 +158,24 @@ def test_small_chunks_lying_back_to_back_load_in_a_few_reads_each_byte_once(tmp_
     data_bytes = sum(f.stat().st_size for f in (tmp_path / "ck").glob("*.distcp"))
     assert storage.data_bytes() == data_bytes
     assert storage.data_reads() <= 2  # one read per run of at most 340 chunks, not one per tensor
+
+
+def test_archives_padded_as_earlier_releases_wrote_them_still_load_in_one_read_each_byte_once(tmp_path, monkeypatch):
+    from checkpoint.chunk_archive import archive_layout
+
+    state = {f"t{i}": torch.randn(i % 5 + 1, 3) for i in range(40)}
+    with monkeypatch.context() as patched:  # the writer of earlier releases: every record's payload aligned
+        patched.setattr(
+            "checkpoint.data_file.plan_archive", lambda t: archive_layout(t.dtype, tuple(t.shape), padded=True)
+        )
+        checkpoint.save_state_dict(state, tmp_path / "old")
+    checkpoint.save_state_dict(state, tmp_path / "new")
+    sizes = {name: sum(f.stat().st_size for f in (tmp_path / name).glob("*.distcp")) for name in ("old", "new")}
+    assert sizes["new"] < sizes["old"]
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    storage = _counted_load(tmp_path, back, tmp_path / "old")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    assert (storage.data_reads(), storage.data_bytes()) == (1, sizes["old"])  # no zip directory parsed
 
 
 def test_a_damaged_archive_head_in_a_run_of_small_chunks_fails_the_load_naming_the_file(tmp_path):

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from checkpoint.data_file import StorageInfo
 from checkpoint.dcp_metadata import MetadataBuilder, write_metadata
 from checkpoint.manifest import METADATA_NAME
+from checkpoint.safe_unpickle import load_metadata
 
 
 def _two_ranks() -> MetadataBuilder:
@@ -64,6 +65,17 @@ def test_write_metadata_returns_the_size_and_crc_of_the_bytes_it_left_on_disk(tm
     assert (record.size, record.crc32) == (len(data), zlib.crc32(data))
     assert pickle.loads(data).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
     assert sorted(p.name for p in tmp_path.iterdir()) == [METADATA_NAME]  # no temp file left
+
+
+def test_written_metadata_unpickles_plainly_and_safely_to_the_same_records_in_fewer_bytes_than_pickle(tmp_path):
+    metadata = _two_ranks().build()
+    write_metadata(tmp_path, metadata)
+    data = (tmp_path / METADATA_NAME).read_bytes()
+    for back in (pickle.loads(data), load_metadata(tmp_path / METADATA_NAME, data)):
+        assert back.state_dict_metadata == metadata.state_dict_metadata
+        assert back.storage_data == metadata.storage_data and back.planner_data == metadata.planner_data
+        assert all(type(i.offset) is torch.Size for i in back.storage_data if i.offset is not None)
+    assert len(data) < len(pickle.dumps(metadata))
 
 
 def test_storage_problems_allow_values_sharing_one_range_and_name_every_other_shared_or_overrun_range():

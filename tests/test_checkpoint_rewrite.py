@@ -16,6 +16,7 @@ from checkpoint.atomic import staging_path
 from checkpoint.chunk_archive import archive_layout
 from checkpoint.manifest import METADATA_NAME, read_manifest, verify_files
 from checkpoint.state_dict_io import load_state_dict
+from checkpoint.storage_backend import CrcStream
 from checkpoint.tool.rewrite import write_checkpoint
 from checkpoint.tool.transforms import Target
 
@@ -61,11 +62,12 @@ def _assert_reads_back(path, ref: dict) -> None:
 def test_a_failure_while_writing_metadata_leaves_no_output_and_no_staging(tmp_path, monkeypatch):
     ref = _reference()
 
-    def torn_dump(obj, f, *args, **kwargs):
-        f.write(b"half a pickle")
-        raise OSError("disk full")
+    class TornStream(CrcStream):  # the .metadata writer's stream: half its bytes land, then the disk is full
+        def write(self, b) -> int:
+            super().write(memoryview(b)[: len(b) // 2])
+            raise OSError("disk full")
 
-    monkeypatch.setattr(pickle, "dump", torn_dump)
+    monkeypatch.setattr("checkpoint.dcp_metadata.CrcStream", TornStream)
     with pytest.raises(OSError, match="disk full"):
         _write(tmp_path / "out", ref, world_size=2, max_chunk_bytes=1 << 20)
     assert not staging_path(tmp_path / "out").exists()

@@ -30,6 +30,18 @@ def test_manifest_round_trips_and_is_byte_deterministic(tmp_path):
     assert (tmp_path / "manifest.json").read_bytes() == first
 
 
+def test_a_manifest_written_again_after_its_keys_changed_records_the_new_keys(tmp_path):
+    manifest = _committed(tmp_path)  # its keys are encoded once and reused while they stay the same
+    manifest.keys["model.w"] = KeyRecord("tensor", "float32", (4, 3), identity=7)  # the same dict, changed
+    manifest.keys["extra.new"] = KeyRecord("bytes")
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path).keys == manifest.keys
+    manifest.keys["model.w"] = KeyRecord("tensor", "float32", (4, 3), identity=1 << 40)  # out of range
+    with pytest.raises(ValueError, match="model.w.*identity"):
+        write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path).keys["model.w"].identity == 7  # nothing was committed
+
+
 def test_read_manifest_distinguishes_missing_path_from_uncommitted_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope"):
         read_manifest(tmp_path / "nope")
