@@ -40,6 +40,7 @@ from checkpoint.training_state import (
     SAVED_WITHOUT_STATE,
     TIED_SECTION,
     key_path,
+    load_optimizer_state,
     model_entries,
     optimizer_entries,
     param_fqns,
@@ -376,7 +377,7 @@ class _OptimizerLoad:
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
         numbers = _saved_group_numbers(opened, options)  # torch's unflattened layout: fqn -> its group's number
-        known = _params_known_to_saved_optimizer(saved, numbers, fqns)
+        known = _params_known_to_saved_optimizer(saved, numbers, fqns, saved_fqns)
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         without_state = _saved_without_state(opened, options)  # None: not recorded (older, another tool)
         self.lost: list[str] = []
@@ -446,7 +447,7 @@ class _OptimizerLoad:
         if self.fresh:
             created = {self.entries.index_of[f] for f in self.fresh}
             state = {i: v for i, v in self.osd["state"].items() if i not in created}
-            self.optimizer.load_state_dict({**self.osd, "state": state})
+            load_optimizer_state(self.optimizer, {**self.osd, "state": state})
 
     def finish(self, values: dict[str, Any], report: LoadReport) -> None:
         """Hand the filled state dict to the optimizer. Precondition: the model's weights are loaded."""
@@ -466,7 +467,7 @@ class _OptimizerLoad:
                 self.osd["param_groups"][g_index][hyper] = values[key]
         # A loaded master is the truth (its param becomes its cast); a master not saved is rebuilt
         # from the loaded weight by the optimizer (the next step compares every param with its master).
-        self.optimizer.load_state_dict(self.osd)
+        load_optimizer_state(self.optimizer, self.osd)
 
 
 def _stored_key(fqn: str, name: str, saved: dict[str, Any]) -> str:
@@ -524,8 +525,11 @@ def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:
     return {k[len(prefix) :].rsplit(".", 1)[0] for k in saved if k.startswith(prefix)}
 
 
-def _params_known_to_saved_optimizer(saved: dict[str, Any], numbers: dict[str, str], fqns: dict[int, str]) -> set[str]:
-    """The FQNs the saved optimizer held: with state, or in a saved param group.
+def _params_known_to_saved_optimizer(
+    saved: dict[str, Any], numbers: dict[str, str], fqns: dict[int, str], with_state: set[str]
+) -> set[str]:
+    """The FQNs the saved optimizer held: with state (``with_state``, those under ``optimizer.state.``), or
+    in a saved param group.
 
     A parameter in a saved group but without state never had a gradient (lazy
     state): it loads as "no state". Torch's unflattened layout names a group's
@@ -536,7 +540,7 @@ def _params_known_to_saved_optimizer(saved: dict[str, Any], numbers: dict[str, s
     named = {name for name in grouped if not name.isdigit()}
     if grouped and not named and not numbers:
         return set(fqns.values())
-    return _fqns_under("optimizer.state.", saved) | named | set(numbers)
+    return with_state | named | set(numbers)
 
 
 def _skipped(key: str, report: LoadReport) -> bool:

@@ -33,7 +33,14 @@ from checkpoint.data_file import StorageInfo
 from checkpoint.manifest import METADATA_NAME, SharedValues
 from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
-__all__ = ["MetadataBuilder", "key_identities", "shared_key_problem", "shared_values", "with_storage", "write_metadata"]
+__all__ = [
+    "MetadataBuilder",
+    "key_identities",
+    "shared_key_problems",
+    "shared_values",
+    "with_storage",
+    "write_metadata",
+]
 
 
 _BYTES = BytesStorageMetadata()  # a field-less marker; one instance serves every key
@@ -232,25 +239,28 @@ def _listable(key: str, path: Any, metadata: Metadata) -> bool:
     )
 
 
-def shared_key_problem(metadata: Metadata, key: str, source: str, path: tuple[str, ...]) -> str | None:
-    """What makes ``key`` of ``metadata`` not the shared value a manifest lists it as (:class:`SharedValues`:
-    a byte value stored exactly where ``source`` is, at nested path ``path``), one phrase, or ``None``."""
-    stored = metadata.storage_data or {}
-    where, source_where = stored.get(MetadataIndex(key)), stored.get(MetadataIndex(source))
-    same_range = (
-        where is not None
-        and source_where is not None
-        and (where.relative_path, where.offset, where.length)
-        == (source_where.relative_path, source_where.offset, source_where.length)
-    )
-    if (
-        not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata)
-        or not isinstance(metadata.state_dict_metadata.get(source), BytesStorageMetadata)
-        or not same_range
-        or tuple((metadata.planner_data or {}).get(key) or ()) != tuple(path)
-    ):
-        return (
-            f"{key!r} is not stored as manifest.json recorded it at save (the value of {source!r}, nested at "
-            f"{list(path)}): its byte range or its nested name were changed"
-        )
-    return None
+def shared_key_problems(metadata: Metadata, shared: Mapping[str, tuple[str, tuple[str, ...]]]) -> list[str]:
+    """What makes each key of ``shared`` (key -> its source key and nested path, as a manifest lists it:
+    :class:`SharedValues`) not a byte value of ``metadata`` stored exactly where its source is, at that
+    nested path; one phrase per such key. One pass over ``storage_data`` (a key per parameter and option)."""
+    ranges = {
+        index.fqn: (info.relative_path, info.offset, info.length)
+        for index, info in (metadata.storage_data or {}).items()
+        if index.offset is None
+    }
+    items, paths = metadata.state_dict_metadata, metadata.planner_data or {}
+    problems = []
+    for key, (source, path) in shared.items():
+        where = ranges.get(key)
+        if (
+            where is None
+            or where != ranges.get(source)
+            or not isinstance(items.get(key), BytesStorageMetadata)
+            or not isinstance(items.get(source), BytesStorageMetadata)
+            or tuple(paths.get(key) or ()) != tuple(path)
+        ):
+            problems.append(
+                f"{key!r} is not stored as manifest.json recorded it at save (the value of {source!r}, nested at "
+                f"{list(path)}): its byte range or its nested name were changed"
+            )
+    return problems

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from checkpoint.content_check import ContentCheck, crc32
-from checkpoint.dcp_metadata import key_identities, shared_key_problem
+from checkpoint.dcp_metadata import key_identities, shared_key_problems
 from checkpoint.errors import LoadTargetError
 from checkpoint.manifest import (
     MANIFEST_NAME,
@@ -191,21 +191,22 @@ def storage_problems(metadata: Metadata, files: Mapping[str, FileRecord]) -> lis
     Also what a commit checks before it vouches for a merged ``.metadata``.
     """
     problems = [f"points into {name}, which is not listed" for name in unlisted_files(metadata, files)[:5]]
-    ranges = sorted(
-        (info.relative_path, info.offset, info.offset + info.length, index.offset is None, _entry(index))
-        for index, info in (metadata.storage_data or {}).items()
-    )
-    for (name, start, end, value, key), (next_name, next_start, next_end, next_value, next_key) in zip(
-        ranges, ranges[1:]
-    ):
-        # Pickled values may share one exact range: a save stores an equal value once (a param group's
-        # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
-        shared_value = value and next_value and (start, end) == (next_start, next_end)
-        if name == next_name and next_start < end and not shared_value:
-            problems.append(f"{key} and {next_key} share bytes of {name}")
-    for name, _, end, _, key in ranges:
+    # Pickled values may share one exact range: a save stores an equal value once (a param group's
+    # options, keyed per parameter) and points every key at it. Reading it twice reads the same value.
+    # Such a range is kept once (the rest are checked against it here), so the sort below sees each range once.
+    first: dict[tuple[str, int, int], MetadataIndex] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        where = (info.relative_path, info.offset, info.offset + info.length)
+        seen = first.setdefault(where, index)
+        if seen is not index and (seen.offset is not None or index.offset is not None):
+            problems.append(f"{_entry(seen)} and {_entry(index)} share bytes of {where[0]}")
+    ranges = sorted((*where, index) for where, index in first.items())
+    for (name, _, end, index), (next_name, next_start, _, next_index) in zip(ranges, ranges[1:]):
+        if name == next_name and next_start < end:
+            problems.append(f"{_entry(index)} and {_entry(next_index)} share bytes of {name}")
+    for name, _, end, index in ranges:
         if name in files and end > files[name].size:
-            problems.append(f"{key} is stored past the end of {name} (byte {end})")
+            problems.append(f"{_entry(index)} is stored past the end of {name} (byte {end})")
     return problems
 
 
@@ -216,8 +217,8 @@ def unlisted_files(metadata: Metadata, files: Mapping[str, FileRecord]) -> list[
 
 def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     """Keys ``.metadata`` and the manifest disagree on: presence, kind / dtype / shape, identity."""
-    problems = []
     shared = manifest.shared_keys()
+    problems = shared_key_problems(metadata, shared)
     # manifests written before 2026-11 record no identities: nothing to compare, and nothing to compute
     with_identities = any(r.identity is not None for r in manifest.keys.values())
     identities = key_identities(metadata, skip=shared) if with_identities else {}
@@ -225,9 +226,6 @@ def _key_problems(metadata: Metadata, manifest: Manifest) -> list[str]:
     for key, item in metadata.state_dict_metadata.items():
         record = manifest.keys.get(key)
         if record is None and key in shared:
-            problem = shared_key_problem(metadata, key, *shared[key])
-            if problem is not None:
-                problems.append(problem)
             continue
         saved: tuple[str, str | None, tuple[int, ...] | None]
         if isinstance(item, TensorStorageMetadata):

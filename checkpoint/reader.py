@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
@@ -154,24 +154,27 @@ class DirectReader(FileSystemReader):
         return future
 
     def _read_file(self, f, path: Path, items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Every item of one file, in file order; runs of small whole chunks next to each other in one read."""
-        tensor_locations: dict[int, tuple[int, int] | None] = {}
-        batch: list[_WholeChunk] = []
-        # A file that fetches ahead (an object store's) serves each planned range from blocks held within
-        # max_read_bytes; one read spanning several would be fetched again, whole, past that cap.
-        batching = getattr(f, "plan_reads", None) is None
+        """Every item of one file: whole chunks of our layout first (:meth:`_read_wholes`), then the rest
+        in file order."""
+        wholes: list[_WholeChunk] = []
+        others: list[ReadItem] = []
         for item in items:
             info: StorageInfo = self.storage_data[item.storage_index]
             whole = None if item.type == LoadItemType.BYTE_IO else self._whole_chunk(info, item, planner)
-            if whole is not None and batching and whole.size < _SLICE_BYTES:
-                if batch and not _extends(batch, whole):
-                    self._read_batch(f, batch, planner)
-                    batch = []
-                batch.append(whole)
-                continue
-            if batch:
-                self._read_batch(f, batch, planner)
-                batch = []
+            if whole is None:
+                others.append(item)
+            else:
+                wholes.append(whole)
+        failed = self._read_wholes(f, wholes)
+        for whole in wholes:
+            assert whole.item is not None  # made from a plan's item by _whole_chunk
+            if whole not in failed:
+                planner.commit_tensor(whole.item, whole.target)
+            else:  # not our archive after all: the general path reads it (or says what is wrong)
+                self._read_tensor(f, path, whole.info, _tensor_bytes(f, whole.info), whole.item, planner)
+        tensor_locations: dict[int, tuple[int, int] | None] = {}
+        for item in others:
+            info = self.storage_data[item.storage_index]
             if item.type == LoadItemType.BYTE_IO:
                 self.budget.hold(info.length)
                 f.seek(info.offset)
@@ -180,13 +183,53 @@ class DirectReader(FileSystemReader):
                 planner.load_bytes(item, io.BytesIO(data))
                 self.budget.done(info.length, summing)
                 continue
-            if whole is not None and self._read_in_place(f, whole, planner):
-                continue
             if info.offset not in tensor_locations:
                 tensor_locations[info.offset] = None if info.transform_descriptors else _tensor_bytes(f, info)
             self._read_tensor(f, path, info, tensor_locations[info.offset], item, planner)
+
+    def read_whole_tensors(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Read each of ``targets`` (key -> a plain tensor) that is one whole stored chunk of our archive
+        layout straight into it, file by file, without a DCP read plan (its ``ReadItem`` s and planner
+        lookups cost more than the read of a small tensor); returns the targets left for the planner's path
+        (:meth:`read_data`): anything else, and a chunk found not to be ours once read, which that path reads
+        again and reports if it is damaged."""
+        rest: dict[str, torch.Tensor] = {}
+        per_file: dict[str, list[_WholeChunk]] = {}
+        for key, target in targets.items():
+            whole = self._stored_whole(key, target) if self._direct else None
+            if whole is None:
+                rest[key] = target
+            else:
+                per_file.setdefault(whole.info.relative_path, []).append(whole)
+        for relative_path, wholes in per_file.items():
+            wholes.sort(key=lambda w: w.info.offset)
+            with self._store.open_read(locate(self.path) / relative_path) as f:
+                plan_reads = getattr(f, "plan_reads", None)
+                if plan_reads is not None:  # an object store's file: see _plan_reads
+                    plan_reads(sorted({(w.info.offset, w.info.length) for w in wholes}), self.budget)
+                for whole in self._read_wholes(f, wholes):
+                    rest[whole.key] = targets[whole.key]
+        return rest
+
+    def _read_wholes(self, f, wholes: list[_WholeChunk]) -> list[_WholeChunk]:
+        """Whole chunks of one file (in file order) into their destinations, runs of small ones next to
+        each other in one read; returns those that are not what our writer makes (nothing committed)."""
+        failed: list[_WholeChunk] = []
+        batch: list[_WholeChunk] = []
+        # A file that fetches ahead (an object store's) serves each planned range from blocks held within
+        # max_read_bytes; one read spanning several would be fetched again, whole, past that cap.
+        batching = getattr(f, "plan_reads", None) is None
+        for whole in wholes:
+            if batching and whole.size < _SLICE_BYTES:
+                if batch and not _extends(batch, whole):
+                    failed += self._read_batch(f, batch)
+                    batch = []
+                batch.append(whole)
+            elif not self._read_in_place(f, whole):
+                failed.append(whole)
         if batch:
-            self._read_batch(f, batch, planner)
+            failed += self._read_batch(f, batch)
+        return failed
 
     def _plan_reads(self, f, items: list[ReadItem]) -> None:
         """Tell a file that fetches ahead (an object store's, :mod:`checkpoint.fsspec_storage`) the byte ranges
@@ -215,10 +258,8 @@ class DirectReader(FileSystemReader):
         return [] if summing is None else [summing]
 
     def _whole_chunk(self, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> _WholeChunk | None:
-        """``item`` as a whole chunk whose bytes can land in its destination in one sequential read, if its
-        archive is what our writer makes for its dtype and shape (checked byte for byte once read); ``None``
-        for anything else: partial reads, another dtype, a non-contiguous destination, another writer's
-        archive (its length differs), a transform."""
+        """``item`` as a whole chunk whose bytes can land in its destination in one sequential read (see
+        :meth:`_layout_of`); ``None`` for anything else: partial reads, a transform, another writer's archive."""
         if info.transform_descriptors:
             return None
         md = self._metadata.state_dict_metadata[item.storage_index.fqn]
@@ -227,18 +268,44 @@ class DirectReader(FileSystemReader):
         if any(item.storage_offsets) or tuple(item.lengths) != chunk_sizes:
             return None
         target = planner.resolve_tensor(item).detach()
-        if not _fills_in_place(target, md.properties.dtype) or target.numel() == 0:
+        layout = self._layout_of(info, md.properties.dtype, chunk_sizes, target)
+        return None if layout is None else _WholeChunk(item.storage_index.fqn, info, target, layout, item)
+
+    def _stored_whole(self, key: str, target: torch.Tensor) -> _WholeChunk | None:
+        """Key ``key`` as one stored chunk covering the whole tensor, read whole into ``target``; ``None``
+        for anything else (several chunks, another shape, see :meth:`_layout_of`)."""
+        md = self._metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata) or len(md.chunks) != 1:
             return None
-        key = (md.properties.dtype, chunk_sizes)
+        chunk = md.chunks[0]
+        sizes = tuple(md.size)
+        if any(chunk.offsets) or tuple(chunk.sizes) != sizes or tuple(target.shape) != sizes:
+            return None
+        info = (self._metadata.storage_data or {}).get(MetadataIndex(key, chunk.offsets))
+        if info is None or info.transform_descriptors:
+            return None
+        target = target.detach()
+        layout = self._layout_of(info, md.properties.dtype, sizes, target)
+        return None if layout is None else _WholeChunk(key, info, target, layout)
+
+    def _layout_of(
+        self, info: StorageInfo, dtype: torch.dtype, chunk_sizes: tuple[int, ...], target: torch.Tensor
+    ) -> ArchiveLayout | None:
+        """The archive our writer makes for a chunk of ``dtype`` and ``chunk_sizes``, when the chunk at
+        ``info`` has its length and its bytes can be read straight into ``target`` (host memory, contiguous,
+        that dtype, not empty); checked byte for byte once read (:meth:`_WholeChunk.matches`)."""
+        if not _fills_in_place(target, dtype) or target.numel() == 0:
+            return None
+        key = (dtype, chunk_sizes)
         if key not in self._layouts:
             self._layouts[key] = archive_layout(*key)
         layout = self._layouts[key]
         if layout is None or len(layout.head) + layout.data_size + layout.tail_size != info.length:
             return None
-        return _WholeChunk(item, info, target, layout)
+        return layout
 
-    def _read_in_place(self, f, whole: _WholeChunk, planner: LoadPlanner) -> bool:
-        """A large whole chunk read in slices (each one's CRC-32 summed while the next is read); ``False``
+    def _read_in_place(self, f, whole: _WholeChunk) -> bool:
+        """A whole chunk read in slices (each one's CRC-32 summed while the next is read); ``False``
         (nothing committed; the caller's general path rewrites the whole destination) if it is not what
         :func:`checkpoint.chunk_archive.archive_layout` describes or the file ends early."""
         whole_read, summing = self._read_in_slices(f, whole.info, whole.buffers)
@@ -246,15 +313,15 @@ class DirectReader(FileSystemReader):
             # the general path may rewrite the destination: the sums of what was read here finish first
             wait(summing)
             return False
-        planner.commit_tensor(whole.item, whole.target)
         return True
 
-    def _read_batch(self, f, batch: list[_WholeChunk], planner: LoadPlanner) -> None:
+    def _read_batch(self, f, batch: list[_WholeChunk]) -> list[_WholeChunk]:
         """Small whole chunks lying back to back in the file: one ``preadv`` and one CRC-32 sum for the run.
 
         Anything unexpected in the run (a short read, an archive that is not ours) sends each of its chunks
-        through the one-chunk path instead, which falls back to the general one where needed.
+        through the one-chunk path instead; returns the chunks that failed that too.
         """
+        failed = []
         for i in range(0, len(batch), _BATCH_CHUNKS):
             run = batch[i : i + _BATCH_CHUNKS]
             buffers = [b for whole in run for b in whole.buffers]
@@ -264,19 +331,9 @@ class DirectReader(FileSystemReader):
             if _disjoint(run) and self._store.read_into(f, buffers, start) == size and all(w.matches() for w in run):
                 if self._check is not None:
                     self._check.add_run(run[0].info.relative_path, start, buffers)
-                for whole in run:
-                    planner.commit_tensor(whole.item, whole.target)
                 continue
-            for whole in run:
-                if not self._read_in_place(f, whole, planner):
-                    self._read_tensor(
-                        f,
-                        locate(self.path) / whole.info.relative_path,
-                        whole.info,
-                        _tensor_bytes(f, whole.info),
-                        whole.item,
-                        planner,
-                    )
+            failed += [whole for whole in run if not self._read_in_place(f, whole)]
+        return failed
 
     def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[Future]]:
         """Fill ``buffers`` from ``info.offset`` in reads of at most :data:`_SLICE_BYTES`, each slice handed to
@@ -355,8 +412,11 @@ class _WholeChunk:
     """A read item that is one whole stored chunk of our writer's archive layout, and the buffers its head,
     data (the destination's own bytes) and tail are read into."""
 
-    def __init__(self, item: ReadItem, info: StorageInfo, target: torch.Tensor, layout: ArchiveLayout) -> None:
-        self.item, self.info, self.target, self.layout = item, info, target, layout
+    def __init__(
+        self, key: str, info: StorageInfo, target: torch.Tensor, layout: ArchiveLayout, item: ReadItem | None = None
+    ) -> None:
+        self.key, self.info, self.target, self.layout = key, info, target, layout
+        self.item = item  # None when read without a DCP plan (DirectReader.read_whole_tensors)
         # numpy's stubs declare ndarray.__buffer__ for Python >= 3.12 only; the buffer protocol is there on every version
         data = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
         self.head, self.tail = bytearray(len(layout.head)), bytearray(layout.tail_size)

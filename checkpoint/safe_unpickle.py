@@ -109,9 +109,14 @@ def _stand_in(name: str, make: Any) -> type:
     return _Sealed(name, (), {"__slots__": (), "__new__": staticmethod(lambda _cls, *args: make(*args))})
 
 
-def _new_instance(cls: type) -> Any:
-    """How the unpickler makes a DCP data class: a bare instance (NEWOBJ, then BUILD fills it), or a constructor call."""
-    return lambda *args: cls(*args) if args else object.__new__(cls)
+def _data_class_stand_in(cls: type) -> type:
+    """A sealed class standing for DCP data class ``cls`` (see :func:`_stand_in`): a bare instance (NEWOBJ, then
+    BUILD fills it), or a constructor call; one Python call per object (a ``.metadata`` holds a few per key)."""
+
+    def new(_cls: type, *args: Any) -> Any:
+        return cls(*args) if args else object.__new__(cls)
+
+    return _Sealed(cls.__name__, (), {"__slots__": (), "__new__": staticmethod(new)})
 
 
 class _MemoryFormatCode:
@@ -140,9 +145,7 @@ class _MemoryFormatCode:
         raise pickle.UnpicklingError("refused to change a memory-format code: .metadata holds data")
 
 
-_ALLOWED: dict[tuple[str, str], Any] = {
-    key: _stand_in(cls.__name__, _new_instance(cls)) for key, cls in _DATA_CLASSES.items()
-}
+_ALLOWED: dict[tuple[str, str], Any] = {key: _data_class_stand_in(cls) for key, cls in _DATA_CLASSES.items()}
 _ALLOWED[(_DCP_METADATA, "_MEM_FORMAT_ENCODING")] = _stand_in(
     "_MEM_FORMAT_ENCODING", lambda value: _MemoryFormatCode(_MEM_FORMAT_ENCODING(value))
 )
@@ -219,30 +222,42 @@ def check_metadata(md: Any) -> str | None:
     for key, item in md.state_dict_metadata.items():
         if not isinstance(key, str):
             return f"has a key of type {type(key).__name__}"
+        if type(item) is BytesStorageMetadata:  # most keys at scale (a group's options, per parameter): no fields
+            continue
         problem = _item_problem(item)
         if problem is not None:
             return f"key {key!r}: {problem}"
-    if md.planner_data is not None and not (
-        isinstance(md.planner_data, dict)
-        and all(isinstance(p, tuple) and all(isinstance(x, (str, int)) for x in p) for p in md.planner_data.values())
-    ):
+    if md.planner_data is not None and not _key_paths(md.planner_data):
         return "planner_data is not a dict of key paths"
     storage = md.storage_data
     if storage is None:
         return None
     if not isinstance(storage, dict):
         return "storage_data is not a dict"
+    names: dict[Any, str | None] = {}  # each file name's problem, once: a few files among 100,000s of records
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             return "storage_data has a key that is not a MetadataIndex"
-        problem = _storage_problem(info)
+        problem = _storage_problem(info, names)
         if problem is not None:
             return f"storage of {index.fqn!r}: {problem}"
     return None
 
 
+def _key_paths(paths: Any) -> bool:
+    """Whether ``paths`` is a dict of tuples of names (str) and positions (int); by the types met, not per
+    element (a key path per key)."""
+    if not isinstance(paths, dict):
+        return False
+    kinds = {type(p) for p in paths.values()}
+    if not all(issubclass(kind, tuple) for kind in kinds):
+        return False
+    return all(issubclass(kind, (str, int)) for kind in {type(x) for p in paths.values() for x in p})
+
+
 def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+    # type(x) is int: an int, never a bool (nor an int subclass, which the restricted unpickler cannot make)
+    return type(x) is int and 0 <= x < 1 << 62
 
 
 def _item_problem(item: Any) -> str | None:
@@ -266,12 +281,17 @@ def _item_problem(item: Any) -> str | None:
     return None
 
 
-def _storage_problem(info: Any) -> str | None:
+def _storage_problem(info: Any, names: dict[Any, str | None]) -> str | None:
     if _StorageInfo is None or not isinstance(info, _StorageInfo):
         return f"record of type {type(info).__name__}"
     if not (_is_count(info.offset) and _is_count(info.length)):
         return f"offset {info.offset!r} / length {info.length!r} are not byte counts"
-    problem = check_relative_name(info.relative_path)
+    name = info.relative_path
+    if type(name) is not str:  # only strings are remembered (hashable, compared by value)
+        return check_relative_name(name)
+    if name not in names:
+        names[name] = check_relative_name(name)
+    problem = names[name]
     if problem is not None:
         return problem
     if info.transform_descriptors is not None and not (

@@ -495,7 +495,8 @@ def load_flat(
             report.mismatched_keys.append(problem)
         else:
             loadable[key] = value
-    report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
+    if scope:  # a load of a few keys (scope=()) reports none: no pass over every saved key
+        report.unexpected_keys = [k for k in saved if k not in targets and k.startswith(scope) and k not in ignored]
     if strict and report:
         raise ValueError(
             f"checkpoint {str(opened.path)!r} does not match what is being loaded: {report.describe()}; {report.fix()}"
@@ -520,11 +521,16 @@ def load_flat(
     return report, values
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+"""Types of the values a load reads into as they are (never a subclass: a DTensor, a shard)"""
+
+
 def _load_target(value: Any, *, name: str) -> Any:
-    """What a load reads ``value`` through: a whole plain tensor as it is (DCP's planner reads into it
-    directly, as :func:`~checkpoint.convert.to_checkpointable`'s whole-tensor shard would: that wrapper
-    costs ~25 us a tensor), anything else converted."""
-    if type(value) in (torch.Tensor, torch.nn.Parameter) and shard_spec_of(value) is None:
+    """What a load reads ``value`` through: a whole plain tensor as it is (read straight into, see
+    :meth:`~checkpoint.reader.DirectReader.read_whole_tensors`, or by DCP's planner, as
+    :func:`~checkpoint.convert.to_checkpointable`'s whole-tensor shard would be: that wrapper costs ~25 us a
+    tensor), anything else converted."""
+    if type(value) in _PLAIN_TENSORS and shard_spec_of(value) is None:
         return value
     return to_checkpointable(value, name=name)
 
@@ -569,7 +575,8 @@ def _read_then_share(opened: OpenCheckpoint, reads: dict[str, Any], options: Rea
 
 
 def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check, max_read_bytes: int | None) -> int:
-    """One DCP load of ``loadable`` from ``opened``, then the streamed CRC-32 check of the files it read.
+    """``loadable`` from ``opened``: plain tensors stored whole read straight in, the rest by one DCP load;
+    then the streamed CRC-32 check of the files read.
 
     Returns the reader's peak buffer bytes (:attr:`LoadReport.peak_read_buffer_bytes`).
     """
@@ -580,7 +587,12 @@ def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check, max_read
         flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, where=str(opened.path)
     )
     try:
-        _load_locally(loadable, reader, planner)
+        plain = {k: v for k, v in loadable.items() if type(v) in _PLAIN_TENSORS}
+        rest = reader.read_whole_tensors(plain)
+        planned = {k: v for k, v in loadable.items() if k not in plain or k in rest}
+        if planned:
+            _load_locally(planned, reader, planner)
+            loadable.update(planned)  # the planner puts the non-tensor values it reads in the dict it was given
     except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         raise read_failure(exc, opened.path) from None
     if check is not None:

@@ -25,6 +25,7 @@ a master it knows to be exactly its weight widened, which a load rebuilds from t
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ __all__ = [
     "OptimizerEntries",
     "clean_fqn",
     "key_path",
+    "load_optimizer_state",
     "model_entries",
     "optimizer_entries",
     "param_fqns",
@@ -206,3 +208,39 @@ def optimizer_entries(optimizer: torch.optim.Optimizer, osd: dict[str, Any], fqn
         # Once per group: what get_state_dict's default (unflattened) layout asks dcp.load for.
         indexed[str(g_index)] = {**{k: v for k, v in osd_group.items() if k != "params"}, "params": list(names)}
     return OptimizerEntries(state, groups, index_of, members, indexed)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(osd)``, as torch runs it (hooks, casting, checks), in time linear in the params.
+
+    torch's ``Optimizer.load_state_dict`` asks, for every state tensor, which saved group holds its
+    param id (``param_id in group["params"]``, in ``_process_value_according_to_param_policy``): a
+    scan of the group's id list, so loading N params costs O(N^2) (~0.6 ms a param at 30,000). A
+    pre-hook registered last, so it sees the dict the user's hooks return, hands torch each group's
+    ids as a list whose ``in`` is a set lookup; nothing else changes.
+    """
+    handle = optimizer.register_load_state_dict_pre_hook(_ids_with_set_lookup)
+    try:
+        optimizer.load_state_dict(osd)
+    finally:
+        handle.remove()
+
+
+def _ids_with_set_lookup(optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    groups = [{**group, "params": _IdList(group["params"])} for group in osd["param_groups"]]
+    return {**osd, "param_groups": groups}
+
+
+class _IdList(list):
+    """A saved group's param ids whose ``in`` is a set lookup (built once: no hook runs after the one that
+    makes it, and torch only reads it); its deep copy (torch's copy of the groups) is a plain list."""
+
+    def __init__(self, ids: list[Any]) -> None:
+        super().__init__(ids)
+        self._members = frozenset(ids)
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._members
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> list[Any]:
+        return copy.deepcopy(list(self), memo)

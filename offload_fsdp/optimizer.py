@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from offload_fsdp.precision import PrecisionPolicy
 from offload_fsdp.records import ParamShard, build_records, param_name
 from offload_fsdp.schedule import AfterBackward, OverlappedSchedule, StepSchedule
 from offload_fsdp.speculative import SpeculationCounts, SpeculativeClip
+from offload_fsdp.state_only import StateOnlyPlacement
 from offload_fsdp.trace import PhaseTrace
 from offload_fsdp.transfer import Transfer
 from offload_fsdp.wrapping import WrappedLink
@@ -179,6 +180,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             (:attr:`OffloadOptions.speculative_clipping`; :attr:`speculation_counts`).
         bind_host_cores: host-update threads bound to this local rank's own cores
             (:attr:`OffloadOptions.bind_host_cores`; :attr:`host_cores`, the INFO construction line).
+        offload_state_only / state_device_bytes: the device share is updated on the device but its masters and
+            state are parked in host memory between steps, within a device-memory budget
+            (:attr:`OffloadOptions.offload_state_only`, :mod:`offload_fsdp.state_only`).
         model: the model holding the params (after ``fully_shard``). When given, each module
             owning offloaded params (an FSDP2 unit, else the registering module) gets a forward
             pre-hook waiting only for its own buckets' H2D, instead of the main stream waiting
@@ -216,6 +220,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         speculative_clipping: bool = False,
         clip_snapshot_bytes: int | None = None,
         bind_host_cores: bool | None = None,
+        offload_state_only: bool = False,
+        state_device_bytes: int | None = None,
         model: torch.nn.Module | None = None,
         options: OffloadOptions | None = None,
         **defaults: Any,
@@ -228,7 +234,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             pinned_transfer_slots=pinned_transfer_slots, bucket_numel=bucket_numel,
             graph_safe_grads=graph_safe_grads, overlap_step_with_backward=overlap_step_with_backward,
             speculative_clipping=speculative_clipping, clip_snapshot_bytes=clip_snapshot_bytes,
-            bind_host_cores=bind_host_cores,
+            bind_host_cores=bind_host_cores, offload_state_only=offload_state_only,
+            state_device_bytes=state_device_bytes,
         )  # fmt: skip
         opts = self.options = OffloadOptions.choose(options, keywords)
         groups, opt_defaults, cpu_cls, wrapped, explicit = _resolve_groups(
@@ -433,6 +440,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         for bucket in self._placement.buckets:
             bucket.engine.wait_pushed(bucket)
+        self._placement.settle()  # offload_state_only: write-backs of masters and state landed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch; also clears ``decoupled_grad``. ``set_to_none=False`` keeps (zeroes) the buffers.
@@ -491,6 +499,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """As torch; a ``master_param`` in it is first refreshed from a param written since the last step."""
         self._schedule.check_idle("state_dict()")  # it would hold a half-applied step
+        self._placement.settle()  # offload_state_only: parked state is read once its write-back landed
         self._placement.refresh_written(self._placement.records)
         # Never-updated state a kernel's first update does not read (SGD's momentum buffers made by
         # materialize_state) is left out: torch's class has none yet, and a resume must start it from
@@ -603,11 +612,11 @@ def _log_partition(
         "HybridDeviceOptimizer partition (%s, offload_fraction=%.3f): host %d params / %d elements / %d bytes, "
         "device %d params / %d elements / %d bytes, %d buckets; pinned host bytes reserved %d, used %d "
         "(page-locked: %s); pageable host bytes %d; pinned_transfer_slots=%s, page-locked slot bytes %d "
-        "(optimizer.pinned_bytes: the total); host step cores %s",
+        "(optimizer.pinned_bytes: the total); host step cores %s%s",
         what, placement.offload_fraction, len(host), sum(r.numel for r in host), nbytes(host),
         len(device), sum(r.numel for r in device), nbytes(device), len(buckets),
         pinned.reserved_bytes, pinned.layout.used_bytes, pinned.pinned, buffers.pageable_reserved_bytes,
-        slots, sum(e.pinned_bytes for e in engines), cores,
+        slots, sum(e.pinned_bytes for e in engines), cores, placement.device_share_note,
     )  # fmt: skip
 
 
@@ -660,7 +669,13 @@ def _compose(
                             trace=trace)  # fmt: skip
     pin = (opts.pin_cpu_grads, opts.pin_cpu_params) if opts.pinned_transfer_slots is None else (False, False)
     gpu_cls = opt.gpu_optimizer_cls
-    placement = Placement(
+    # offload_state_only: a placement whose device share parks its masters and state on the host between steps
+    make_placement: Callable[..., Placement] = (
+        functools.partial(StateOnlyPlacement, state_device_bytes=opts.state_device_bytes)
+        if opts.offload_state_only
+        else Placement
+    )
+    placement = make_placement(
         offload_fraction=opt.offload_fraction,
         precision=opt.precision,
         classes=(opt.cpu_optimizer_cls, gpu_cls),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -134,6 +135,15 @@ class OffloadOptions:
     bind_host_cores: bool | None = None
     """bind the host step's threads to this local rank's own cores (:mod:`offload_fsdp.core_binding`); None: when
     the node has at least two local ranks and two allowed cores for each, and the user set no affinity"""
+    offload_state_only: bool = False
+    """state-only offload of the device share (every trainable param whose update ``offload_fraction`` leaves
+    on the device): it is still updated on the device by ``gpu_optimizer_cls``, bucket by bucket, but its fp32
+    masters and optimizer state live in host memory (page-locked) between steps, fetched as grads become final
+    and written back after the update (:mod:`offload_fsdp.state_only`); bit-identical to keeping them on the
+    device"""
+    state_device_bytes: int | None = None
+    """``offload_state_only`` only: device bytes its masters + state may hold at once, write-backs in flight
+    included (None: no bound; every bucket may be on the device during the step)"""
 
     def __post_init__(self) -> None:
         self.offload_fraction = check_fraction(self.offload_fraction)
@@ -153,12 +163,32 @@ class OffloadOptions:
             or self.clip_snapshot_bytes < 0
         ):  # fmt: skip
             raise ValueError(f"clip_snapshot_bytes must be None or an int >= 0, got {self.clip_snapshot_bytes!r}")
+        self._check_state_only()
         if self.bind_host_cores is not None and not isinstance(self.bind_host_cores, bool):
             raise ValueError(f"bind_host_cores must be None, True or False, got {self.bind_host_cores!r}")
         if self.schedule is Schedule.OVERLAPPED and not self.overlap_cpu_optimizer_d2h_h2d:
             raise ValueError(
                 "overlap_step_with_backward=True needs overlap_cpu_optimizer_d2h_h2d=True: the backward hooks "
                 "that stage grads are what start the host updates"
+            )
+
+    def _check_state_only(self) -> None:
+        if not isinstance(self.offload_state_only, bool):
+            raise ValueError(f"offload_state_only must be True or False, got {self.offload_state_only!r}")
+        budget = self.state_device_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise ValueError(f"state_device_bytes must be None or an int >= 0, got {budget!r}")
+        if budget is not None and not self.offload_state_only:
+            raise ValueError(
+                "state_device_bytes bounds the device memory of offload_state_only=True; set offload_state_only=True "
+                "or drop state_device_bytes"
+            )
+        if self.offload_state_only and self.offload_fraction >= 1.0:
+            warnings.warn(
+                "offload_state_only=True acts on the device share, which offload_fraction=1.0 (the default) leaves "
+                "empty: every update runs on the host and nothing is state-only; pass offload_fraction=0.0 to keep "
+                "every update on the device with its state parked on the host",
+                stacklevel=6,
             )
 
     @classmethod

@@ -141,8 +141,11 @@ class Placement:
             # A device fp32 master for low-precision params; otherwise the local param itself.
             r.working = r.local.to(dtype, copy=True) if dtype != r.param.dtype else r.local
             r.mark_synced(master_is_upcast=True)
-        if not records:
-            return
+        if records:
+            self._join(records)
+
+    def _join(self, records: list[ParamShard]) -> None:
+        """The device share's optimizer takes over the new trainable device ``records`` (working tensors set)."""
         if self.device_delegate is None:
             view = self.device_defaults.for_device if self.device_defaults is not None else None
             self.device_delegate = DelegatedOptimizer(self.gpu_cls, records, self._groups(), where="device", view=view)
@@ -176,10 +179,12 @@ class Placement:
 
     def step_device(self, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
         """The device share's update of ``active`` (record, local grad) by the device delegate."""
-        if not active:
-            return
-        delegate = self.device_delegate
-        assert delegate is not None
+        if active:
+            assert self.device_delegate is not None
+            self.step_delegate(self.device_delegate, active)
+
+    def step_delegate(self, delegate: DelegatedOptimizer, active: list[tuple[ParamShard, torch.Tensor]]) -> None:
+        """``delegate``'s update of its records in ``active`` (record, local grad); params take their master's cast."""
         previous = [(r, r.working_tensor.grad) for r, _ in active]
         for r, g in active:
             r.working_tensor.grad = g if g.dtype == r.working_tensor.dtype else g.to(r.working_tensor.dtype)
@@ -193,6 +198,14 @@ class Placement:
             if r.working is not r.local:
                 r.local.copy_(r.working_tensor)  # the param is the cast of its fp32 master
                 r.mark_synced()
+
+    @property
+    def device_share_note(self) -> str:
+        """What the INFO construction line adds about the device share (nothing: its state stays on the device)."""
+        return ""
+
+    def settle(self) -> None:
+        """Make every optimizer tensor readable from the host now (nothing to do: nothing is parked)."""
 
     # ------------------------------------------------------------------ masters
 
@@ -236,7 +249,8 @@ class Placement:
                 adopt_written(r.host_master, r.param_stage)
         for r in records:
             if not r.offloaded and r.has_master:
-                adopt_written(r.working_tensor, r.local)
+                # (a master parked on the host by state-only offload compares on the host)
+                adopt_written(r.working_tensor, r.local.to(r.working_tensor.device))
         for r in records:
             if r.has_master:
                 # adopting a written param keeps a master that was exactly its param widened exactly so

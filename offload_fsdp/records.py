@@ -21,6 +21,7 @@ from offload_fsdp.shard_spec import shard_spec_of
 
 if TYPE_CHECKING:
     from offload_fsdp.buckets import HostBucket
+    from offload_fsdp.state_only import ParkedBucket
 
 __all__ = ["ParamShard", "bit_views", "build_records", "grad_key", "param_name", "partition"]
 
@@ -87,6 +88,10 @@ class ParamShard:
     """(id, data_ptr, version, the DTensor's version) of the local param when the optimizer last made it and its
     master agree (records with a separate master only): a different key means the user
     wrote the param since, so its master must be refreshed before the next update"""
+
+    parked: ParkedBucket | None = None
+    """``offload_state_only`` device-share records only: the bucket whose device optimizer updates it and
+    whose host buffers hold its master and state between steps (:mod:`offload_fsdp.state_only`)"""
 
     # --- delegated optimizers (device share, and host buckets without a fused kernel) ---
     working: torch.Tensor | None = None

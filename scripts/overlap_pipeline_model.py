@@ -1,6 +1,6 @@
 """Pipeline model of one training step with HybridDeviceOptimizer: no offload, after-backward, overlapped.
 
-Predicts the step time of three modes from stated inputs, for the NeMo-RL Qwen3-0.6B
+Predicts the step time of four modes from stated inputs, for the NeMo-RL Qwen3-0.6B
 configuration and for a long-sequence case, and prints them next to the published
 figures:
 
@@ -8,6 +8,9 @@ figures:
 * **after backward** (today's default): each bucket's grads go D2H as soon as they are
   final (the post-accumulate-grad hooks), but the host steps start only when ``step()``
   is called, after the whole backward; H2D follows each bucket's host step.
+* **state-only** (``offload_state_only=True``, issue 22): the update stays on the device; each bucket's
+  fp32 master + moments (12 B/param) come H2D as its grads become final, the device AdamW runs per bucket
+  after backward, and the D2H write-back overlaps the next forward (:func:`simulate_state_only`).
 * **overlapped** (the opt-in mode of issue 14): the host step of bucket ``i`` starts at
   ``max(its grads landed on the host, host worker free)``, during backward; its H2D is
   queued right after.
@@ -69,12 +72,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Bucket", "Schedule", "Case", "main", "pack_buckets", "predict", "simulate"]
+__all__ = ["Bucket", "Schedule", "Case", "main", "pack_buckets", "predict", "simulate", "simulate_state_only"]
 
 DEFAULT_BUCKET_NUMEL = 1 << 24  # offload_fsdp.optimizer.DEFAULT_BUCKET_NUMEL (not imported: no torch needed here)
 HOST_BYTES_PER_PARAM = 28  # bf16 grad 2 + fp32 master 4+4 + exp_avg 4+4 + exp_avg_sq 4+4 + bf16 param 2
 DEVICE_ADAM_BYTES_PER_PARAM = 28  # the same update on the device, fp32 master and moments in HBM
 PCIE_BYTES_PER_PARAM = 2  # each way: bf16 grad D2H, bf16 param H2D
+STATE_BYTES_PER_PARAM = 12  # state-only offload, each way: fp32 master + exp_avg + exp_avg_sq (H2D, D2H)
 
 # --------------------------------------------------------------------------- the simulation
 
@@ -97,11 +101,13 @@ class Schedule:
     host: list[tuple[float, float]]
     h2d: list[tuple[float, float]]
     buckets: list[Bucket]
+    settled: float = 0.0
+    """state-only: the backward-relative time the step must not end before (its write-back tail)"""
 
     @property
     def end(self) -> float:
         """When the next forward can start: backward done and every param back on the device."""
-        return max([self.backward[1], *(e for _, e in self.h2d)])
+        return max([self.backward[1], self.settled, *(e for _, e in self.h2d)])
 
 
 def simulate(
@@ -135,6 +141,39 @@ def simulate(
     return Schedule(backward=(0.0, t_bwd), d2h=d2h, host=host, h2d=h2d, buckets=list(buckets))
 
 
+def simulate_state_only(
+    buckets: Sequence[Bucket],
+    t_bwd: float,
+    t_fwd: float,
+    *,
+    h2d_s_per_param: float,
+    device_s_per_param: float,
+    d2h_s_per_param: float,
+) -> Schedule:
+    """State-only offload (``offload_state_only=True``, no budget bound): per bucket, the H2D of its master and
+    state starts when its grads are final (one serial queue), its device update after backward ends and its H2D
+    landed (the main stream, serial: spans in ``host``), its D2H write-back after the update (one serial queue).
+
+    The step ends when the last device update is done; the write-back overlaps the next forward and must have
+    landed when the next backward starts (its prefetches read those host buffers), so a write-back tail longer
+    than ``t_fwd`` extends the step (``Schedule.end``: the later of the two, backward-relative).
+    """
+    h2d, device, d2h = [], [], []
+    h2d_free, device_free, d2h_free = 0.0, t_bwd, 0.0
+    for b in buckets:
+        start = max(b.ready, h2d_free)
+        h2d_free = start + b.numel * h2d_s_per_param
+        h2d.append((start, h2d_free))
+        start = max(h2d_free, device_free)
+        device_free = start + b.numel * device_s_per_param
+        device.append((start, device_free))
+        start = max(device_free, d2h_free)
+        d2h_free = start + b.numel * d2h_s_per_param
+        d2h.append((start, d2h_free))
+    return Schedule(backward=(0.0, t_bwd), d2h=d2h, host=device, h2d=h2d, buckets=list(buckets),
+                    settled=max(device_free, d2h_free - t_fwd))  # fmt: skip
+
+
 def pack_buckets(ready: Sequence[tuple[str, int, float]], bucket_numel: int) -> list[Bucket]:
     """Params ``(name, numel, ready s)`` packed in arrival order into buckets of at most ``bucket_numel``."""
     buckets: list[Bucket] = []
@@ -164,6 +203,8 @@ class Prediction:
     no_offload: float
     after_backward: float
     overlapped: float
+    state_only: float
+    """``offload_state_only=True``: the update on the device, master + state streamed (:func:`simulate_state_only`)"""
     t_fwd: float
     t_bwd: float
     t_host: float
@@ -182,11 +223,18 @@ def predict(buckets: Sequence[Bucket], t_fwd: float, t_bwd: float, rates: Rates)
         mode: simulate(buckets, t_bwd, overlapped=mode == "overlapped", **per_param)
         for mode in ("after_backward", "overlapped")
     }
+    schedules["state_only"] = simulate_state_only(
+        buckets, t_bwd, t_fwd,
+        h2d_s_per_param=STATE_BYTES_PER_PARAM / rates.pcie,
+        device_s_per_param=DEVICE_ADAM_BYTES_PER_PARAM / rates.hbm,
+        d2h_s_per_param=STATE_BYTES_PER_PARAM / rates.pcie,
+    )  # fmt: skip
     no_offload = t_fwd + t_bwd + n * DEVICE_ADAM_BYTES_PER_PARAM / rates.hbm
     return Prediction(
         no_offload=no_offload,
         after_backward=t_fwd + schedules["after_backward"].end,
         overlapped=t_fwd + schedules["overlapped"].end,
+        state_only=t_fwd + schedules["state_only"].end,
         t_fwd=t_fwd, t_bwd=t_bwd, t_host=n * per_param["host_s_per_param"], schedules=schedules,
     )  # fmt: skip
 
@@ -594,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  host step {HOST_BYTES_PER_PARAM} B/param; PCIe {args.pcie_gbps:g} GB/s per direction, "
           f"{PCIE_BYTES_PER_PARAM} B/param each way; device AdamW {DEVICE_ADAM_BYTES_PER_PARAM} B/param at "
           f"{args.hbm_gbps:g} GB/s; buckets of <= {int(args.bucket_numel):,} elements in grad-arrival order")  # fmt: skip
+    print(f"  state-only: {STATE_BYTES_PER_PARAM} B/param each way (fp32 master + 2 moments) over the same PCIe, "
+          "H2D from each bucket's grad-ready time, device AdamW per bucket after backward, D2H write-back "
+          "overlapping the next forward (no device-memory budget bound)")  # fmt: skip
     for label, r in rates.items():
         print(
             f"  host-step rate, {label}: {r.host / 1e9:.1f} GB/s = {r.host / HOST_BYTES_PER_PARAM / 1e9:.2f} Gparam/s"
@@ -611,10 +662,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  published: {case.published}")
         for label, r in rates.items():
             p = predict(buckets, case.t_fwd, case.t_bwd, r)
-            kept = {m: p.no_offload / getattr(p, m) for m in ("after_backward", "overlapped")}
+            kept = {m: p.no_offload / getattr(p, m) for m in ("after_backward", "overlapped", "state_only")}
             print(f"  [{label}] T_host {p.t_host:.3f} s: no offload {p.no_offload:.3f} s | after backward "
                   f"{p.after_backward:.3f} s ({kept['after_backward']:.0%} kept) | overlapped {p.overlapped:.3f} s "
-                  f"({kept['overlapped']:.0%} kept)")  # fmt: skip
+                  f"({kept['overlapped']:.0%} kept) | state-only {p.state_only:.3f} s "
+                  f"({kept['state_only']:.0%} kept)")  # fmt: skip
             if args.timeline_json is not None and not timeline_written:
                 data = timeline_json(case, p.schedules[args.mode], args.mode)
                 data["device"] += f", host {r.host / 1e9:.0f} GB/s"

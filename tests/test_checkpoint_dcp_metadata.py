@@ -64,3 +64,24 @@ def test_write_metadata_returns_the_size_and_crc_of_the_bytes_it_left_on_disk(tm
     assert (record.size, record.crc32) == (len(data), zlib.crc32(data))
     assert pickle.loads(data).state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
     assert sorted(p.name for p in tmp_path.iterdir()) == [METADATA_NAME]  # no temp file left
+
+
+def test_storage_problems_allow_values_sharing_one_range_and_name_every_other_shared_or_overrun_range():
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from checkpoint.manifest import FileRecord
+    from checkpoint.opener import storage_problems
+
+    def problems(ranges: dict[MetadataIndex, tuple[int, int]]) -> list[str]:
+        storage = {index: StorageInfo("f", offset, length) for index, (offset, length) in ranges.items()}
+        return storage_problems(Metadata({}, storage_data=storage), {"f": FileRecord(size=100, crc32=0)})
+
+    value = {MetadataIndex(f"g.p{i}.lr"): (10, 5) for i in range(3)}  # one option value, keyed per param
+    chunk = MetadataIndex("w", (0,))
+    assert problems({**value, chunk: (15, 20)}) == []
+    same_range = problems({**value, chunk: (10, 5)})
+    assert len(same_range) == 1 and "'w' chunk [0]" in same_range[0] and "share bytes of f" in same_range[0]
+    overlap = problems({**value, chunk: (12, 20)})
+    assert len(overlap) == 1 and "'w' chunk [0]" in overlap[0]
+    past_end = problems({**value, chunk: (90, 20)})
+    assert past_end == ["'w' chunk [0] is stored past the end of f (byte 110)"]

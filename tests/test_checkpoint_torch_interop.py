@@ -163,3 +163,67 @@ def test_options_differing_per_group_are_stored_once_per_group_and_read_by_plain
     checkpoint.load(tmp_path / "ours", model=ours_model, optimizer=ours_opt)
     assert _options_by_name(ours_model, ours_opt) == _options_by_name(model, opt)
     _assert_same(model, opt, ours_model, ours_opt)
+
+
+class _CountedId(int):
+    """A saved param id that counts the equality tests made against it."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        _CountedId.compared += 1
+        return int.__eq__(self, other)
+
+    __hash__ = int.__hash__
+
+
+def _ids_counted(opt, osd):
+    """A user's load pre-hook (runs before the library's own): every saved param id counts its comparisons."""
+    groups = [{**g, "params": [_CountedId(i) for i in g["params"]]} for g in osd["param_groups"]]
+    return {**osd, "param_groups": groups}
+
+
+def test_load_into_a_plain_optimizer_compares_each_saved_param_id_a_bounded_number_of_times(tmp_path):
+    # torch's Optimizer.load_state_dict looks up each state tensor's param id in its group's id list:
+    # O(N^2) comparisons for N params. The load must stay linear, with the user's hooks still run.
+    count = 300
+    torch.manual_seed(0)
+    model = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.randn(3)) for i in range(count)})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model2 = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.zeros(3)) for i in range(count)})
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    for m, o in ((model, opt), (model2, opt2)):
+        sum(p.square().sum() for p in m.parameters()).backward()
+        o.step()
+    opt.step()  # another step: the saved state differs from opt2's
+    checkpoint.save(tmp_path / "ck", model=model, optimizer=opt)
+    opt2.register_load_state_dict_pre_hook(_ids_counted)
+    _CountedId.compared = 0
+    checkpoint.load(tmp_path / "ck", model=model2, optimizer=opt2)
+    assert 0 < _CountedId.compared <= 10 * count
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), name
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key]), (name, key)
+
+
+def test_load_keeps_torchs_casting_of_step_per_group(tmp_path):
+    # torch casts a loaded `step` to float32 on the param's device only in a fused or capturable group:
+    # which group holds each param is what the linear-time lookup answers.
+    model = _model(0)
+    layers = [list(model[0].parameters()), list(model[2].parameters())]
+    opt = torch.optim.AdamW([{"params": layers[0], "fused": True}, {"params": layers[1]}], lr=1e-2)
+    model(torch.randn(4, 6)).square().sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path / "ck", model=model, optimizer=opt)
+    model2 = _model(1)
+    layers2 = [list(model2[0].parameters()), list(model2[2].parameters())]
+    opt2 = torch.optim.AdamW([{"params": layers2[0], "fused": True}, {"params": layers2[1]}], lr=0.5)
+    reference = torch.optim.AdamW([{"params": layers2[0], "fused": True}, {"params": layers2[1]}], lr=0.5)
+    reference.load_state_dict(opt.state_dict())
+    checkpoint.load(tmp_path / "ck", model=model2, optimizer=opt2)
+    for p in model2.parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            ours, torchs = opt2.state[p][key], reference.state[p][key]
+            assert (ours.dtype, ours.device) == (torchs.dtype, torchs.device), key
+            assert torch.equal(ours, torchs), key

@@ -49,6 +49,24 @@ def test_with_zero_host_and_copy_time_all_modes_cost_the_no_offload_step():
     assert p.no_offload == p.after_backward == p.overlapped == pytest.approx(0.4)
 
 
+def test_state_only_streams_state_during_backward_and_its_write_back_tail_past_the_next_forward_costs():
+    # 2 buckets of 100 params, grads final at 0.1 and 0.2 s of a 0.2 s backward; H2D 1 ms/param, device
+    # update 0.1 ms/param, D2H 1 ms/param: fetches end 0.2 and 0.3, updates 0.2-0.21 and 0.3-0.31,
+    # write-backs 0.21-0.31 and 0.31-0.41; with a 0.05 s forward the tail (0.41 - 0.05) ends the step
+    buckets = [model.Bucket(100, 0.1), model.Bucket(100, 0.2)]
+    kw = {"h2d_s_per_param": 1e-3, "device_s_per_param": 1e-4, "d2h_s_per_param": 1e-3}
+    s = model.simulate_state_only(buckets, 0.2, 0.05, **kw)
+    flat = lambda spans: [t for span in spans for t in span]  # noqa: E731
+    assert flat(s.h2d) == pytest.approx([0.1, 0.2, 0.2, 0.3])
+    assert flat(s.host) == pytest.approx([0.2, 0.21, 0.3, 0.31])
+    assert flat(s.d2h) == pytest.approx([0.21, 0.31, 0.31, 0.41])
+    assert s.end == pytest.approx(0.36)
+    assert model.simulate_state_only(buckets, 0.2, 0.5, **kw).end == pytest.approx(0.31)  # hidden by the forward
+    rates = model.Rates(host=1.0, pcie=float("inf"), hbm=1e9)  # free copies: exactly the no-offload step
+    p = model.predict(_uniform(5, 1000, 0.3), 0.1, 0.3, rates)
+    assert p.state_only == pytest.approx(p.no_offload)
+
+
 def test_stages_are_serial_queues_in_pipeline_order():
     # copies slower than grads arrive: D2H queues up; host and H2D follow each bucket in order
     buckets = [model.Bucket(100, 0.0), model.Bucket(100, 0.01), model.Bucket(300, 0.02)]
@@ -77,6 +95,7 @@ def test_run_on_a_recorded_trace_prints_every_mode_and_writes_a_drawable_timelin
     assert model.main(argv) == 0
     out = capsys.readouterr().out
     assert "no offload" in out and "after backward" in out and "overlapped" in out and "0.752" in out
+    assert "state-only" in out
     data = json.loads(timeline.read_text())
     assert data["format"] == "offload_timeline" and data["backward"][0] == 0.0
     buckets = data["buckets"]
