@@ -365,6 +365,24 @@ class FsspecStorage:
             with self._errors(path):
                 self.fs.rmdir(self.key(path))
 
+    def abort_uploads(self, directory: str | os.PathLike) -> None:
+        """Abort the multipart uploads begun under ``directory`` and never completed (a killed save's): no
+        listing shows them, yet the store keeps (and bills) their parts until they are aborted. S3 only."""
+        if not hasattr(self.fs, "call_s3"):
+            return
+        bucket, prefix, _ = self.fs.split_path(self.key(directory))
+        with self._errors(directory):
+            markers: dict = {}
+            while True:
+                answer = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/", **markers)
+                for upload in answer.get("Uploads", []):
+                    self.fs.call_s3(
+                        "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                if not answer.get("IsTruncated"):
+                    return
+                markers = {"KeyMarker": answer["NextKeyMarker"], "UploadIdMarker": answer["NextUploadIdMarker"]}
+
     def remove_tree(self, path: str | os.PathLike, *, ignore_errors: bool = False) -> None:
         try:
             with self._errors(path):

@@ -26,7 +26,8 @@ After its commit a save removes the saves it replaced: every save directory
 of ``P`` whose sequence is at most its own, but for itself. A save still
 writing with such a sequence started before this commit, read the old head,
 and can no longer commit. A killed save leaves only its own save directory,
-which the next committed save (or ``fsdp-ckpt gc``) removes. Nothing else
+which the next committed save (or ``fsdp-ckpt gc``) removes, aborting the multipart uploads it left
+unfinished there (stored, and billed, though no listing shows them). Nothing else
 under ``P`` is ever touched: only names of the save pattern that carry the marker
 (``gc`` also those of the pattern without one).
 
@@ -317,7 +318,8 @@ class ObjectCommit(SaveProtocol):
                 self._lost(staged)
             finally:
                 self._release()  # committed (the head names it now) or removed
-        remove_replaced(self.path, sequence, keep=staged.name, listed=self.listed)
+        committed = self.head.save if self.head is not None else None
+        remove_replaced(self.path, sequence, keep=staged.name, listed=self.listed, committed=committed)
         if not getattr(self.store, "conditional_put", False):
             _remove_claims(self.path, below=sequence)
 
@@ -404,14 +406,17 @@ def _claim_holder(claim: PurePath) -> str:
         return f"{claim} exists"
 
 
-def remove_replaced(path: PurePath, sequence: int, *, keep: str, listed: list[str] | None = None) -> None:
+def remove_replaced(
+    path: PurePath, sequence: int, *, keep: str, listed: list[str] | None = None, committed: str | None = None
+) -> None:
     """Remove the save directories of ``path`` up to ``sequence`` but ``keep`` (see the module docstring), among
-    ``listed`` names where given (else listed now). Never raises: what is left is removed by a later save or
-    ``fsdp-ckpt gc``."""
+    ``listed`` names where given (else listed now); ``committed``, the save the replaced head named, finished
+    every upload before its commit (no unfinished upload to look for). Never raises: what is left is removed by
+    a later save or ``fsdp-ckpt gc``."""
     try:
         for name in _saves(path) if listed is None else sorted(n for n in listed if _SAVE.match(n)):
             if name != keep and int(_SAVE.match(name).group(1)) <= sequence:  # type: ignore[union-attr]
-                _remove_save(path / name)
+                _remove_save(path / name, uploads=name != committed)
     except OSError as exc:
         logger.warning("could not remove replaced saves under %s (%s); `fsdp-ckpt gc %s` removes them", path, exc, path)
 
@@ -550,12 +555,13 @@ def _saves(path: PurePath) -> list[str]:
     return sorted(name for name in names if _SAVE.match(name))
 
 
-def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:
+def _remove_save(directory: PurePath, *, marked_only: bool = True, uploads: bool = True) -> None:
     """Remove one save directory: its manifest first (a kill midway leaves it uncommitted, never half-read).
 
     ``marked_only``: only with the marker (what a save removes by itself); ``fsdp-ckpt gc``, run by the
     user, also removes one of the save name pattern that lost its marker (a save killed
-    after a racing save's cleanup took it).
+    after a racing save's cleanup took it). ``uploads``: also abort the multipart uploads a kill left
+    unfinished in it (on an object store; before the marker: with the marker gone, nothing finds this save again).
     """
     store = storage_for(directory)
     if marked_only and not is_ours(directory):
@@ -564,6 +570,9 @@ def _remove_save(directory: PurePath, *, marked_only: bool = True) -> None:
     for name in store.list(directory):
         if name != MARKER_NAME:
             store.delete(directory / name, missing_ok=True)
+    abort_uploads = getattr(store, "abort_uploads", None)  # object stores only
+    if uploads and abort_uploads is not None:
+        abort_uploads(directory)
     store.delete(directory / MARKER_NAME, missing_ok=True)
     with contextlib.suppress(OSError):
         store.remove_dir(directory)
