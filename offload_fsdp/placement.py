@@ -147,10 +147,14 @@ class Placement:
     def _join(self, records: list[ParamShard]) -> None:
         """The device share's optimizer takes over the new trainable device ``records`` (working tensors set)."""
         if self.device_delegate is None:
-            view = self.device_defaults.for_device if self.device_defaults is not None else None
-            self.device_delegate = DelegatedOptimizer(self.gpu_cls, records, self._groups(), where="device", view=view)
+            self.device_delegate = self.new_device_delegate(records)
         else:
             self.device_delegate.add_records(records, self._groups())
+
+    def new_device_delegate(self, records: list[ParamShard]) -> DelegatedOptimizer:
+        """A ``gpu_optimizer_cls`` instance over ``records`` of the device share, with the device class's defaults."""
+        view = self.device_defaults.for_device if self.device_defaults is not None else None
+        return DelegatedOptimizer(self.gpu_cls, records, self._groups(), where="device", view=view)
 
     def note_group(self, index: int, group: dict[str, Any], explicit: set[str]) -> None:
         """A group was added: the device class keeps its own defaults for what the user left unset in it."""

@@ -156,8 +156,6 @@ class StateOnlyUpdate:
         self._parkings: dict[torch.device, ParkingDevice] = {}
         self.buckets: list[ParkedBucket] = []
         self._hooks: list[Any] = []
-        self.peak_bytes = 0
-        """the most device bytes this share's masters + state held at once"""
 
     # ------------------------------------------------------------------ placing
 
@@ -224,11 +222,6 @@ class StateOnlyUpdate:
                 self._release_resident(bucket)
             self._wait_written_back(bucket)
 
-    def wait_written_back(self) -> None:
-        """Wait for the D2H in flight (a host read of a parked master, e.g. the masters' refresh)."""
-        for bucket in self.buckets:
-            self._wait_written_back(bucket)
-
     # ------------------------------------------------------------------ moves
 
     def _fetch(self, bucket: ParkedBucket, *, wait: bool, keep: set[int]) -> bool:
@@ -248,7 +241,6 @@ class StateOnlyUpdate:
         for m in moved:
             m.tensor.data = m.device
         bucket.resident = moved
-        self._note_peak()
         return True
 
     def _room(self, need: int, *, wait: bool, keep: set[int]) -> bool:
@@ -297,7 +289,6 @@ class StateOnlyUpdate:
         if done is not None:
             bucket.writing_back.append((done, devices, size))
         bucket.measured_bytes = size
-        self._note_peak()
         _show_host_buffers(bucket)
         if self.budget is not None and size > self.budget:
             raise ValueError(
@@ -319,9 +310,6 @@ class StateOnlyUpdate:
         for done, _, _ in bucket.writing_back:
             done.synchronize()  # the D2H read these device buffers: released only now
         bucket.writing_back.clear()
-
-    def _note_peak(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -409,12 +397,8 @@ class StateOnlyPlacement(Placement):
             budget=state_device_bytes,
             bucket_numel=self._bucket_numel,
             parking_for=lambda device: parking_device_for(device),  # looked up per device: tests substitute it
-            delegate_for=self._bucket_delegate,
+            delegate_for=self.new_device_delegate,
         )
-
-    def _bucket_delegate(self, records: list[ParamShard]) -> DelegatedOptimizer:
-        view = self.device_defaults.for_device if self.device_defaults is not None else None
-        return DelegatedOptimizer(self.gpu_cls, records, self._groups(), where="device", view=view)
 
     def _join(self, records: list[ParamShard]) -> None:
         self.state_only.add(records)
