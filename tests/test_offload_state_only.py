@@ -126,7 +126,8 @@ def _assert_same_state(a: HybridDeviceOptimizer, b: HybridDeviceOptimizer) -> No
         assert sa[k].keys() == sb[k].keys(), k
         for n in sa[k]:
             x, y = sa[k][n], sb[k][n]
-            assert torch.equal(torch.as_tensor(x), torch.as_tensor(y)), f"param {k} state {n} differs"
+            # state-only offload keeps its state on the host between steps; the reference may hold it on a device
+            assert torch.equal(torch.as_tensor(x).cpu(), torch.as_tensor(y).cpu()), f"param {k} state {n} differs"
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
