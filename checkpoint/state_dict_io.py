@@ -540,7 +540,7 @@ def _load_target(value: Any, *, name: str) -> Any:
 
 def _refuse_meta_targets(targets: dict[str, Any]) -> None:
     """A meta-device tensor has no storage to fill in place: say so before reading (never a read failure)."""
-    meta = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    meta = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and v.is_meta]  # not .device: ~1 us a key
     if meta:
         shown = ", ".join(meta[:5]) + (f", ... ({len(meta)} in all)" if len(meta) > 5 else "")
         raise TypeError(
