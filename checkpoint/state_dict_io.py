@@ -576,6 +576,7 @@ def _shared_sources(opened: OpenCheckpoint, keys: Iterable[str]) -> dict[str, st
     (stored where its source key is); one pass over ``keys`` per family."""
     if opened.manifest is None:
         return {}
+    saved = opened.metadata.state_dict_metadata
     found: dict[str, str] = {}
     for family in opened.manifest.shared:
         prefix = ".".join(family.under) + "."
@@ -585,7 +586,7 @@ def _shared_sources(opened: OpenCheckpoint, keys: Iterable[str]) -> dict[str, st
                 continue
             name, _, field_name = key[len(prefix) :].rpartition(".")
             source = family.fields.get(field_name)
-            if source is None or source == key:
+            if source is None or source == key or source not in saved:  # not there: the key is read as itself
                 continue
             names = frozenset(family.names) if names is None else names
             if name in names:
