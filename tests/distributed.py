@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PROCESSES", "CollectiveCount", "RankFailed", "count_collectives", "run_ranks"]
+__all__ = ["PROCESSES", "CollectiveCount", "RankFailed", "count_collectives", "run_process", "run_ranks"]
 
 DEFAULT_TIMEOUT_S = 180.0
 _POLL_S = 0.5
@@ -162,6 +162,20 @@ def run_ranks(
     if failures:
         raise RankFailed("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def run_process(target: Callable[..., Any], args: tuple, what: str, timeout_s: float = 120.0) -> int:
+    """Run ``target(*args)`` in a new process of :data:`PROCESSES` and wait for it to end: its exit code (``-N``: ended
+    by signal N). One still running after ``timeout_s`` is killed, and the test fails saying ``what`` hung."""
+    proc = PROCESSES.Process(target=target, args=args)
+    proc.start()
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"{what} hung (still running after {timeout_s:.0f} s)")
+    assert proc.exitcode is not None
+    return proc.exitcode
 
 
 _OBJECT_PAYLOAD = {  # where each object collective takes what this rank sends: (position, keyword)

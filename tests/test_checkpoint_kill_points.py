@@ -11,7 +11,7 @@ import torch
 import checkpoint
 from checkpoint import storage as storage_module
 from checkpoint.atomic import staging_path
-from tests.distributed import PROCESSES
+from tests.distributed import run_process
 
 
 def _save_killing_itself_in_cleanup(path: str, kill_at: int) -> None:
@@ -46,15 +46,9 @@ def _save_killing_itself_in_cleanup(path: str, kill_at: int) -> None:
 
 def _save_killed_in_cleanup(path: Path, kill_at: int) -> bool:
     """Whether the child finished (``kill_at`` beyond the removals of the save); else it was killed there."""
-    proc = PROCESSES.Process(target=_save_killing_itself_in_cleanup, args=(str(path), kill_at))
-    proc.start()
-    proc.join(timeout=120)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        pytest.fail(f"the save killed at removal {kill_at} hung")
-    assert proc.exitcode in (0, -signal.SIGKILL), proc.exitcode  # else it raised: its traceback is on stderr
-    return proc.exitcode == 0
+    code = run_process(_save_killing_itself_in_cleanup, (str(path), kill_at), f"the save killed at removal {kill_at}")
+    assert code in (0, -signal.SIGKILL), code  # else it raised: its traceback is on stderr
+    return code == 0
 
 
 @pytest.mark.slow

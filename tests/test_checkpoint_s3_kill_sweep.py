@@ -21,7 +21,7 @@ import torch
 
 import checkpoint
 from checkpoint.object_commit import HEAD_NAME
-from tests.distributed import PROCESSES
+from tests.distributed import PROCESSES, run_process
 from tests.s3_server import apply, environment
 
 pytestmark = [
@@ -81,14 +81,8 @@ def _run_saver(
 ) -> tuple[int | None, list[str] | None]:
     """(exit code, the operations of the requests it sent when it finished)."""
     told = PROCESSES.Queue()
-    proc = PROCESSES.Process(target=_save_killed_at, args=(kill_at, url, env, case, value, told))
-    proc.start()
-    proc.join(timeout=120)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-        pytest.fail(f"the save killed at request {kill_at} hung")
-    return proc.exitcode, (told.get(timeout=10) if proc.exitcode == 0 else None)
+    code = run_process(_save_killed_at, (kill_at, url, env, case, value, told), f"the save killed at request {kill_at}")
+    return code, (told.get(timeout=10) if code == 0 else None)
 
 
 def _loaded(url: str, shapes: dict) -> float:
