@@ -56,6 +56,9 @@ class _Done:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
+
 
 class _HostQueues:
     """:class:`~offload_fsdp.transfer_ring.CopyQueues` of the CPU: copies done when queued."""
@@ -74,6 +77,9 @@ class _HostQueues:
         for dst, src in pairs:
             dst.copy_(src)
         return _Done()
+
+    def free_after_d2h(self, src: torch.Tensor) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -125,15 +131,16 @@ class ParkedBucket:
     """the tensors on the device (fetched, or being updated); None: parked"""
     fetched: Completion | None = None
     """completion of the H2D of ``resident``"""
-    writing_back: list[tuple[Completion, list[torch.Tensor], int]] = field(default_factory=list)
-    """D2H in flight: (completion, the device buffers it reads, their bytes)"""
+    writing_back: list[tuple[Completion, int]] = field(default_factory=list)
+    """D2H in flight: (completion, bytes of the device buffers it reads); the buffers themselves are dropped
+    at once (the allocator reuses them when the D2H is done), the bytes count until it is seen done"""
     measured_bytes: int | None = None
     """device bytes of its masters + state after its last update (None: never updated)"""
 
     def held_bytes(self) -> int:
         """Device bytes this bucket holds now (resident, and buffers a D2H still reads)."""
         resident = sum(_nbytes(m.device) for m in self.resident) if self.resident is not None else 0
-        return resident + sum(n for _, _, n in self.writing_back)
+        return resident + sum(n for _, n in self.writing_back)
 
 
 class StateOnlyUpdate:
@@ -245,7 +252,11 @@ class StateOnlyUpdate:
 
     def _room(self, need: int, *, wait: bool, keep: set[int]) -> bool:
         """Whether ``need`` more device bytes fit the budget, after (``wait``) freeing what may be freed."""
-        if self.budget is None or self.held_bytes + need <= self.budget:
+        if self.budget is None:
+            return True
+        for bucket in self.buckets:
+            self._forget_landed(bucket)
+        if self.held_bytes + need <= self.budget:
             return True
         if not wait:
             return False
@@ -282,12 +293,14 @@ class StateOnlyUpdate:
         done: Completion | None = None
         for _, host, device in pairs:
             done = parking.queues.d2h(host, device)
-        for t, host, _ in pairs:
+        for t, host, device in pairs:
             t.data = host  # reads are valid once the D2H is waited for (settle())
-        devices = [device for _, _, device in pairs]
-        size = sum(_nbytes(d) for d in devices)
+            # Nothing here holds the device buffer from now on: freed as soon as its D2H is done, so the
+            # next forward runs without it, whether or not anything waits on the write-back before
+            parking.queues.free_after_d2h(device)
+        size = sum(_nbytes(device) for _, _, device in pairs)
         if done is not None:
-            bucket.writing_back.append((done, devices, size))
+            bucket.writing_back.append((done, size))
         bucket.measured_bytes = size
         _show_host_buffers(bucket)
         if self.budget is not None and size > self.budget:
@@ -307,9 +320,14 @@ class StateOnlyUpdate:
 
     @staticmethod
     def _wait_written_back(bucket: ParkedBucket) -> None:
-        for done, _, _ in bucket.writing_back:
-            done.synchronize()  # the D2H read these device buffers: released only now
+        for done, _ in bucket.writing_back:
+            done.synchronize()  # the host buffers are final (and the device memory the D2H read is free) now
         bucket.writing_back.clear()
+
+    @staticmethod
+    def _forget_landed(bucket: ParkedBucket) -> None:
+        """Stop counting the write-backs already done (their device memory is free again)."""
+        bucket.writing_back = [(done, n) for done, n in bucket.writing_back if not done.query()]
 
 
 def _nbytes(t: torch.Tensor) -> int:
