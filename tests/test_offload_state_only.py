@@ -287,6 +287,23 @@ def test_the_info_construction_line_names_the_state_only_share_and_its_budget(em
     assert "device share state-only: 2 buckets" in caplog.text and "state_device_bytes=4096" in caplog.text
 
 
+def test_layout_shows_each_state_only_param_in_its_bucket_and_host_updated_ones_in_theirs(emulated):
+    _, opt = _build("adamw", torch.bfloat16, fraction=0.5, offload_state_only=True)
+    layout = opt.layout()
+    for p in layout.params:
+        assert (p.bucket is None) == (p.state_only_bucket is not None), f"{p.name}: host-updated or state-only"
+    assert any(p.offloaded for p in layout.params) and layout.state_only_buckets, "half and half at fraction 0.5"
+    by_name = {p.name: p for p in layout.params}
+    assert [n for b in layout.state_only_buckets for n in b.params] == [
+        p.name for p in layout.params if p.state_only_bucket is not None
+    ]
+    for b in layout.state_only_buckets:
+        assert all(by_name[n].state_only_bucket == b.index for n in b.params)
+        assert 0 < b.numel <= 60 and b.device == torch.device("cpu") and not b.pinned
+    _, plain = _build("adamw", torch.bfloat16, fraction=0.5)  # without state-only offload: none
+    assert plain.layout().state_only_buckets == () and all(p.state_only_bucket is None for p in plain.layout().params)
+
+
 def test_state_only_with_the_default_offload_fraction_of_one_warns_that_nothing_is_state_only():
     with pytest.warns(UserWarning, match="pass offload_fraction=0.0 to keep every update on the device"):
         HybridDeviceOptimizer([torch.nn.Parameter(torch.ones(3))], lr=0.1, offload_state_only=True)
