@@ -6,22 +6,24 @@ into buckets of at most ``bucket_numel`` elements, each with its own ``gpu_optim
 (:class:`~offload_fsdp.delegate.DelegatedOptimizer`). Between steps each bucket's device fp32 masters
 and state tensors hold host buffers (page-locked on an accelerator); a bucket's update:
 
-1. **fetch**: a device buffer per tensor, the H2D of the host buffer into it on a side stream; started
-   as soon as the bucket's first grad is final in backward (post-accumulate-grad hook) when the budget
-   has room, else by ``step()``;
+1. **fetch**: a device buffer per tensor, the H2D of the host buffer into it on a side stream (ordered
+   after the bucket's last write-back on the device); started as soon as the bucket's first grad is final
+   in backward (post-accumulate-grad hook) when the budget has room, else by ``step()``;
 2. **update**: the main stream waits for that H2D, the bucket's optimizer steps, low-precision params
    take their master's cast (exactly the device share's update, so the bits are those of the same
    optimizer kept on the device);
 3. **park**: the D2H of every tensor into its host buffer on a side stream, queued after the update; the
-   tensors hold the host buffers from now on, and the device buffers are released once the D2H is done,
-   so the write-back overlaps what follows (the next forward).
+   tensors hold the host buffers from now on, and nothing holds the device buffers: the allocator reuses
+   them once the D2H is done (``CopyQueues.free_after_d2h``), so the write-back overlaps what follows
+   and the next forward runs without them, whether or not anything waits on the write-back.
 
 The tensors keep their identity throughout (their ``.data`` moves, as FSDP1's CPU offload moves a
 param's): torch's optimizer keeps its state keyed and referenced as before, and ``optimizer.state``,
 checkpoints, loads and ``materialize_state`` see the host buffers between steps.
 
-Device memory held for this share's masters + state, counting buffers whose D2H is still in flight,
-never exceeds ``state_device_bytes``: a prefetch that does not fit is left to ``step()``, which first
+Device memory held for this share's masters + state, counting buffers whose D2H is still in flight
+(until it is seen done), never exceeds ``state_device_bytes`` (one bucket's update also holds its grads
+cast to the master's dtype and the class's temporaries, outside it): a prefetch that does not fit is left to ``step()``, which first
 waits for write-backs in flight and drops buckets prefetched but not needed yet. A bucket never stepped
 has no measured size: it is fetched with nothing else held, and a bucket larger than the budget is a
 ``ValueError`` naming both. Host reads (``state_dict``, loads, ``materialize_state``,
@@ -236,7 +238,11 @@ class StateOnlyUpdate:
         for, fetched buckets not in ``keep`` dropped); else give up when it does not fit."""
         if bucket.resident is not None:
             return True
-        self._wait_written_back(bucket)  # its H2D reads the host buffers that D2H writes
+        for done, _ in bucket.writing_back:
+            # its H2D (queued after the main stream's work) reads the host buffers its last D2H writes:
+            # ordered on the device, the host does not wait (that D2H usually landed during the forward)
+            bucket.parking.queues.main_waits(done)
+        self._forget_landed(bucket)
         tensors = _movable(bucket)
         need = bucket.measured_bytes if bucket.measured_bytes is not None else self.budget
         need = max(need or 0, sum(_nbytes(t) for t in tensors))
