@@ -460,10 +460,10 @@ def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_place
                 assert torch.equal(opt.state[p][n], t), f"fraction {fraction}: {n} not resharded exactly"
 
 
-# ------------------------------------------------------------------ on a real accelerator (not yet run: no GPU)
+# ------------------------------------------------------------------ on a real accelerator
 
 
-def _device_run(device, fused: bool, steps: int, **options):
+def _device_run(device, fused: bool, steps: int, *, wait: bool = True, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to(device, torch.bfloat16)
     # one layer (65,792 elements) per bucket
@@ -476,7 +476,8 @@ def _device_run(device, fused: bool, steps: int, **options):
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    opt.wait_for_params()
+    if wait:
+        opt.wait_for_params()
     return model, opt
 
 
@@ -498,3 +499,18 @@ def test_on_a_device_it_is_bit_identical_and_its_state_leaves_the_device_between
     del ref, ref_opt
     gc.collect()  # the reference optimizer's hooks hold it in cycles
     assert held_by_ref - torch.accelerator.memory_allocated(device) >= 0.9 * state_bytes
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("budget", [None, 2 * 65_792 * 12 + 64], ids=["no budget", "two buckets' budget"])
+def test_on_a_device_no_state_stays_allocated_between_steps_though_nothing_waited_on_the_write_backs(budget):
+    device = torch.accelerator.current_accelerator()
+    _device_run(device, False, 1)  # warm-up: what the process allocates once (cuBLAS workspaces, ...)
+    gc.collect()  # the warm-up's optimizer and model, held in reference cycles
+    base = torch.accelerator.memory_allocated(device)
+    model, opt = _device_run(device, False, 3, wait=False, offload_state_only=True, state_device_bytes=budget)
+    torch.accelerator.synchronize(device)  # idle, as during the next forward; the optimizer waited on nothing
+    held = torch.accelerator.memory_allocated(device) - base
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # grads are None after zero_grad()
+    state_bytes = sum(p.numel() for p in model.parameters()) * 12  # fp32 master + two fp32 moments
+    assert held - params < 0.1 * state_bytes, f"{held - params} device bytes beyond the params ({state_bytes} of state)"
