@@ -77,6 +77,9 @@ class StateOnlyBucketLayout:
     params: tuple[str, ...]
     """names of its params, in bucket order"""
     numel: int
+    host_bytes: int
+    """bytes of its host buffers (one allocation, alignment included): what a fetch moves and holds on the
+    device, once its state exists (masters only before its first update)"""
     pinned: bool
     """its host buffers are page-locked (on an accelerator)"""
 
@@ -136,7 +139,8 @@ def _state_only_buckets(records: list[ParamShard]) -> tuple[StateOnlyBucketLayou
             device=b.parking.device,
             params=tuple(r.name for r in b.records),
             numel=sum(r.numel for r in b.records),
-            pinned=b.parking.pin,
+            host_bytes=b.host.nbytes if b.host is not None else 0,
+            pinned=b.host is not None and b.host.arena.pinned,
         )
         for b in parked.values()
     )

@@ -163,17 +163,30 @@ def test_with_no_host_share_it_matches_plain_torch_adamw_and_state_reads_right_a
             assert torch.equal(ref_opt.state[p][n], opt.state[q][n])
 
 
-@pytest.mark.parametrize("budget", [None, 700], ids=["no budget", "one bucket's budget"])
-def test_a_bucket_is_fetched_during_backward_as_its_grads_become_final_within_the_budget(emulated, budget):
+def _one_bucket_budget(name: str = "adamw") -> int:
+    """Room for the larger bucket alone: its host bytes once its state exists (``layout()``), as a budget."""
+    probe, probe_opt = _build(name, torch.bfloat16, offload_state_only=True)
+    _train(probe, probe_opt, 0, 1)
+    # buckets at bucket_numel=60: (0.weight, 0.bias: 54 elements), (2.*, 4.*: 56), each of fp32 master +
+    # moments (+ the fused class's step scalars), 64-byte aligned in one host allocation
+    sizes = [b.host_bytes for b in probe_opt.layout().state_only_buckets]
+    assert len(sizes) == 2 and sum(sizes) > max(sizes) >= 12 * 56
+    return max(sizes)
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["no budget", "one bucket's budget"])
+def test_a_bucket_is_fetched_during_backward_as_its_grads_become_final_within_the_budget(emulated, bounded):
+    budget = _one_bucket_budget() if bounded else None
     model, opt = _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=budget)
+    h2d = emulated.queues[-1].h2d_lane
     marks: list[int] = []  # H2D copies queued so far, at each step()'s start and end
-    opt.register_step_pre_hook(lambda *_: marks.append(emulated.queues[0].h2d_lane.queued))
-    opt.register_step_post_hook(lambda *_: marks.append(emulated.queues[0].h2d_lane.queued))
+    opt.register_step_pre_hook(lambda *_: marks.append(h2d.queued))
+    opt.register_step_post_hook(lambda *_: marks.append(h2d.queued))
     _train(model, opt, 0, 3)
     in_backward = [marks[0]] + [marks[i] - marks[i - 1] for i in range(2, len(marks), 2)]
     in_step = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)]
-    # buckets of 54 and 56 elements (bf16: 12 bytes each of master + moments): the first backward fetches
-    # nothing (no size measured yet); later backwards fetch both buckets, or, in 700 bytes, one (step() the other)
+    # the first backward fetches nothing (no size measured yet); later backwards fetch both buckets, or,
+    # within one bucket's budget, one (step() the other)
     assert in_backward == ([0, 2, 2] if budget is None else [0, 1, 1])
     assert in_step == ([2, 0, 0] if budget is None else [2, 1, 1])
 
@@ -224,24 +237,13 @@ def test_mixed_with_host_updates_overlapped_with_backward_it_stays_bit_identical
     _assert_same_state(ref_opt, opt)
 
 
-def _state_bytes(opt: HybridDeviceOptimizer) -> list[int]:
-    """Bytes of each param's masters + state shaped like it (what parks), in param order."""
-    return [
-        sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        for s in opt.state_dict()["state"].values()
-    ]
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw fused"])
 def test_device_memory_held_for_state_never_exceeds_the_budget_and_is_freed_after_the_write_back(emulated, fused):
     name = "adamw fused" if fused else "adamw"
     probe, probe_opt = _build(name, torch.bfloat16, offload_state_only=True)
     _train(probe, probe_opt, 0, 2)  # the first update creates the state (torch allocates it, uncounted here)
     unbounded = emulated.peak
-    sizes = _state_bytes(probe_opt)  # per param: fp32 master + 2 moments (+ the fused step)
-    # buckets at bucket_numel=60: (0.weight, 0.bias: 54 elements), (2.*, 4.*: 56); a budget of the larger
-    # alone (with the fused class's four 4-byte step scalars) leaves room for one bucket at a time
-    budget = max(sum(sizes[:2]), sum(sizes[2:])) + (16 if fused else 0)
+    budget = _one_bucket_budget(name)  # room for one bucket at a time
     assert budget < unbounded, "the budget must bind for this test to mean anything"
     emulated.peak = emulated.live = 0
     ref, ref_opt = _build(name, torch.bfloat16)
@@ -258,11 +260,12 @@ def test_device_memory_held_for_state_never_exceeds_the_budget_and_is_freed_afte
     assert emulated.live == 0
 
 
-@pytest.mark.parametrize("budget", [None, 700], ids=["no budget", "one bucket's budget"])
-def test_between_steps_no_device_memory_is_held_for_state_once_the_device_ran_the_write_backs(emulated, budget):
+@pytest.mark.parametrize("bounded", [False, True], ids=["no budget", "one bucket's budget"])
+def test_between_steps_no_device_memory_is_held_for_state_once_the_device_ran_the_write_backs(emulated, bounded):
     # Found on an H200: the device buffers a write-back reads stayed allocated until the optimizer next
     # waited on it (the next backward's fetch, or never for an optimizer dropped in a reference cycle),
     # so the next forward ran with the whole state still on the device
+    budget = _one_bucket_budget() if bounded else None
     model, opt = _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=budget)
     _train(model, opt, 0, 3)
     for queues in emulated.queues:
@@ -271,6 +274,32 @@ def test_between_steps_no_device_memory_is_held_for_state_once_the_device_ran_th
     _train(model, opt, 3, 4)  # and the next step fetches it again from the host buffers
     ref, ref_opt = _build("adamw", torch.bfloat16)
     _train(ref, ref_opt, 0, 4)
+    _assert_same_params(ref, model)
+    _assert_same_state(ref_opt, opt)
+
+
+def test_a_bucket_parks_in_one_host_allocation_and_moves_in_one_copy_each_way(emulated):
+    model, opt = _build("adamw", torch.bfloat16, offload_state_only=True)
+    queues = emulated.queues[-1]
+    _train(model, opt, 0, 1)  # the first update creates the moments on the device: parked one tensor at a time
+    copies = (queues.h2d_lane.queued, queues.d2h_lane.queued)
+    _train(model, opt, 1, 3)
+    buckets = opt.layout().state_only_buckets
+    assert (queues.h2d_lane.queued - copies[0], queues.d2h_lane.queued - copies[1]) == (2 * len(buckets),) * 2
+    opt.wait_for_params()
+    for b in buckets:  # masters and both moments of each param, in the bucket's one allocation
+        names = set(b.params)
+        storages = {
+            t.untyped_storage().data_ptr()
+            for r, p in zip(opt.layout().params, model.parameters())
+            if r.name in names
+            for t in opt.state[p].values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        }
+        assert len(storages) == 1, f"bucket {b.index}: {len(storages)} host allocations"
+        assert b.host_bytes >= 12 * b.numel
+    ref, ref_opt = _build("adamw", torch.bfloat16)
+    _train(ref, ref_opt, 0, 3)
     _assert_same_params(ref, model)
     _assert_same_state(ref_opt, opt)
 
