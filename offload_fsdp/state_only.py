@@ -25,10 +25,10 @@ checkpoints, loads and ``materialize_state`` see the host buffers between steps.
 
 Device memory held for this share's masters + state, counting buffers whose D2H is still in flight
 (until it is seen done), never exceeds ``state_device_bytes`` (one bucket's update also holds its grads
-cast to the master's dtype and the class's temporaries, outside it): a prefetch that does not fit is left to ``step()``, which first
-waits for write-backs in flight and drops buckets prefetched but not needed yet. A bucket never stepped
-has no measured size: it is fetched with nothing else held, and a bucket larger than the budget is a
-``ValueError`` naming both. Host reads (``state_dict``, loads, ``materialize_state``,
+cast to the master's dtype and the class's temporaries, outside it): a prefetch that does not fit is
+left to ``step()``, which first waits for write-backs in flight and drops buckets prefetched but not
+needed yet. A bucket never stepped has no measured size: it is fetched with nothing else held, and a
+bucket larger than the budget is a ``ValueError`` naming both. Host reads (``state_dict``, loads, ``materialize_state``,
 ``wait_for_params``) first wait for the write-backs (:meth:`StateOnlyUpdate.settle`).
 
 Where copies run: :func:`parking_device_for` (the one place; ``torch.Stream`` queues on an accelerator,
