@@ -95,18 +95,21 @@ _GAP_READ = 16 << 20
 class PendingSum:
     """The CRC-32 of a piece being summed on the helper thread; :meth:`result` waits for it."""
 
-    __slots__ = ("crc", "error")
+    __slots__ = ("crc", "error", "_summing")
 
     def __init__(self) -> None:
         self.crc: int | None = None
         self.error: BaseException | None = None
+        self._summing = threading.Lock()  # held until summed: a waiter blocks on it (no Condition per piece)
+        self._summing.acquire()
 
     def done(self) -> bool:
         return self.crc is not None or self.error is not None
 
     def result(self) -> int:
         if not self.done():
-            _summer.wait(self)
+            with self._summing:  # released by the helper thread once summed
+                pass
         if self.error is not None:
             raise self.error
         assert self.crc is not None
@@ -122,7 +125,6 @@ class _Summer:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[PendingSum, list[memoryview]] | None] = queue.SimpleQueue()
-        self._summed = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def submit(self, views: list[memoryview]) -> PendingSum:
@@ -132,11 +134,6 @@ class _Summer:
         pending = PendingSum()
         self._queue.put((pending, views))
         return pending
-
-    def wait(self, pending: PendingSum) -> None:
-        with self._summed:
-            while not pending.done():
-                self._summed.wait()
 
     def stop(self) -> None:
         if self._thread is not None:
@@ -151,8 +148,7 @@ class _Summer:
                 pending.crc = _crc_of_run(views)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for this sum
                 pending.error = exc
-            with self._summed:
-                self._summed.notify_all()
+            pending._summing.release()
 
 
 _summer = _Summer()

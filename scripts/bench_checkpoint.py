@@ -184,7 +184,9 @@ def bench_verify(root: Path, mib: int, rounds: int = 7) -> None:
 
     Each round loads both ways, in alternating order; the figures are the best of the rounds and the
     median of each round's own ratio. CPU time is split into the loading thread's (the critical path when
-    a core is free for the helper) and the CRC helper thread's (the rest of the process's).
+    a core is free for the helper: what the wall ratio comes to then) and the CRC helper thread's (the rest
+    of the process's; with no free core, as under a load average above the core count, the wall ratio
+    follows the process CPU ratio instead).
     """
     state = _state(mib << 20)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -220,7 +222,7 @@ def bench_verify(root: Path, mib: int, rounds: int = 7) -> None:
             f"verify='sizes' {sizes[0]:6.3f} s ({nbytes / sizes[0] / 1e9:5.2f} GB/s)   "
             f"ratio {crc[0] / sizes[0]:.2f}x best, {ratios[len(ratios) // 2]:.2f}x median round   "
             f"cpu {crc_cpu:5.3f} s ({crc_own:5.3f} loading thread + {crc_cpu - crc_own:5.3f} helper) vs "
-            f"{sizes_cpu:5.3f} s: {crc_cpu / sizes_cpu:.2f}x cpu"
+            f"{sizes_cpu:5.3f} s: {crc_cpu / sizes_cpu:.2f}x cpu, {crc_own / sizes_cpu:.2f}x on the loading thread"
         )
     print(f"load average after: {_load_average()}")
     shutil.rmtree(path)
