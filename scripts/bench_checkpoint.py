@@ -183,10 +183,9 @@ def bench_verify(root: Path, mib: int, rounds: int = 7) -> None:
     """Load with the streamed CRC-32 check (the default) vs without, same files, interleaved rounds.
 
     Each round loads both ways, in alternating order; the figures are the best of the rounds and the
-    median of each round's own ratio. CPU time is split into the loading thread's (the critical path when
-    a core is free for the helper: what the wall ratio comes to then) and the CRC helper thread's (the rest
-    of the process's; with no free core, as under a load average above the core count, the wall ratio
-    follows the process CPU ratio instead).
+    median of each round's own ratio. CPU time is split into the loading thread's (the part a core free for
+    the helper cannot hide) and the CRC helper thread's (the rest of the process's; with no free core, as
+    under a load average above the core count, the wall ratio follows the process CPU ratio instead).
     """
     state = _state(mib << 20)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
