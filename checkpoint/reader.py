@@ -26,7 +26,6 @@ import io
 import math
 import struct
 from collections import deque
-from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future as TorchFuture
 
 from checkpoint.chunk_archive import ArchiveLayout, stored_layout
-from checkpoint.content_check import ContentCheck
+from checkpoint.content_check import ContentCheck, PendingSum
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.pickle_budget import value_problem
@@ -75,19 +74,19 @@ class ReadBudget:
         self.cap = cap
         self.held = 0
         self.peak = 0
-        self._summing: deque[tuple[int, Future]] = deque()
+        self._summing: deque[tuple[int, PendingSum]] = deque()
 
     def hold(self, nbytes: int) -> None:
         while self._summing and (
             self._summing[0][1].done() or (self.cap is not None and self.held + nbytes > self.cap)
         ):
             held, summing = self._summing.popleft()
-            wait([summing])
+            summing.result()
             self.held -= held
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
-    def done(self, nbytes: int, summing: list[Future]) -> None:
+    def done(self, nbytes: int, summing: list[PendingSum]) -> None:
         """The reader no longer needs the buffer; it is free once ``summing`` (its CRC-32 sums) finished."""
         pending = [f for f in summing if not f.done()]
         if not pending:
@@ -250,11 +249,12 @@ class DirectReader(FileSystemReader):
         assert isinstance(md, TensorStorageMetadata)  # byte items are read whole
         return not any(item.storage_offsets) and tuple(item.lengths) == _chunk_sizes(md, item)
 
-    def _verified(self, name: str, offset: int, data) -> list[Future]:
-        """Hand ``data`` to the streamed check; the CRC-32 sums still running on it (it must stay alive until then)."""
+    def _verified(self, name: str, offset: int, *buffers) -> list[PendingSum]:
+        """Hand ``buffers`` (read one after another from ``offset``) to the streamed check as one piece; the
+        CRC-32 sums still running on them (they must stay alive until then)."""
         if self._check is None:
             return []
-        summing = self._check.add(name, offset, data)
+        summing = self._check.add_run(name, offset, list(buffers))
         return [] if summing is None else [summing]
 
     def _whole_chunk(self, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> _WholeChunk | None:
@@ -311,7 +311,8 @@ class DirectReader(FileSystemReader):
         whole_read, summing = self._read_in_slices(f, whole.info, whole.buffers)
         if not whole_read or not whole.matches():
             # the general path may rewrite the destination: the sums of what was read here finish first
-            wait(summing)
+            for pending in summing:
+                pending.result()
             return False
         return True
 
@@ -335,13 +336,13 @@ class DirectReader(FileSystemReader):
             failed += [whole for whole in run if not self._read_in_place(f, whole)]
         return failed
 
-    def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[Future]]:
+    def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[PendingSum]]:
         """Fill ``buffers`` from ``info.offset`` in reads of at most :data:`_SLICE_BYTES`, each slice handed to
         the streamed check as soon as it is read (its CRC-32 summed while the next is read). Returns whether
         all were filled, and the sums still running."""
         views = [memoryview(b).cast("B") for b in buffers]
         slices = [v[i : i + _SLICE_BYTES] for v in views for i in range(0, len(v), _SLICE_BYTES)]
-        summing: list[Future] = []
+        summing: list[PendingSum] = []
         at = info.offset
         batch: list[memoryview] = []
         for piece in slices:
@@ -350,9 +351,8 @@ class DirectReader(FileSystemReader):
                 size = sum(len(b) for b in batch)
                 if self._store.read_into(f, batch, at) != size:
                     return False, summing
-                for b in batch:
-                    summing += self._verified(info.relative_path, at, b)
-                    at += len(b)
+                summing += self._verified(info.relative_path, at, *batch)  # one piece per read: one hand-over
+                at += size
                 batch = []
         return True, summing
 
@@ -392,7 +392,7 @@ class DirectReader(FileSystemReader):
         planner.commit_tensor(item, target)
         self.budget.done(held, summing)
 
-    def _load_whole(self, f, info: StorageInfo, path: Path) -> tuple[torch.Tensor, list[Future]]:
+    def _load_whole(self, f, info: StorageInfo, path: Path) -> tuple[torch.Tensor, list[PendingSum]]:
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
         summing = self._verified(info.relative_path, info.offset, data)
