@@ -252,9 +252,26 @@ def test_a_manifest_written_before_identities_still_loads_and_verifies(good, tmp
 
 
 def test_a_manifest_with_one_identity_stripped_is_refused_naming_the_key(good, tmp_path, capsys):
-    ck = _without_identities(good, tmp_path, lambda manifest: ["w"])
+    # stripped to pass off a relabelling of w's chunks (.metadata rewritten, its file record recomputed)
+    ck = _tampered(good, tmp_path, two_same_size_chunks_swapped)
+    manifest = read_manifest(ck)
+    manifest.keys["w"] = dataclasses.replace(manifest.keys["w"], identity=None)
+    write_manifest(ck, manifest)
     with pytest.raises(checkpoint.CheckpointCorruptError, match="'w' has no identity in manifest.json"):
         checkpoint.load_state_dict(_target(), ck, no_dist=True)
+    assert cli_main(["verify", str(ck)]) == 1
+    assert "'w' has no identity in manifest.json" in capsys.readouterr().out
+
+
+def test_key_records_edited_alone_load_exactly_and_fail_verify(good, tmp_path, capsys):
+    """``.metadata`` still the one the records were made from (``keys_from_metadata_crc32``): a load reads
+    exactly what was saved without comparing the records key by key; ``fsdp-ckpt verify`` compares them."""
+    ck = _without_identities(good, tmp_path, lambda manifest: ["w"])
+    manifest = read_manifest(ck)
+    assert manifest.keys_from_metadata_crc32 == manifest.files[METADATA_NAME].crc32
+    target = _target()
+    checkpoint.load_state_dict(target, ck, no_dist=True)
+    assert torch.equal(target["w"], _SAVED["w"]) and target["groups"] == _SAVED["groups"]
     assert cli_main(["verify", str(ck)]) == 1
     assert "'w' has no identity in manifest.json" in capsys.readouterr().out
 
