@@ -110,8 +110,12 @@ class HostArena:
         return self.storage.nbytes
 
     def view(self, handle: int) -> torch.Tensor:
+        return self.view_in(self.storage, handle)
+
+    def view_in(self, flat: torch.Tensor, handle: int) -> torch.Tensor:
+        """The flat buffer of a request in ``flat``: this arena's storage, or a tensor like it (a device copy)."""
         numel, dtype, offset = self.layout.requests[handle]
         if dtype == self.dtype:  # offsets are 64-byte aligned, so a whole number of elements
             start = offset // dtype.itemsize
-            return self.storage[start : start + numel]
-        return self.storage[offset : offset + numel * dtype.itemsize].view(dtype)
+            return flat[start : start + numel]
+        return flat[offset : offset + numel * dtype.itemsize].view(dtype)

@@ -17,7 +17,7 @@ from offload_fsdp.buckets import HostBucket, HostBuffers
 from offload_fsdp.host_memory import HostArena
 from offload_fsdp.records import ParamShard
 
-__all__ = ["ArenaLayout", "BucketLayout", "OffloadLayout", "ParamLayout", "describe"]
+__all__ = ["ArenaLayout", "BucketLayout", "OffloadLayout", "ParamLayout", "StateOnlyBucketLayout", "describe"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class ParamLayout:
     """its update runs on the host (master, grad staging and state in a host bucket)"""
     bucket: int | None
     """index of its host bucket (offloaded params only)"""
+    state_only_bucket: int | None = None
+    """index of its state-only bucket (``offload_state_only``: updated on the device, its master and state
+    parked on the host between steps); None for every other param"""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,25 @@ class BucketLayout:
 
 
 @dataclass(frozen=True)
+class StateOnlyBucketLayout:
+    """One state-only bucket: a run of device-share params updated by one device optimizer, whose masters
+    and state are parked on the host between steps (:mod:`offload_fsdp.state_only`)."""
+
+    index: int
+    group_index: int
+    device: torch.device
+    """the device of its params (where its update runs)"""
+    params: tuple[str, ...]
+    """names of its params, in bucket order"""
+    numel: int
+    host_bytes: int
+    """bytes of its host buffers (one allocation, alignment included): what a fetch moves and holds on the
+    device, once its state exists (masters only before its first update)"""
+    pinned: bool
+    """its host buffers are page-locked (on an accelerator)"""
+
+
+@dataclass(frozen=True)
 class ArenaLayout:
     """One host allocation behind the buckets' buffers."""
 
@@ -88,6 +110,8 @@ class OffloadLayout:
     buckets: tuple[BucketLayout, ...]
     arenas: tuple[ArenaLayout, ...]
     """every arena, construction's first, then those of groups added later"""
+    state_only_buckets: tuple[StateOnlyBucketLayout, ...] = ()
+    """the state-only buckets (``offload_state_only=True``), in order; empty otherwise"""
 
     @property
     def offloaded(self) -> tuple[bool, ...]:
@@ -96,7 +120,30 @@ class OffloadLayout:
 
 
 def _param(r: ParamShard) -> ParamLayout:
-    return ParamLayout(r.name, r.group_index, r.trainable, r.offloaded, r.host_bucket.index if r.offloaded else None)
+    return ParamLayout(
+        r.name,
+        r.group_index,
+        r.trainable,
+        r.offloaded,
+        r.host_bucket.index if r.offloaded else None,
+        r.parked.index if r.parked is not None else None,
+    )
+
+
+def _state_only_buckets(records: list[ParamShard]) -> tuple[StateOnlyBucketLayout, ...]:
+    parked = {id(r.parked): r.parked for r in records if r.parked is not None}  # each bucket once, in order
+    return tuple(
+        StateOnlyBucketLayout(
+            index=b.index,
+            group_index=b.records[0].group_index,
+            device=b.parking.device,
+            params=tuple(r.name for r in b.records),
+            numel=sum(r.numel for r in b.records),
+            host_bytes=b.host.nbytes if b.host is not None else 0,
+            pinned=b.host is not None and b.host.arena.pinned,
+        )
+        for b in parked.values()
+    )
 
 
 def _bucket(b: HostBucket) -> BucketLayout:
@@ -138,4 +185,9 @@ def describe(records: list[ParamShard], buckets: list[HostBucket], buffers: list
             *(_arena(f"{dtype} {role}", a) for (dtype, role), a in b.pageable.items()),
         )
     ]
-    return OffloadLayout(tuple(_param(r) for r in records), tuple(_bucket(b) for b in buckets), tuple(arenas))
+    return OffloadLayout(
+        tuple(_param(r) for r in records),
+        tuple(_bucket(b) for b in buckets),
+        tuple(arenas),
+        _state_only_buckets(records),
+    )

@@ -4,27 +4,31 @@ device's optimizer, while its masters and optimizer state are parked in host mem
 The device share (every trainable param whose update ``offload_fraction`` leaves on the device) is cut
 into buckets of at most ``bucket_numel`` elements, each with its own ``gpu_optimizer_cls`` instance
 (:class:`~offload_fsdp.delegate.DelegatedOptimizer`). Between steps each bucket's device fp32 masters
-and state tensors hold host buffers (page-locked on an accelerator); a bucket's update:
+and state tensors hold views of one host allocation (:class:`_HostBuffers`, page-locked on an
+accelerator); a bucket's update:
 
-1. **fetch**: a device buffer per tensor, the H2D of the host buffer into it on a side stream; started
-   as soon as the bucket's first grad is final in backward (post-accumulate-grad hook) when the budget
-   has room, else by ``step()``;
+1. **fetch**: one device buffer laid out as the host allocation, one H2D into it on a side stream (ordered
+   after the bucket's last write-back on the device); started as soon as the bucket's first grad is final
+   in backward (post-accumulate-grad hook) when the budget has room, else by ``step()``;
 2. **update**: the main stream waits for that H2D, the bucket's optimizer steps, low-precision params
    take their master's cast (exactly the device share's update, so the bits are those of the same
    optimizer kept on the device);
-3. **park**: the D2H of every tensor into its host buffer on a side stream, queued after the update; the
-   tensors hold the host buffers from now on, and the device buffers are released once the D2H is done,
-   so the write-back overlaps what follows (the next forward).
+3. **park**: one D2H into the host allocation on a side stream, queued after the update (a tensor the
+   update created or replaced, as the first update's moments: one D2H each, that time); the
+   tensors hold the host buffers from now on, and nothing holds the device buffers: the allocator reuses
+   them once the D2H is done (``CopyQueues.free_after_d2h``), so the write-back overlaps what follows
+   and the next forward runs without them, whether or not anything waits on the write-back.
 
 The tensors keep their identity throughout (their ``.data`` moves, as FSDP1's CPU offload moves a
 param's): torch's optimizer keeps its state keyed and referenced as before, and ``optimizer.state``,
 checkpoints, loads and ``materialize_state`` see the host buffers between steps.
 
-Device memory held for this share's masters + state, counting buffers whose D2H is still in flight,
-never exceeds ``state_device_bytes``: a prefetch that does not fit is left to ``step()``, which first
-waits for write-backs in flight and drops buckets prefetched but not needed yet. A bucket never stepped
-has no measured size: it is fetched with nothing else held, and a bucket larger than the budget is a
-``ValueError`` naming both. Host reads (``state_dict``, loads, ``materialize_state``,
+Device memory held for this share's masters + state, counting buffers whose D2H is still in flight
+(until it is seen done), never exceeds ``state_device_bytes`` (one bucket's update also holds its grads
+cast to the master's dtype and the class's temporaries, outside it): a prefetch that does not fit is
+left to ``step()``, which first waits for write-backs in flight and drops buckets prefetched but not
+needed yet. A bucket never stepped has no measured size: it is fetched with nothing else held, and a
+bucket larger than the budget is a ``ValueError`` naming both. Host reads (``state_dict``, loads, ``materialize_state``,
 ``wait_for_params``) first wait for the write-backs (:meth:`StateOnlyUpdate.settle`).
 
 Where copies run: :func:`parking_device_for` (the one place; ``torch.Stream`` queues on an accelerator,
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from offload_fsdp.delegate import DelegatedOptimizer
+from offload_fsdp.host_memory import HostArena, HostLayout
 from offload_fsdp.master import MASTER_KEY
 from offload_fsdp.placement import Placement
 from offload_fsdp.records import ParamShard
@@ -55,6 +60,9 @@ StepDelegate = Callable[[DelegatedOptimizer, list[tuple[ParamShard, torch.Tensor
 class _Done:
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
 
 class _HostQueues:
@@ -75,6 +83,9 @@ class _HostQueues:
             dst.copy_(src)
         return _Done()
 
+    def free_after_d2h(self, src: torch.Tensor) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class ParkingDevice:
@@ -89,10 +100,6 @@ class ParkingDevice:
         """An uninitialised device buffer shaped like ``t`` (an H2D fills it)."""
         return torch.empty(t.shape, dtype=t.dtype, device=self.device)
 
-    def host_like(self, t: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host buffer shaped like ``t`` (a D2H fills it)."""
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
-
 
 def parking_device_for(device: torch.device) -> ParkingDevice:
     """The parking of ``device``'s state: side streams and page-locked buffers on an accelerator, plain
@@ -100,6 +107,42 @@ def parking_device_for(device: torch.device) -> ParkingDevice:
     if device.type == "cpu":
         return ParkingDevice(device, _HostQueues(), pin=False)
     return ParkingDevice(device, StreamQueues(device), pin=True)
+
+
+@dataclass(eq=False)
+class _HostBuffers:
+    """A bucket's parked tensors in ONE host allocation (page-locked on an accelerator, exactly sized:
+    :class:`~offload_fsdp.host_memory.HostArena`), one view each, in :func:`_movable` order; a device
+    buffer laid out the same way makes a fetch or a write-back one copy."""
+
+    arena: HostArena
+    views: list[torch.Tensor]
+    """one per tensor, shaped like it"""
+
+    @classmethod
+    def for_tensors(cls, tensors: list[torch.Tensor], *, pin: bool) -> _HostBuffers:
+        layout = HostLayout()
+        handles = [layout.add(t.numel(), t.dtype) for t in tensors]
+        arena = layout.allocate(pin=pin)
+        return cls(arena, [arena.view(h).view(t.shape) for h, t in zip(handles, tensors)])
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.storage.nbytes
+
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        """Its views are shaped and typed like ``tensors``, one each."""
+        return len(tensors) == len(self.views) and all(
+            t.shape == v.shape and t.dtype == v.dtype for t, v in zip(tensors, self.views)
+        )
+
+    def held_by(self, tensors: list[torch.Tensor]) -> bool:
+        """Each of ``tensors`` holds its view now (none replaced, added or dropped since they were parked)."""
+        return self.fits(tensors) and all(t.data_ptr() == v.data_ptr() for t, v in zip(tensors, self.views))
+
+    def device_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The views of ``flat``, a device buffer like ``arena.storage``, laid out as the host views."""
+        return [self.arena.view_in(flat, i).view(v.shape) for i, v in enumerate(self.views)]
 
 
 @dataclass(eq=False)
@@ -121,19 +164,29 @@ class ParkedBucket:
     records: list[ParamShard]
     delegate: DelegatedOptimizer
     parking: ParkingDevice
+    host: _HostBuffers | None = None
+    """where its tensors are parked"""
     resident: list[_Moved] | None = None
     """the tensors on the device (fetched, or being updated); None: parked"""
+    resident_flat: torch.Tensor | None = None
+    """the one device buffer ``resident`` are views of (fetched in one copy); None: a buffer each"""
     fetched: Completion | None = None
     """completion of the H2D of ``resident``"""
-    writing_back: list[tuple[Completion, list[torch.Tensor], int]] = field(default_factory=list)
-    """D2H in flight: (completion, the device buffers it reads, their bytes)"""
+    writing_back: list[tuple[Completion, int]] = field(default_factory=list)
+    """D2H in flight: (completion, bytes of the device buffers it reads); the buffers themselves are dropped
+    at once (the allocator reuses them when the D2H is done), the bytes count until it is seen done"""
     measured_bytes: int | None = None
     """device bytes of its masters + state after its last update (None: never updated)"""
 
     def held_bytes(self) -> int:
         """Device bytes this bucket holds now (resident, and buffers a D2H still reads)."""
-        resident = sum(_nbytes(m.device) for m in self.resident) if self.resident is not None else 0
-        return resident + sum(n for _, _, n in self.writing_back)
+        if self.resident is None:
+            resident = 0
+        elif self.resident_flat is not None:
+            resident = _nbytes(self.resident_flat)
+        else:
+            resident = sum(_nbytes(m.device) for m in self.resident)
+        return resident + sum(n for _, n in self.writing_back)
 
 
 class StateOnlyUpdate:
@@ -164,7 +217,9 @@ class StateOnlyUpdate:
         now and hook their params so that a bucket is fetched as its grads become final."""
         for run in _runs(records, self._bucket_numel):
             device = run[0].local.device
-            parking = self._parkings.setdefault(device, self._parking_for(device))
+            if device not in self._parkings:  # one per device (an accelerator's: two side streams)
+                self._parkings[device] = self._parking_for(device)
+            parking = self._parkings[device]
             bucket = ParkedBucket(index=len(self.buckets), records=run, delegate=self._delegate_for(run),
                                   parking=parking)  # fmt: skip
             self.buckets.append(bucket)
@@ -172,8 +227,11 @@ class StateOnlyUpdate:
                 r.parked = bucket
             # the device fp32 masters the device share would keep (and state a class makes in __init__,
             # torch's Adagrad): parked from the start
-            for t in _movable(bucket):
-                t.data = _to_host(t, parking)
+            tensors = _movable(bucket)
+            bucket.host = _HostBuffers.for_tensors(tensors, pin=parking.pin)
+            for t, view in zip(tensors, bucket.host.views):
+                view.copy_(t)
+                t.data = view
         self._hooks.extend(_prefetch_hooks(self, records))
 
     @staticmethod
@@ -188,7 +246,7 @@ class StateOnlyUpdate:
     @property
     def pinned_bytes(self) -> int:
         """Page-locked host bytes of the parked masters and state (their host buffers; 0 on the CPU)."""
-        return sum(_nbytes(t) for b in self.buckets if b.parking.pin for t in _movable(b))
+        return sum(b.host.nbytes for b in self.buckets if b.host is not None and b.host.arena.pinned)
 
     # ------------------------------------------------------------------ the step
 
@@ -229,23 +287,39 @@ class StateOnlyUpdate:
         for, fetched buckets not in ``keep`` dropped); else give up when it does not fit."""
         if bucket.resident is not None:
             return True
-        self._wait_written_back(bucket)  # its H2D reads the host buffers that D2H writes
+        for done, _ in bucket.writing_back:
+            # its H2D (queued after the main stream's work) reads the host buffers its last D2H writes:
+            # ordered on the device, the host does not wait (that D2H usually landed during the forward)
+            bucket.parking.queues.main_waits(done)
+        self._forget_landed(bucket)
         tensors = _movable(bucket)
+        # all parked in its host buffers (else fresh or loaded tensors since: fetched one by one)
+        host = bucket.host if bucket.host is not None and bucket.host.held_by(tensors) else None
         need = bucket.measured_bytes if bucket.measured_bytes is not None else self.budget
-        need = max(need or 0, sum(_nbytes(t) for t in tensors))
+        need = max(need or 0, host.nbytes if host is not None else sum(_nbytes(t) for t in tensors))
         if not self._room(need, wait=wait, keep=keep | {bucket.index}):
             return False
-        parking = bucket.parking
-        moved = [_Moved(t, t.data, parking.device_like(t)) for t in tensors]
-        bucket.fetched = parking.queues.h2d([(m.device, m.host) for m in moved], after=parking.queues.mark_main())
+        parking, after = bucket.parking, bucket.parking.queues.mark_main()
+        if host is not None:
+            flat = parking.device_like(host.arena.storage)
+            moved = [_Moved(t, t.data, d) for t, d in zip(tensors, host.device_views(flat))]
+            bucket.fetched = parking.queues.h2d([(flat, host.arena.storage)], after=after)
+        else:
+            flat = None
+            moved = [_Moved(t, t.data, parking.device_like(t)) for t in tensors]
+            bucket.fetched = parking.queues.h2d([(m.device, m.host) for m in moved], after=after)
         for m in moved:
             m.tensor.data = m.device
-        bucket.resident = moved
+        bucket.resident, bucket.resident_flat = moved, flat
         return True
 
     def _room(self, need: int, *, wait: bool, keep: set[int]) -> bool:
         """Whether ``need`` more device bytes fit the budget, after (``wait``) freeing what may be freed."""
-        if self.budget is None or self.held_bytes + need <= self.budget:
+        if self.budget is None:
+            return True
+        for bucket in self.buckets:
+            self._forget_landed(bucket)
+        if self.held_bytes + need <= self.budget:
             return True
         if not wait:
             return False
@@ -269,25 +343,30 @@ class StateOnlyUpdate:
     def _park(self, bucket: ParkedBucket) -> None:
         """Queue the D2H of ``bucket``'s tensors after its update; they hold their host buffers from now on."""
         assert bucket.resident is not None
-        parking = bucket.parking
-        hosts = {id(m.tensor): m.host for m in bucket.resident}
-        pairs = []
-        for t in _movable(bucket):  # also the state the update just created on the device
-            host = hosts.get(id(t))
-            # a host buffer made off the device (fresh state, a load) is replaced by a page-locked one
-            if host is None or host.shape != t.shape or host.dtype != t.dtype or (parking.pin and not host.is_pinned()):
-                host = parking.host_like(t)
-            pairs.append((t, host, t.data))
-        bucket.resident, bucket.fetched = None, None
-        done: Completion | None = None
-        for _, host, device in pairs:
-            done = parking.queues.d2h(host, device)
-        for t, host, _ in pairs:
-            t.data = host  # reads are valid once the D2H is waited for (settle())
-        devices = [device for _, _, device in pairs]
-        size = sum(_nbytes(d) for d in devices)
-        if done is not None:
-            bucket.writing_back.append((done, devices, size))
+        tensors = _movable(bucket)  # also the state the update just created on the device
+        devices = [t.data for t in tensors]
+        flat = bucket.resident_flat
+        if flat is None or not _still_hold(bucket.resident, tensors):
+            flat = None  # fetched one by one, or the update made or replaced a tensor: parked one by one
+            self._lay_out_host(bucket, tensors)
+        assert bucket.host is not None
+        queues = bucket.parking.queues
+        bucket.resident, bucket.resident_flat, bucket.fetched = None, None, None
+        if flat is not None:
+            done = queues.d2h(bucket.host.arena.storage, flat)
+            sources, size = [flat], _nbytes(flat)
+        else:
+            for view, device in zip(bucket.host.views, devices):
+                done = queues.d2h(view, device)
+            sources, size = devices, sum(_nbytes(d) for d in devices)
+        for t, view in zip(tensors, bucket.host.views):
+            t.data = view  # reads are valid once the D2H is waited for (settle())
+        for device in sources:
+            # Nothing here holds the device buffer from now on: freed as soon as its D2H is done, so the
+            # next forward runs without it, whether or not anything waits on the write-back before
+            queues.free_after_d2h(device)
+        if tensors:
+            bucket.writing_back.append((done, size))
         bucket.measured_bytes = size
         _show_host_buffers(bucket)
         if self.budget is not None and size > self.budget:
@@ -297,29 +376,46 @@ class StateOnlyUpdate:
                 f"least {size}, or lower bucket_numel"
             )
 
+    @staticmethod
+    def _lay_out_host(bucket: ParkedBucket, tensors: list[torch.Tensor]) -> None:
+        """Host buffers for ``tensors`` (the old ones if shaped alike): the update created state, or fresh or
+        loaded state made on the host replaced some since the last park."""
+        if bucket.host is not None and bucket.host.fits(tensors):
+            return
+        if bucket.fetched is not None:
+            bucket.fetched.synchronize()  # the old host buffers are freed now: their H2D must have run
+        bucket.host = _HostBuffers.for_tensors(tensors, pin=bucket.parking.pin)
+
     def _release_resident(self, bucket: ParkedBucket) -> None:
         """Drop a fetched bucket's device copies (never updated since: the host buffers are current)."""
         assert bucket.resident is not None
         for m in bucket.resident:
             m.tensor.data = m.host
-        bucket.resident, bucket.fetched = None, None
+        bucket.resident, bucket.resident_flat, bucket.fetched = None, None, None
         _show_host_buffers(bucket)
 
     @staticmethod
     def _wait_written_back(bucket: ParkedBucket) -> None:
-        for done, _, _ in bucket.writing_back:
-            done.synchronize()  # the D2H read these device buffers: released only now
+        for done, _ in bucket.writing_back:
+            done.synchronize()  # the host buffers are final (and the device memory the D2H read is free) now
         bucket.writing_back.clear()
+
+    @staticmethod
+    def _forget_landed(bucket: ParkedBucket) -> None:
+        """Stop counting the write-backs already done (their device memory is free again)."""
+        bucket.writing_back = [(done, n) for done, n in bucket.writing_back if not done.query()]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _to_host(t: torch.Tensor, parking: ParkingDevice) -> torch.Tensor:
-    host = parking.host_like(t)
-    host.copy_(t)
-    return host
+def _still_hold(resident: list[_Moved], tensors: list[torch.Tensor]) -> bool:
+    """``tensors`` are the fetched ones, in order, each still holding its device buffer."""
+    return len(resident) == len(tensors) and all(
+        m.tensor is t and t.data_ptr() == m.device.data_ptr() and t.shape == m.device.shape
+        for m, t in zip(resident, tensors)
+    )
 
 
 def _runs(records: list[ParamShard], bucket_numel: int) -> list[list[ParamShard]]:

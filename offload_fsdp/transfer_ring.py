@@ -64,6 +64,10 @@ class Completion(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def query(self) -> bool:
+        """Whether it is done, without blocking."""
+        ...
+
 
 class CopyQueues(Protocol):
     """The device's main stream and two side streams, as the ring engine uses them."""
@@ -82,6 +86,11 @@ class CopyQueues(Protocol):
 
     def h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Completion) -> Completion:
         """Queue ``dst.copy_(src)`` for each pair, after ``after``."""
+        ...
+
+    def free_after_d2h(self, src: torch.Tensor) -> None:
+        """The caller drops ``src``, which a queued D2H reads: its memory is reused only once the D2H
+        queued so far is done (the caller need not keep it alive)."""
         ...
 
 
@@ -119,6 +128,11 @@ class StreamQueues:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
         return self.h2d_stream.record_event()
+
+    def free_after_d2h(self, src: torch.Tensor) -> None:
+        # The caching allocator knows only the stream src was allocated on: without this, memory freed
+        # now could go to the main stream's next allocation while the D2H still reads it.
+        src.record_stream(self.d2h_stream)
 
 
 @dataclass(eq=False)

@@ -39,6 +39,12 @@ with ``torch.set_num_threads`` = its share of the cores in both. Printed: the
 fastest and median step of each, the unbound / bound ratio, and each one's process
 CPU time per step.
 
+``--state-only-memory`` runs only, on an accelerator, the peak device memory of
+``offload_state_only=True`` (unbounded, and with ``state_device_bytes`` = 1/4 of the
+state) against the model alone and on-device AdamW, each run's bytes above what was
+allocated before it (earlier runs garbage-collected first), and what stays allocated
+between steps; under 90 s on one GPU at the defaults with ``--repeats 3``.
+
 ``--timeline-json PATH`` runs only the timeline probe: the fastest of a few
 full ``step()`` calls (offload_fraction=1, bf16 params and grads), with the
 start / end of every bucket's D2H, host step and H2D in ms from the step's
@@ -280,7 +286,9 @@ def bench_gpu(args: argparse.Namespace) -> None:
     # state-only offload: updated on the device, fp32 masters + moments (12 bytes a param) parked on the host
     # (peak memory: unbounded, every bucket's state may be on the device during step(); bounded to ~2 buckets of 8)
     state_bytes = 12 * n
-    for label, budget in (("unbounded", None), ("state_device_bytes = 1/4 of the state", state_bytes // 4)):
+    # two buckets of n/8: 1/4 of the state, and their host buffers' 64-byte alignment (a few hundred bytes each)
+    two_buckets = state_bytes // 4 + 4096
+    for label, budget in (("unbounded", None), ("state_device_bytes = 1/4 of the state + 4 KiB", two_buckets)):
         t_so, m_so = _bench_iteration(
             args, device, width, 0.0, offload_state_only=True, state_device_bytes=budget, bucket_numel=n // 8
         )
@@ -351,9 +359,31 @@ def _bench_iteration(
 ) -> tuple[float, int]:
     """(seconds per training iteration, peak device bytes); ``fraction=None``: fp32-master AdamW on the device;
     ``options`` go to HybridDeviceOptimizer."""
-    sync = torch.accelerator.synchronize
+    _fresh_device_memory()
+    iteration = _iteration(args, device, width, fraction, **options)
+    return _time(iteration, args.repeats, torch.accelerator.synchronize), torch.accelerator.max_memory_allocated()
+
+
+def _fresh_device_memory() -> int:
+    """Free what earlier runs left and reset the peaks; the device bytes still allocated (the baseline)."""
+    gc.collect()  # an earlier run's optimizer (held in reference cycles) would keep its model and state
+    torch.accelerator.synchronize()
     torch.accelerator.empty_cache()
     torch.accelerator.reset_peak_memory_stats()
+    return torch.accelerator.memory_allocated()
+
+
+def _iteration(
+    args: argparse.Namespace,
+    device: torch.device,
+    width: int,
+    fraction: float | None,
+    *,
+    step: bool = True,
+    **options: object,
+) -> Callable[[], None]:
+    """One training iteration of the 2*layers x Linear(width) bf16 model (built here) at batch ``--batch``;
+    ``fraction=None``: fp32-master AdamW on the device; ``step=False``: forward and backward only."""
     layers = [torch.nn.Linear(width, width) for _ in range(2 * args.layers)]
     model = torch.nn.Sequential(*layers).to(device).bfloat16()
     params = list(model.parameters())
@@ -374,10 +404,71 @@ def _bench_iteration(
 
     def iteration() -> None:
         model(x).float().square().mean().backward()
-        opt_step()
+        if step:
+            opt_step()
         model.zero_grad(set_to_none=False)
 
-    return _time(iteration, args.repeats, sync), torch.accelerator.max_memory_allocated()
+    return iteration
+
+
+def bench_state_only_memory(args: argparse.Namespace) -> None:
+    """Peak device memory of state-only offload against its ``state_device_bytes`` budget, on an accelerator.
+
+    The iteration rows' model (2*layers x Linear, bf16, batch ``--batch``), ``--repeats`` iterations each:
+    the model alone (forward + backward, no step: params, grads, activations), on-device fp32-master
+    AdamW, and AdamW with ``offload_state_only=True`` unbounded and with ``state_device_bytes`` = 1/4 of
+    the state (fp32 master + two moments, 12 B/param) in buckets of n/8. Bytes are above what was
+    allocated before each run (earlier runs collected first); "state" is a run's peak above the model
+    alone's, the device memory its optimizer needed; "between steps" is what stays allocated once the
+    device is idle after a step, above the model alone's.
+    """
+    device = _accelerator()
+    if device is None:
+        print("(no accelerator: nothing to measure)")
+        return
+    n = sum(_shapes(int(args.numel), args.tensors))
+    width = int((n / (2 * args.layers)) ** 0.5)
+    n = 2 * args.layers * (width * width + width)
+    state_bytes, bucket = 12 * n, n // 8
+    budget = state_bytes // 4 + 4096  # two buckets of n/8, and their host buffers' 64-byte alignment
+    runs: dict[str, tuple[float | None, int | None, dict[str, Any]]] = {
+        "model alone (no step)": (None, None, {"step": False}),
+        "on-device fp32-master AdamW": (None, None, {}),
+        "state-only, unbounded": (0.0, None, {"offload_state_only": True, "bucket_numel": bucket}),
+        "state-only, state_device_bytes = state/4 + 4 KiB": (0.0, budget, {"offload_state_only": True,
+                                                      "state_device_bytes": budget, "bucket_numel": bucket}),
+    }  # fmt: skip
+    print(f"state-only device memory ({_device_name(device)}; {2 * args.layers} x Linear({width}), bf16, "
+          f"{n / 1e6:.1f}M params, batch {args.batch}, {args.repeats} iterations; state {state_bytes / 2**20:.0f} MiB, "
+          f"buckets of {bucket / 1e6:.2f}M params = {12 * bucket / 2**20:.0f} MiB of state):")  # fmt: skip
+    # One-time device allocations of the first forward/backward (BLAS workspaces) stay allocated: made here,
+    # they are in every run's baseline. (Made in the first run instead, they once read as -256 MiB of state.)
+    warm_up = _iteration(args, device, width, None, step=False)
+    warm_up()
+    del warm_up
+    model_peak: int | None = None
+    model_between = 0
+    for label, (fraction, budget, options) in runs.items():
+        base = _fresh_device_memory()
+        iteration = _iteration(args, device, width, fraction, **options)
+        for _ in range(args.repeats):
+            iteration()
+        torch.accelerator.synchronize()
+        between = torch.accelerator.memory_allocated() - base
+        peak = torch.accelerator.max_memory_allocated() - base
+        reserved = torch.accelerator.max_memory_reserved() - base
+        del iteration
+        if model_peak is None:  # the first run: the model alone
+            model_peak, model_between = peak, between
+        line = (f"  {label}: peak allocated {peak / 2**20:.0f} MiB (state {(peak - model_peak) / 2**20:.0f} MiB), "
+                f"peak reserved {reserved / 2**20:.0f} MiB, between steps {(between - model_between) / 2**20:.0f} MiB")  # fmt: skip
+        if budget is not None:
+            # The budget counts masters + state; the update of one bucket also holds its grads cast to fp32 and
+            # foreach AdamW's one fp32 temporary (4 + 4 B/param), outside it
+            limit = budget + 8 * bucket
+            line += (f"; budget {budget / 2**20:.0f} MiB + {8 * bucket / 2**20:.0f} MiB for one bucket's update: "
+                     f"{'within' if peak - model_peak <= limit else 'OVER'}")  # fmt: skip
+        print(line)
 
 
 class _StageClock:
@@ -569,6 +660,8 @@ def main() -> None:
                              "pinned bytes, construction time, step time")  # fmt: skip
     parser.add_argument("--bind", action="store_true",
                         help="only compare step() with and without bind_host_cores at 1 and 2 local ranks")  # fmt: skip
+    parser.add_argument("--state-only-memory", action="store_true",
+                        help="only measure state-only offload's peak device memory against its budget")  # fmt: skip
     parser.add_argument(
         "--write-check-only",
         action="store_true",
@@ -582,6 +675,9 @@ def main() -> None:
         return
     if args.bind:
         bench_bind(args)
+        return
+    if args.state_only_memory:
+        bench_state_only_memory(args)
         return
     if not args.write_check_only:
         bench_cpu(args)

@@ -2,8 +2,7 @@
 
 import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,42 +11,44 @@ import torch
 import checkpoint
 from checkpoint import storage as storage_module
 from checkpoint.atomic import staging_path
+from tests.distributed import run_process
 
-REPO = Path(__file__).resolve().parents[1]
 
-# The child saves ``new`` over the checkpoint at argv[1] and SIGKILLs itself at the argv[2]-th file or directory
-# removal made after the new checkpoint was renamed into place (the tail of the swap: the old copy's removal).
-_KILL_IN_CLEANUP = r"""
-import os, signal, sys, torch, checkpoint
-from checkpoint import storage_backend
-path, kill_at = sys.argv[1], int(sys.argv[2])
-state = {"swapped": False, "removals": 0}
-rename = storage_backend.LocalStorage.rename
-def tracking_rename(self, src, dst):
-    rename(self, src, dst)
-    state["swapped"] = state["swapped"] or os.path.abspath(dst) == os.path.abspath(path)
-storage_backend.LocalStorage.rename = tracking_rename
-for name in ("unlink", "rmdir"):
-    def removal(*args, _original=getattr(os, name), **kwargs):
-        if state["swapped"]:
-            state["removals"] += 1
-            if state["removals"] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return _original(*args, **kwargs)
-    setattr(os, name, removal)
-checkpoint.save_state_dict({"w": torch.full((8, 4), 2.0), "b": torch.arange(5.0) * 2}, path)
-print("finished", state["removals"], flush=True)
-"""
+def _save_killing_itself_in_cleanup(path: str, kill_at: int) -> None:
+    """Save ``new`` over the checkpoint at ``path`` and SIGKILL this process at the ``kill_at``-th file or directory
+    removal made after the new checkpoint was renamed into place (the tail of the swap: the old copy's removal).
+    Run in a process of its own: it patches ``os`` and the storage class."""
+    from checkpoint import storage_backend
+
+    torch.set_num_threads(1)
+    state = {"swapped": False, "removals": 0}
+    rename = storage_backend.LocalStorage.rename
+
+    def tracking_rename(self, src, dst):
+        rename(self, src, dst)
+        state["swapped"] = state["swapped"] or os.path.abspath(dst) == os.path.abspath(path)
+
+    def counting(original):
+        def removal(*args, **kwargs):
+            if state["swapped"]:
+                state["removals"] += 1
+                if state["removals"] == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return original(*args, **kwargs)
+
+        return removal
+
+    storage_backend.LocalStorage.rename = tracking_rename
+    for name in ("unlink", "rmdir"):
+        setattr(os, name, counting(getattr(os, name)))
+    checkpoint.save_state_dict({"w": torch.full((8, 4), 2.0), "b": torch.arange(5.0) * 2}, path)
 
 
 def _save_killed_in_cleanup(path: Path, kill_at: int) -> bool:
     """Whether the child finished (``kill_at`` beyond the removals of the save); else it was killed there."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _KILL_IN_CLEANUP, str(path), str(kill_at)], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode in (0, -9), proc.stderr[-2000:]
-    return proc.returncode == 0
+    code = run_process(_save_killing_itself_in_cleanup, (str(path), kill_at), f"the save killed at removal {kill_at}")
+    assert code in (0, -signal.SIGKILL), code  # else it raised: its traceback is on stderr
+    return code == 0
 
 
 @pytest.mark.slow

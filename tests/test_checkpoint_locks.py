@@ -1,7 +1,7 @@
 """Who may write a path: a save waiting for another process's write lock gives up clearly after its
 ``lock_timeout``, and storages without a shared lock refuse (never silently break under) a second writer.
 
-Every other process here is real (``subprocess``), held at a known point by a line it prints, never by a sleep.
+Every other process here is real (forked), held at a known point by a message it sends, never by a sleep.
 """
 
 import logging
@@ -9,8 +9,6 @@ import multiprocessing
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -23,19 +21,18 @@ from checkpoint.async_save import async_save_state_dict
 from checkpoint.atomic import lock_path, staging_path
 from checkpoint.object_commit import CLAIM_PREFIX, HEAD_NAME
 
-REPO = Path(__file__).resolve().parents[1]
 PROCESSES = multiprocessing.get_context("fork")  # a saver starts without importing torch again
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-# Holds the write lock of argv[1] until the test closes its stdin; says "held" once it holds it.
-_HOLD_LOCK = r"""
-import sys
-from checkpoint.atomic import write_lock
-with write_lock(sys.argv[1]):
-    print("held", flush=True)
-    sys.stdin.read()
-"""
+
+def _hold_lock(path: str, told, release) -> None:
+    """Hold the write lock of ``path`` until a message comes on ``release``; says "held" on ``told`` once it does."""
+    from checkpoint.atomic import write_lock
+
+    with write_lock(path):
+        told.send("held")
+        release.poll(None)
 
 
 def _state(value: float) -> dict:
@@ -52,19 +49,17 @@ class _Holder:
     """Another process holding ``path``'s write lock, until :meth:`release`."""
 
     def __init__(self, path: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _HOLD_LOCK, str(path)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout.readline() == "held\n"
+        held, says_held = PROCESSES.Pipe(duplex=False)
+        waits, self.go = PROCESSES.Pipe(duplex=False)
+        # daemon: a test that fails before release() leaves no process behind at exit
+        self.proc = PROCESSES.Process(target=_hold_lock, args=(str(path), says_held, waits), daemon=True)
+        self.proc.start()
+        assert held.recv() == "held"
 
     def release(self) -> None:
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=120) == 0
+        self.go.send("go")
+        self.proc.join(timeout=120)
+        assert self.proc.exitcode == 0
 
 
 def test_a_save_waiting_for_another_process_s_lock_gives_up_after_lock_timeout_naming_the_lock_file_and_holder(

@@ -2,8 +2,6 @@
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import checkpoint
 from checkpoint.atomic import mark, old_path, staging_path
 from checkpoint.manifest import NotACheckpointError, read_manifest
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.distributed import PROCESSES
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -364,45 +361,54 @@ def test_async_save_returns_before_its_write_starts_and_saves_the_state_at_call_
     assert torch.equal(model2[0].weight, expected) and extra["step"] == 7
 
 
-_SAVE_LOOP = r"""
-import sys, torch, checkpoint
-path = sys.argv[1]
-print("started", flush=True)
-for i in range(10_000):
-    checkpoint.save_state_dict({"a": torch.full((256, 1024), float(i)), "b": torch.full((300,), float(i)), "i": i}, path)
-    print("saved", i, flush=True)
-"""
+def _save_loop(path: str, told) -> None:
+    """Save ever new values to ``path``, saying ``("started", -1)`` and then ``("saved", i)`` after each on ``told``."""
+    torch.set_num_threads(1)
+    told.send(("started", -1))
+    for i in range(10_000):
+        checkpoint.save_state_dict(
+            {"a": torch.full((256, 1024), float(i)), "b": torch.full((300,), float(i)), "i": i}, path
+        )
+        told.send(("saved", i))
 
 
-def _start_loop(path: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, str(path)], stdout=subprocess.PIPE, text=True, env=env)
+class _SaveLoop:
+    """:func:`_save_loop` in a process of its own, forked from the fork server (torch imported once)."""
 
+    def __init__(self, path: Path) -> None:
+        self.told, telling = PROCESSES.Pipe(duplex=False)
+        self.proc = PROCESSES.Process(target=_save_loop, args=(str(path), telling))
+        self.proc.start()
+        telling.close()  # the child's end: a child that exits makes recv raise EOFError here
 
-def _wait_for(proc: subprocess.Popen, prefix: str) -> int:
-    while True:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError("the save loop exited early")
-        if line.startswith(prefix):
-            return int(line.split()[1]) if prefix == "saved" else -1
+    def wait_for(self, what: str) -> int:
+        while True:
+            try:
+                said, i = self.told.recv()
+            except EOFError:
+                raise AssertionError("the save loop exited early") from None
+            if said == what:
+                return i
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.slow
 def test_kill_9_during_saves_leaves_a_loadable_unmixed_checkpoint(tmp_path):
     delays = [0.0, 0.017, 0.06]
-    procs = [_start_loop(tmp_path / f"c{i}") for i in range(len(delays))]
-    fresh = _start_loop(tmp_path / "fresh")
-    _wait_for(fresh, "started")
+    procs = [_SaveLoop(tmp_path / f"c{i}") for i in range(len(delays))]
+    fresh = _SaveLoop(tmp_path / "fresh")
+    fresh.wait_for("started")
     for proc, _delay in zip(procs, delays):
-        _wait_for(proc, "saved")
+        proc.wait_for("saved")
     time.sleep(0.05)
-    os.kill(fresh.pid, signal.SIGKILL)
+    fresh.kill()
     for proc, delay in zip(procs, delays):
         time.sleep(delay)
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
     for proc in procs + [fresh]:
-        proc.wait()
+        proc.proc.join()
     for i in range(len(delays)):
         target = {"a": torch.zeros(256, 1024), "b": torch.zeros(300), "i": None}
         checkpoint.load_state_dict(target, tmp_path / f"c{i}", verify="full")

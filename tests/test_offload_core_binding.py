@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from offload_fsdp import HybridDeviceOptimizer
-from offload_fsdp.core_binding import MIN_CORES_PER_RANK, cores_for_rank, format_cores, numa_nodes, parse_cpulist
+from offload_fsdp.core_binding import cores_for_rank, format_cores, numa_nodes, parse_cpulist
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux thread affinity")
 
@@ -79,19 +79,17 @@ def test_host_step_threads_run_on_the_local_ranks_cores_and_the_callers_thread_k
     assert all(torch.equal(a, b) for a, b in zip(bound, unbound))  # binding moves threads, never bits
 
 
-def test_the_default_binds_only_with_two_local_ranks_and_two_cores_each_and_says_so(monkeypatch, caplog):
+def test_the_default_binds_nothing_even_with_several_local_ranks_and_says_so(monkeypatch, caplog):
+    # opt-in: a bound step measured 5.5x slower at two local ranks on a 16-core host (docs/offload.md)
     caplog.set_level(logging.INFO, logger="offload_fsdp.optimizer")
-    opt, _ = _train({}, steps=0)
-    assert opt.host_cores is None
-    assert "host step cores not bound (one local rank" in caplog.text
-    caplog.clear()
-    _as_local_rank(monkeypatch, 0, 2)
-    opt, _ = _train({}, steps=0)
-    if len(ALLOWED) >= MIN_CORES_PER_RANK * 2 and len(ALLOWED) == os.cpu_count():
-        assert opt.host_cores == cores_for_rank(ALLOWED, numa_nodes(), 0, 2)
-        assert f"host step cores {format_cores(opt.host_cores)} (local rank 0 of 2)" in caplog.text
-    else:  # this machine: too few cores for two ranks (or a mask set by the user): the rule leaves them alone
-        assert opt.host_cores is None and "host step cores not bound" in caplog.text
+    for world in (1, 2, max(2, len(ALLOWED) // 2)):
+        _as_local_rank(monkeypatch, 0, world)
+        caplog.clear()
+        opt, _ = _train({}, steps=0)
+        assert opt.host_cores is None
+        assert "host step cores not bound (bind_host_cores=None: binding is opt-in, pass True)" in caplog.text
+    opt, _ = _train({"bind_host_cores": True}, steps=0)
+    assert opt.host_cores == cores_for_rank(ALLOWED, numa_nodes(), 0, max(2, len(ALLOWED) // 2))
 
 
 def test_binding_with_fewer_cores_than_local_ranks_is_an_error_naming_the_counts(monkeypatch):
@@ -171,5 +169,4 @@ def test_two_local_ranks_under_torchrun_bind_to_disjoint_cores(tmp_path):
     for r, cores in zip(ranks, chosen):
         assert r["seen"] and all(frozenset(a) == cores for a in r["seen"] + r["children"])
         assert frozenset(r["main"]) == ALLOWED
-        binds_by_default = len(ALLOWED) >= 2 * MIN_CORES_PER_RANK and len(ALLOWED) == os.cpu_count()
-        assert frozenset(r["auto"]) == (cores if binds_by_default else frozenset())
+        assert r["auto"] == []  # the default binds nothing

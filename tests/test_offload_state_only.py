@@ -34,7 +34,12 @@ pytestmark = [
 
 @dataclass
 class _Counter:
-    """Device bytes alive (allocated by the emulated device, not yet freed) and their peak."""
+    """Device bytes alive (allocated by the emulated device, not yet freed) and their peak.
+
+    A buffer is freed when its memory is (the last tensor or view of its storage dropped), as a real
+    allocator frees it, not when the tensor object the device handed out is: ``.data`` and views
+    alias the same memory under other tensor objects.
+    """
 
     live: int = 0
     peak: int = 0
@@ -46,7 +51,7 @@ class _Counter:
         size = out.numel() * out.element_size()
         self.live += size
         self.peak = max(self.peak, self.live)
-        weakref.finalize(out, self._free, size)
+        weakref.finalize(out.untyped_storage(), self._free, size)
         return out
 
     def _free(self, size: int) -> None:
@@ -158,17 +163,30 @@ def test_with_no_host_share_it_matches_plain_torch_adamw_and_state_reads_right_a
             assert torch.equal(ref_opt.state[p][n], opt.state[q][n])
 
 
-@pytest.mark.parametrize("budget", [None, 700], ids=["no budget", "one bucket's budget"])
-def test_a_bucket_is_fetched_during_backward_as_its_grads_become_final_within_the_budget(emulated, budget):
+def _one_bucket_budget(name: str = "adamw") -> int:
+    """Room for the larger bucket alone: its host bytes once its state exists (``layout()``), as a budget."""
+    probe, probe_opt = _build(name, torch.bfloat16, offload_state_only=True)
+    _train(probe, probe_opt, 0, 1)
+    # buckets at bucket_numel=60: (0.weight, 0.bias: 54 elements), (2.*, 4.*: 56), each of fp32 master +
+    # moments (+ the fused class's step scalars), 64-byte aligned in one host allocation
+    sizes = [b.host_bytes for b in probe_opt.layout().state_only_buckets]
+    assert len(sizes) == 2 and sum(sizes) > max(sizes) >= 12 * 56
+    return max(sizes)
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["no budget", "one bucket's budget"])
+def test_a_bucket_is_fetched_during_backward_as_its_grads_become_final_within_the_budget(emulated, bounded):
+    budget = _one_bucket_budget() if bounded else None
     model, opt = _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=budget)
+    h2d = emulated.queues[-1].h2d_lane
     marks: list[int] = []  # H2D copies queued so far, at each step()'s start and end
-    opt.register_step_pre_hook(lambda *_: marks.append(emulated.queues[0].h2d_lane.queued))
-    opt.register_step_post_hook(lambda *_: marks.append(emulated.queues[0].h2d_lane.queued))
+    opt.register_step_pre_hook(lambda *_: marks.append(h2d.queued))
+    opt.register_step_post_hook(lambda *_: marks.append(h2d.queued))
     _train(model, opt, 0, 3)
     in_backward = [marks[0]] + [marks[i] - marks[i - 1] for i in range(2, len(marks), 2)]
     in_step = [marks[i + 1] - marks[i] for i in range(0, len(marks), 2)]
-    # buckets of 54 and 56 elements (bf16: 12 bytes each of master + moments): the first backward fetches
-    # nothing (no size measured yet); later backwards fetch both buckets, or, in 700 bytes, one (step() the other)
+    # the first backward fetches nothing (no size measured yet); later backwards fetch both buckets, or,
+    # within one bucket's budget, one (step() the other)
     assert in_backward == ([0, 2, 2] if budget is None else [0, 1, 1])
     assert in_step == ([2, 0, 0] if budget is None else [2, 1, 1])
 
@@ -219,24 +237,13 @@ def test_mixed_with_host_updates_overlapped_with_backward_it_stays_bit_identical
     _assert_same_state(ref_opt, opt)
 
 
-def _state_bytes(opt: HybridDeviceOptimizer) -> list[int]:
-    """Bytes of each param's masters + state shaped like it (what parks), in param order."""
-    return [
-        sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        for s in opt.state_dict()["state"].values()
-    ]
-
-
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw fused"])
 def test_device_memory_held_for_state_never_exceeds_the_budget_and_is_freed_after_the_write_back(emulated, fused):
     name = "adamw fused" if fused else "adamw"
     probe, probe_opt = _build(name, torch.bfloat16, offload_state_only=True)
     _train(probe, probe_opt, 0, 2)  # the first update creates the state (torch allocates it, uncounted here)
     unbounded = emulated.peak
-    sizes = _state_bytes(probe_opt)  # per param: fp32 master + 2 moments (+ the fused step)
-    # buckets at bucket_numel=60: (0.weight, 0.bias: 54 elements), (2.*, 4.*: 56); a budget of the larger
-    # alone (with the fused class's four 4-byte step scalars) leaves room for one bucket at a time
-    budget = max(sum(sizes[:2]), sum(sizes[2:])) + (16 if fused else 0)
+    budget = _one_bucket_budget(name)  # room for one bucket at a time
     assert budget < unbounded, "the budget must bind for this test to mean anything"
     emulated.peak = emulated.live = 0
     ref, ref_opt = _build(name, torch.bfloat16)
@@ -253,6 +260,50 @@ def test_device_memory_held_for_state_never_exceeds_the_budget_and_is_freed_afte
     assert emulated.live == 0
 
 
+@pytest.mark.parametrize("bounded", [False, True], ids=["no budget", "one bucket's budget"])
+def test_between_steps_no_device_memory_is_held_for_state_once_the_device_ran_the_write_backs(emulated, bounded):
+    # Found on an H200: the device buffers a write-back reads stayed allocated until the optimizer next
+    # waited on it (the next backward's fetch, or never for an optimizer dropped in a reference cycle),
+    # so the next forward ran with the whole state still on the device
+    budget = _one_bucket_budget() if bounded else None
+    model, opt = _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=budget)
+    _train(model, opt, 0, 3)
+    for queues in emulated.queues:
+        queues.catch_up()  # the device runs its queued D2H during the next forward; the host waits on nothing
+    assert emulated.live == 0, f"{emulated.live} device bytes still held for parked state between steps"
+    _train(model, opt, 3, 4)  # and the next step fetches it again from the host buffers
+    ref, ref_opt = _build("adamw", torch.bfloat16)
+    _train(ref, ref_opt, 0, 4)
+    _assert_same_params(ref, model)
+    _assert_same_state(ref_opt, opt)
+
+
+def test_a_bucket_parks_in_one_host_allocation_and_moves_in_one_copy_each_way(emulated):
+    model, opt = _build("adamw", torch.bfloat16, offload_state_only=True)
+    queues = emulated.queues[-1]
+    _train(model, opt, 0, 1)  # the first update creates the moments on the device: parked one tensor at a time
+    copies = (queues.h2d_lane.queued, queues.d2h_lane.queued)
+    _train(model, opt, 1, 3)
+    buckets = opt.layout().state_only_buckets
+    assert (queues.h2d_lane.queued - copies[0], queues.d2h_lane.queued - copies[1]) == (2 * len(buckets),) * 2
+    opt.wait_for_params()
+    for b in buckets:  # masters and both moments of each param, in the bucket's one allocation
+        names = set(b.params)
+        storages = {
+            t.untyped_storage().data_ptr()
+            for r, p in zip(opt.layout().params, model.parameters())
+            if r.name in names
+            for t in opt.state[p].values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        }
+        assert len(storages) == 1, f"bucket {b.index}: {len(storages)} host allocations"
+        assert b.host_bytes >= 12 * b.numel
+    ref, ref_opt = _build("adamw", torch.bfloat16)
+    _train(ref, ref_opt, 0, 3)
+    _assert_same_params(ref, model)
+    _assert_same_state(ref_opt, opt)
+
+
 def test_a_budget_smaller_than_one_bucket_is_a_value_error_naming_both(emulated):
     model, opt = _build("adamw", torch.float32, offload_state_only=True, state_device_bytes=64)
     with pytest.raises(ValueError, match="state_device_bytes=64 is smaller than the optimizer state of one"):
@@ -263,6 +314,23 @@ def test_the_info_construction_line_names_the_state_only_share_and_its_budget(em
     with caplog.at_level("INFO", logger="offload_fsdp.optimizer"):
         _build("adamw", torch.bfloat16, offload_state_only=True, state_device_bytes=4096)
     assert "device share state-only: 2 buckets" in caplog.text and "state_device_bytes=4096" in caplog.text
+
+
+def test_layout_shows_each_state_only_param_in_its_bucket_and_host_updated_ones_in_theirs(emulated):
+    _, opt = _build("adamw", torch.bfloat16, fraction=0.5, offload_state_only=True)
+    layout = opt.layout()
+    for p in layout.params:
+        assert (p.bucket is None) == (p.state_only_bucket is not None), f"{p.name}: host-updated or state-only"
+    assert any(p.offloaded for p in layout.params) and layout.state_only_buckets, "half and half at fraction 0.5"
+    by_name = {p.name: p for p in layout.params}
+    assert [n for b in layout.state_only_buckets for n in b.params] == [
+        p.name for p in layout.params if p.state_only_bucket is not None
+    ]
+    for b in layout.state_only_buckets:
+        assert all(by_name[n].state_only_bucket == b.index for n in b.params)
+        assert 0 < b.numel <= 60 and b.device == torch.device("cpu") and not b.pinned
+    _, plain = _build("adamw", torch.bfloat16, fraction=0.5)  # without state-only offload: none
+    assert plain.layout().state_only_buckets == () and all(p.state_only_bucket is None for p in plain.layout().params)
 
 
 def test_state_only_with_the_default_offload_fraction_of_one_warns_that_nothing_is_state_only():
@@ -421,10 +489,10 @@ def test_fsdp2_on_three_ranks_is_bit_identical_and_its_checkpoints_load_in_place
                 assert torch.equal(opt.state[p][n], t), f"fraction {fraction}: {n} not resharded exactly"
 
 
-# ------------------------------------------------------------------ on a real accelerator (not yet run: no GPU)
+# ------------------------------------------------------------------ on a real accelerator
 
 
-def _device_run(device, fused: bool, steps: int, **options):
+def _device_run(device, fused: bool, steps: int, *, wait: bool = True, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).to(device, torch.bfloat16)
     # one layer (65,792 elements) per bucket
@@ -437,7 +505,8 @@ def _device_run(device, fused: bool, steps: int, **options):
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    opt.wait_for_params()
+    if wait:
+        opt.wait_for_params()
     return model, opt
 
 
@@ -459,3 +528,18 @@ def test_on_a_device_it_is_bit_identical_and_its_state_leaves_the_device_between
     del ref, ref_opt
     gc.collect()  # the reference optimizer's hooks hold it in cycles
     assert held_by_ref - torch.accelerator.memory_allocated(device) >= 0.9 * state_bytes
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("budget", [None, 2 * 65_792 * 12 + 64], ids=["no budget", "two buckets' budget"])
+def test_on_a_device_no_state_stays_allocated_between_steps_though_nothing_waited_on_the_write_backs(budget):
+    device = torch.accelerator.current_accelerator()
+    _device_run(device, False, 1)  # warm-up: what the process allocates once (cuBLAS workspaces, ...)
+    gc.collect()  # the warm-up's optimizer and model, held in reference cycles
+    base = torch.accelerator.memory_allocated(device)
+    model, opt = _device_run(device, False, 3, wait=False, offload_state_only=True, state_device_bytes=budget)
+    torch.accelerator.synchronize(device)  # idle, as during the next forward; the optimizer waited on nothing
+    held = torch.accelerator.memory_allocated(device) - base
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # grads are None after zero_grad()
+    state_bytes = sum(p.numel() for p in model.parameters()) * 12  # fp32 master + two fp32 moments
+    assert held - params < 0.1 * state_bytes, f"{held - params} device bytes beyond the params ({state_bytes} of state)"

@@ -36,6 +36,10 @@ class DeferredEvent:
         if self.lane is not None:
             self.lane.run_until(self.seq)
 
+    def query(self) -> bool:
+        """Done without waiting: only once something waited on it (or :meth:`DeferredQueues.catch_up` ran)."""
+        return self.lane is None or self.lane.ran >= self.seq
+
 
 class _Lane:
     """One side stream: copies run in order, each only once an event at or after it is waited on."""
@@ -94,6 +98,14 @@ class DeferredQueues:
 
     def h2d(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: DeferredEvent) -> DeferredEvent:
         return self.h2d_lane.queue(pairs, frozen_sources=True)
+
+    def free_after_d2h(self, src: torch.Tensor) -> None:
+        pass  # a queued copy holds its source until it ran: the memory is freed then, as record_stream does
+
+    def catch_up(self) -> None:
+        """Run every queued copy, as a real device does on its own while the host goes on (nothing is waited on)."""
+        for lane in (self.d2h_lane, self.h2d_lane):
+            lane.run_until(lane.queued)
 
     @property
     def in_flight(self) -> int:
