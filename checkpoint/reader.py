@@ -22,6 +22,7 @@ host memory is bounded by ``max_read_bytes`` plus one item larger than it.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import struct
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
@@ -281,12 +282,23 @@ class DirectReader(FileSystemReader):
         sizes = tuple(md.size)
         if any(chunk.offsets) or tuple(chunk.sizes) != sizes or tuple(target.shape) != sizes:
             return None
-        info = (self._metadata.storage_data or {}).get(MetadataIndex(key, chunk.offsets))
+        info = self._chunk_storage.get((key, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
         target = target.detach()
         layout = self._layout_of(info, md.properties.dtype, sizes, target)
         return None if layout is None else _WholeChunk(key, info, target, layout)
+
+    @functools.cached_property
+    def _chunk_storage(self) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
+        """Where each tensor chunk is stored, by (key, offsets): what ``storage_data`` maps its
+        ``MetadataIndex`` to. One pass over it, for the first whole tensor read: a ``MetadataIndex`` made
+        and hashed per key (Python ``__init__`` and ``__hash__``) cost ~4x that pass at 40,000 tensors."""
+        return {
+            (index.fqn, index.offset): info
+            for index, info in (self._metadata.storage_data or {}).items()
+            if index.offset is not None
+        }
 
     def _layout_of(
         self, info: StorageInfo, dtype: torch.dtype, chunk_sizes: tuple[int, ...], target: torch.Tensor
