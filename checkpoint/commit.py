@@ -287,8 +287,14 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of ``metadata`` and ``files``; ``keys``: :func:`manifest_keys` of ``metadata``, if known."""
     records, shared = manifest_keys(metadata) if keys is None else keys
+    written = files.get(METADATA_NAME)  # the record of metadata's own bytes, as write_metadata wrote them
     return Manifest(
-        world_size=world_size, keys=records, files=dict(files), extra_info=dict(extra_info or {}), shared=shared
+        world_size=world_size,
+        keys=records,
+        files=dict(files),
+        extra_info=dict(extra_info or {}),
+        shared=shared,
+        keys_from_metadata_crc32=None if written is None else written.crc32,
     )
 
 

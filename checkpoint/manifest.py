@@ -77,8 +77,8 @@ class KeyRecord:
     def __post_init__(self) -> None:
         if self.kind not in ("tensor", "bytes"):
             raise ValueError(f"KeyRecord.kind must be 'tensor' or 'bytes', got {self.kind!r}")
-        if self.shape is not None:
-            object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if self.shape is not None:  # map, not a generator: one C loop (a manifest holds tens of thousands)
+            object.__setattr__(self, "shape", tuple(map(int, self.shape)))
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,12 @@ class Manifest:
     """free-form JSON-able facts a writer wants to record (e.g. the writer's options)"""
     shared: tuple[SharedValues, ...] = ()
     """byte keys listed by the value they share instead of in :attr:`keys` (absent before 2026-11)"""
+    keys_from_metadata_crc32: int | None = None
+    """the CRC-32 of the ``.metadata`` that :attr:`keys` and :attr:`shared` were recorded from at save (equal
+    to ``files[".metadata"].crc32`` as written, but kept apart from it: a ``.metadata`` rewritten after the save
+    with its file record recomputed no longer matches it). A load whose ``.metadata`` matches it skips
+    comparing the records key by key (:func:`checkpoint.opener.consistency_problems`): they were made from
+    those very bytes. ``None`` in manifests written before 2026-11 (every load compares them)"""
 
     def shared_keys(self) -> dict[str, tuple[str, tuple[str, ...]]]:
         """Every key of :attr:`shared`: key -> (its source key, its nested path)."""
@@ -144,6 +150,8 @@ class Manifest:
         }
         if self.shared:  # absent when empty: a manifest without shared values reads as before
             data["shared"] = [{"fields": f.fields, "names": list(f.names), "under": list(f.under)} for f in self.shared]
+        if self.keys_from_metadata_crc32 is not None:
+            data["keys_from_metadata_crc32"] = self.keys_from_metadata_crc32
         return _json_lines(data, depth=0) + "\n"
 
     @classmethod
@@ -173,6 +181,7 @@ class Manifest:
             version=data["version"],
             extra_info=dict(data.get("extra_info", {})),
             shared=tuple(SharedValues(**f) for f in data.get("shared", ())),
+            keys_from_metadata_crc32=data.get("keys_from_metadata_crc32"),
         )
 
 
@@ -244,7 +253,16 @@ def _schema_problem(data: object) -> str | None:
     """What is wrong with parsed manifest JSON, one phrase, or ``None``."""
     if not isinstance(data, dict):
         return f"a JSON {type(data).__name__}, not an object"
-    unknown = set(data) - {"format", "version", "world_size", "keys", "files", "extra_info", "shared"}
+    unknown = set(data) - {
+        "format",
+        "version",
+        "world_size",
+        "keys",
+        "files",
+        "extra_info",
+        "shared",
+        "keys_from_metadata_crc32",
+    }
     if unknown:
         return f"unknown fields {sorted(unknown)}"
     if data.get("format") != FORMAT_NAME:
@@ -255,6 +273,8 @@ def _schema_problem(data: object) -> str | None:
         return f"world_size {str(data.get('world_size'))[:40]} is not an integer from 1 to {_MAX_WORLD_SIZE}"
     if not isinstance(data.get("extra_info", {}), dict):
         return "extra_info is not an object"
+    if "keys_from_metadata_crc32" in data and not _is_int(data["keys_from_metadata_crc32"], 0, 0xFFFFFFFF):
+        return "keys_from_metadata_crc32 is not a 32-bit unsigned integer"
     keys, files = data.get("keys"), data.get("files")
     if not isinstance(keys, dict) or not isinstance(files, dict):
         return "keys and files must be objects"
@@ -290,8 +310,11 @@ def _shared_problem(family: object) -> str | None:
     return None
 
 
+_KEY_FIELDS = frozenset({"kind", "dtype", "shape", "identity"})
+
+
 def _key_problem(record: object) -> str | None:
-    if not isinstance(record, dict) or set(record) - {"kind", "dtype", "shape", "identity"}:
+    if not isinstance(record, dict) or not record.keys() <= _KEY_FIELDS:
         return "not an object of kind, dtype, shape, identity"
     if record.get("kind") not in ("tensor", "bytes"):
         return "kind is not 'tensor' or 'bytes'"

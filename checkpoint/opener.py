@@ -145,7 +145,8 @@ def open_checkpoint(
             logger.warning("%s has no manifest: reading it as a plain DCP checkpoint, without file checks", src)
         if manifest is not None and verify != "none":
             _check_files(src, manifest, checksums=verify == "full")
-        metadata = load_metadata(src / METADATA_NAME, _read_metadata_bytes(src, manifest, verify))
+        data = _read_metadata_bytes(src, manifest, verify)
+        metadata = load_metadata(src / METADATA_NAME, data)
         if manifest is not None:
             unlisted = unlisted_files(metadata, manifest.files)
             if unlisted:
@@ -154,7 +155,7 @@ def open_checkpoint(
                     "restore the checkpoint from a copy or re-save it"
                 )
         # verify="none" skips these too: `fsdp-ckpt verify` opens so and lists every problem itself
-        problems = consistency_problems(metadata, manifest) if verify != "none" else []
+        problems = consistency_problems(metadata, manifest, metadata_crc32=crc32(data)) if verify != "none" else []
         if problems:
             raise CheckpointCorruptError(
                 f"{src / METADATA_NAME}: does not describe a whole checkpoint ({'; '.join(problems[:3])}); "
@@ -167,7 +168,9 @@ def open_checkpoint(
     return OpenCheckpoint(src, manifest, metadata, verify, stamp if manifest is not None else None)
 
 
-def consistency_problems(metadata: Metadata, manifest: Manifest | None) -> list[str]:
+def consistency_problems(
+    metadata: Metadata, manifest: Manifest | None, *, metadata_crc32: int | None = None
+) -> list[str]:
     """What in a (CRC-valid) ``.metadata`` would make a load quietly wrong rather than fail, one phrase each.
 
     A chunk missing or out of bounds would leave part of the destination as it
@@ -176,10 +179,16 @@ def consistency_problems(metadata: Metadata, manifest: Manifest | None) -> list[
     a key whose identity (chunks, byte ranges, nested name) differs from the one the
     manifest recorded at save would read another key's bytes, or another part of its own.
     The one check behind both a load (:func:`open_checkpoint`) and ``fsdp-ckpt verify``.
+
+    ``metadata_crc32``: the CRC-32 of the bytes ``metadata`` was read from. When it is the one the
+    manifest's key records were made from (:attr:`~checkpoint.manifest.Manifest.keys_from_metadata_crc32`),
+    they are not compared key by key: they describe this very ``.metadata`` (edited records alone change
+    nothing a load reads). ``fsdp-ckpt verify`` leaves it out and compares every record.
     """
     problems = metadata_problems(metadata)
     if manifest is not None:
-        problems += _key_problems(metadata, manifest) + storage_problems(metadata, manifest.files)
+        pinned = metadata_crc32 is not None and manifest.keys_from_metadata_crc32 == metadata_crc32
+        problems += ([] if pinned else _key_problems(metadata, manifest)) + storage_problems(metadata, manifest.files)
     return problems
 
 

@@ -23,22 +23,22 @@ host memory is bounded by ``max_read_bytes`` plus one item larger than it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import math
 import struct
 from collections import deque
-from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future as TorchFuture
 
 from checkpoint.chunk_archive import ArchiveLayout, stored_layout
-from checkpoint.content_check import ContentCheck
+from checkpoint.content_check import ContentCheck, PendingSum
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
 from checkpoint.pickle_budget import value_problem
@@ -79,19 +79,19 @@ class ReadBudget:
         self.cap = cap
         self.held = 0
         self.peak = 0
-        self._summing: deque[tuple[int, Future]] = deque()
+        self._summing: deque[tuple[int, PendingSum]] = deque()
 
     def hold(self, nbytes: int) -> None:
         while self._summing and (
             self._summing[0][1].done() or (self.cap is not None and self.held + nbytes > self.cap)
         ):
             held, summing = self._summing.popleft()
-            wait([summing])
+            summing.result()
             self.held -= held
         self.held += nbytes
         self.peak = max(self.peak, self.held)
 
-    def done(self, nbytes: int, summing: list[Future]) -> None:
+    def done(self, nbytes: int, summing: list[PendingSum]) -> None:
         """The reader no longer needs the buffer; it is free once ``summing`` (its CRC-32 sums) finished."""
         pending = [f for f in summing if not f.done()]
         if not pending:
@@ -254,11 +254,12 @@ class DirectReader(FileSystemReader):
         assert isinstance(md, TensorStorageMetadata)  # byte items are read whole
         return not any(item.storage_offsets) and tuple(item.lengths) == _chunk_sizes(md, item)
 
-    def _verified(self, name: str, offset: int, data) -> list[Future]:
-        """Hand ``data`` to the streamed check; the CRC-32 sums still running on it (it must stay alive until then)."""
+    def _verified(self, name: str, offset: int, *buffers) -> list[PendingSum]:
+        """Hand ``buffers`` (read one after another from ``offset``) to the streamed check as one piece; the
+        CRC-32 sums still running on them (they must stay alive until then)."""
         if self._check is None:
             return []
-        summing = self._check.add(name, offset, data)
+        summing = self._check.add_run(name, offset, list(buffers))
         return [] if summing is None else [summing]
 
     def _whole_chunk(self, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> _WholeChunk | None:
@@ -285,11 +286,22 @@ class DirectReader(FileSystemReader):
         sizes = tuple(md.size)
         if any(chunk.offsets) or tuple(chunk.sizes) != sizes or tuple(target.shape) != sizes:
             return None
-        info = (self._metadata.storage_data or {}).get(MetadataIndex(key, chunk.offsets))
+        info = self._chunk_storage.get((key, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
         layout = self._layout_of(info, md.properties.dtype, sizes, target)
         return None if layout is None else _WholeChunk(key, info, target, layout)
+
+    @functools.cached_property
+    def _chunk_storage(self) -> dict[tuple[str, tuple[int, ...]], StorageInfo]:
+        """Where each tensor chunk is stored, by (key, offsets): what ``storage_data`` maps its
+        ``MetadataIndex`` to. One pass over it, for the first whole tensor read: a ``MetadataIndex`` made
+        and hashed per key (Python ``__init__`` and ``__hash__``) cost ~4x that pass at 40,000 tensors."""
+        return {
+            (index.fqn, index.offset): info
+            for index, info in (self._metadata.storage_data or {}).items()
+            if index.offset is not None
+        }
 
     def _layout_of(
         self, info: StorageInfo, dtype: torch.dtype, chunk_sizes: tuple[int, ...], target: torch.Tensor
@@ -312,7 +324,8 @@ class DirectReader(FileSystemReader):
         whole_read, summing = self._read_in_slices(f, whole.info, whole.buffers)
         if not whole_read or not whole.matches():
             # the general path may rewrite the destination: the sums of what was read here finish first
-            wait(summing)
+            for pending in summing:
+                pending.result()
             return False
         return True
 
@@ -336,13 +349,13 @@ class DirectReader(FileSystemReader):
             failed += [whole for whole in run if not self._read_in_place(f, whole)]
         return failed
 
-    def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[Future]]:
+    def _read_in_slices(self, f, info: StorageInfo, buffers: list) -> tuple[bool, list[PendingSum]]:
         """Fill ``buffers`` from ``info.offset`` in reads of at most :data:`_SLICE_BYTES`, each slice handed to
         the streamed check as soon as it is read (its CRC-32 summed while the next is read). Returns whether
         all were filled, and the sums still running."""
         views = [memoryview(b).cast("B") for b in buffers]
         slices = [v[i : i + _SLICE_BYTES] for v in views for i in range(0, len(v), _SLICE_BYTES)]
-        summing: list[Future] = []
+        summing: list[PendingSum] = []
         at = info.offset
         batch: list[memoryview] = []
         for piece in slices:
@@ -351,9 +364,8 @@ class DirectReader(FileSystemReader):
                 size = sum(len(b) for b in batch)
                 if self._store.read_into(f, batch, at) != size:
                     return False, summing
-                for b in batch:
-                    summing += self._verified(info.relative_path, at, b)
-                    at += len(b)
+                summing += self._verified(info.relative_path, at, *batch)  # one piece per read: one hand-over
+                at += size
                 batch = []
         return True, summing
 
@@ -393,7 +405,7 @@ class DirectReader(FileSystemReader):
         planner.commit_tensor(item, target)
         self.budget.done(held, summing)
 
-    def _load_whole(self, f, info: StorageInfo, path: Path) -> tuple[torch.Tensor, list[Future]]:
+    def _load_whole(self, f, info: StorageInfo, path: Path) -> tuple[torch.Tensor, list[PendingSum]]:
         f.seek(info.offset)
         data = _read_exact(f, info.length, path)
         summing = self._verified(info.relative_path, info.offset, data)

@@ -235,9 +235,15 @@ def check_metadata(md: Any) -> str | None:
     if not isinstance(storage, dict):
         return "storage_data is not a dict"
     names: dict[Any, str | None] = {}  # each file name's problem, once: a few files among 100,000s of records
+    # A record shared by several keys (an equal value stored once: a param group's options, keyed per
+    # parameter, are one object in the pickle) is checked once; md holds every record, so no id is reused.
+    checked: set[int] = set()
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
             return "storage_data has a key that is not a MetadataIndex"
+        if id(info) in checked:
+            continue
+        checked.add(id(info))
         problem = _storage_problem(info, names)
         if problem is not None:
             return f"storage of {index.fqn!r}: {problem}"

@@ -32,7 +32,9 @@ Parts (``--parts`` picks a subset):
   carry on the first and the second save of one layout.
 * ``verify``: ``checkpoint.load_state_dict`` of the ``--mib`` state with the
   default content check (``verify="crc"``: each file's CRC-32 computed as it
-  is read) vs without (``verify="sizes"``), cold and warm page cache, as a ratio.
+  is read) vs without (``verify="sizes"``), cold and warm page cache, as a ratio
+  (best, and the median of interleaved rounds' own ratios), with the load average
+  and the CPU time of the loading thread and of the CRC helper thread.
 * ``replicas``: bytes read from storage per rank (counted through a mounted
   :class:`~checkpoint.storage_backend.Storage`) and wall time of ``checkpoint.load``
   of a ``--replica-mib`` MiB model + AdamW state on 4 gloo ranks, HSDP on a 2x2
@@ -69,6 +71,7 @@ import json
 import os
 import pickle
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -176,38 +179,56 @@ def bench_throughput(root: Path, mib: int) -> None:
     )
 
 
-def bench_verify(root: Path, mib: int, rounds: int = 5) -> None:
-    """Load with the streamed CRC-32 check (the default) vs without, same files, alternating runs."""
+def bench_verify(root: Path, mib: int, rounds: int = 7) -> None:
+    """Load with the streamed CRC-32 check (the default) vs without, same files, interleaved rounds.
+
+    Each round loads both ways, in alternating order; the figures are the best of the rounds and the
+    median of each round's own ratio. CPU time is split into the loading thread's (the part a core free for
+    the helper cannot hide) and the CRC helper thread's (the rest of the process's; with no free core, as
+    under a load average above the core count, the wall ratio follows the process CPU ratio instead).
+    """
     state = _state(mib << 20)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     path = root / "verify"
     checkpoint.save_state_dict({"model": state}, path)
     targets = {"model": {k: torch.empty_like(v) for k, v in state.items()}}
 
-    def load(mode: str, cold: bool) -> tuple[float, float]:
+    def load(mode: str, cold: bool) -> tuple[float, float, float]:
         if cold:
             _drop_cache(path)
-        cpu = time.process_time()
+        cpu, own = time.process_time(), time.thread_time()
         wall = _timed(lambda: checkpoint.load_state_dict(targets, path, verify=mode))
-        return wall, time.process_time() - cpu
+        return wall, time.process_time() - cpu, time.thread_time() - own
 
     print(
         f"\n== verify: load of {nbytes / 2**20:.0f} MiB with CRC-32 checked as it is read (default, {_crc_name()}) "
-        f"vs sizes only; best of {rounds}, alternating, after a warm-up; process CPU time beside wall"
+        f"vs sizes only; {rounds} interleaved rounds after a warm-up, load average {_load_average()}; "
+        "wall best / median of per-round ratios; process CPU = loading thread + CRC helper"
     )
     for cold in (True, False):
         load("crc", cold), load("sizes", cold)  # warm-up
-        times: dict[str, list[tuple[float, float]]] = {"crc": [], "sizes": []}
-        for _ in range(rounds):
-            for mode, runs in times.items():
-                runs.append(load(mode, cold))
-        (crc, crc_cpu), (sizes, sizes_cpu) = min(times["crc"]), min(times["sizes"])
+        times: dict[str, list[tuple[float, float, float]]] = {"crc": [], "sizes": []}
+        for i in range(rounds):
+            for mode in ("crc", "sizes") if i % 2 else ("sizes", "crc"):
+                times[mode].append(load(mode, cold))
+        crc, sizes = min(times["crc"]), min(times["sizes"])
+        ratios = sorted(c[0] / s[0] for c, s in zip(times["crc"], times["sizes"]))
+        crc_cpu = statistics.median(t[1] for t in times["crc"])
+        sizes_cpu = statistics.median(t[1] for t in times["sizes"])
+        crc_own = statistics.median(t[2] for t in times["crc"])
         print(
-            f"{'cold' if cold else 'warm'}  verify='crc' {crc:6.3f} s ({nbytes / crc / 1e9:5.2f} GB/s, cpu {crc_cpu:5.3f} s)   "
-            f"verify='sizes' {sizes:6.3f} s ({nbytes / sizes / 1e9:5.2f} GB/s, cpu {sizes_cpu:5.3f} s)   "
-            f"ratio {crc / sizes:.2f}x wall, {crc_cpu / sizes_cpu:.2f}x cpu"
+            f"{'cold' if cold else 'warm'}  verify='crc' {crc[0]:6.3f} s ({nbytes / crc[0] / 1e9:5.2f} GB/s)   "
+            f"verify='sizes' {sizes[0]:6.3f} s ({nbytes / sizes[0] / 1e9:5.2f} GB/s)   "
+            f"ratio {crc[0] / sizes[0]:.2f}x best, {ratios[len(ratios) // 2]:.2f}x median round   "
+            f"cpu {crc_cpu:5.3f} s ({crc_own:5.3f} loading thread + {crc_cpu - crc_own:5.3f} helper) vs "
+            f"{sizes_cpu:5.3f} s: {crc_cpu / sizes_cpu:.2f}x cpu, {crc_own / sizes_cpu:.2f}x on the loading thread"
         )
+    print(f"load average after: {_load_average()}")
     shutil.rmtree(path)
+
+
+def _load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _crc_name() -> str:

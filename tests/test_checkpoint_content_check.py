@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -155,3 +159,46 @@ def test_the_crc_is_isa_l_s_in_a_default_install():
     assert content_check.crc32 is isal_zlib.crc32 and content_check.crc32_combine is isal_zlib.crc32_combine
     data = bytes(range(256)) * 1000
     assert content_check.crc32(data) == zlib.crc32(data)
+
+
+_FORKED_LOAD = textwrap.dedent(
+    """
+    import multiprocessing, os, sys
+    import torch
+    import checkpoint
+
+    torch.set_num_threads(1)  # torch's own intra-op pool does not survive a fork: keep it out of the picture
+    path = sys.argv[1]
+    w = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB: summed on the helper thread
+    checkpoint.save_state_dict({"w": w}, path)
+    checkpoint.load_state_dict({"w": torch.zeros(1024, 1024)}, path)  # the parent's helper thread runs now
+
+    def child():
+        loaded = {"w": torch.zeros(1024, 1024)}
+        checkpoint.load_state_dict(loaded, path)
+        os._exit(0 if torch.equal(loaded["w"], w) else 3)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(30)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        sys.exit("the forked child's verified load hung")
+    sys.exit(proc.exitcode)
+    """
+)
+
+
+def test_a_verified_load_in_a_forked_child_finishes_after_one_in_the_parent(tmp_path):
+    # A forked child has no copy of the parent's CRC helper thread: its sums must not wait on that thread.
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKED_LOAD, str(tmp_path / "ck")],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -232,19 +232,24 @@ def test_a_manifest_that_is_not_a_regular_file_fails_verify_and_load_naming_it(g
         checkpoint.load_state_dict(_target(), ck, require_manifest=False, no_dist=True)
 
 
-def _without_identities(good: Path, root: Path, keys) -> Path:
+def _without_identities(good: Path, root: Path, keys, *, pinned: bool = True) -> Path:
+    """A copy of ``good`` whose manifest lacks the identities of ``keys(manifest)`` and, unless ``pinned``,
+    the CRC-32 of the ``.metadata`` its records were made from (as manifests written before 2026-11)."""
     ck = root / "ck"
     shutil.copytree(good, ck)
     manifest = read_manifest(ck)
     for key in keys(manifest):
         manifest.keys[key] = dataclasses.replace(manifest.keys[key], identity=None)
+    if not pinned:
+        manifest = dataclasses.replace(manifest, keys_from_metadata_crc32=None)
     write_manifest(ck, manifest)
     return ck
 
 
 def test_a_manifest_written_before_identities_still_loads_and_verifies(good, tmp_path, capsys):
-    ck = _without_identities(good, tmp_path, lambda manifest: list(manifest.keys))
+    ck = _without_identities(good, tmp_path, lambda manifest: list(manifest.keys), pinned=False)
     assert '"identity"' not in (ck / "manifest.json").read_text()
+    assert "keys_from_metadata_crc32" not in (ck / "manifest.json").read_text()
     target = _target()
     checkpoint.load_state_dict(target, ck, no_dist=True)
     assert torch.equal(target["w"], _SAVED["w"]) and target["extra"] == _SAVED["extra"]
@@ -252,9 +257,33 @@ def test_a_manifest_written_before_identities_still_loads_and_verifies(good, tmp
 
 
 def test_a_manifest_with_one_identity_stripped_is_refused_naming_the_key(good, tmp_path, capsys):
-    ck = _without_identities(good, tmp_path, lambda manifest: ["w"])
+    # stripped to pass off a relabelling of w's chunks (.metadata rewritten, its file record recomputed)
+    ck = _tampered(good, tmp_path, two_same_size_chunks_swapped)
+    manifest = read_manifest(ck)
+    manifest.keys["w"] = dataclasses.replace(manifest.keys["w"], identity=None)
+    write_manifest(ck, manifest)
     with pytest.raises(checkpoint.CheckpointCorruptError, match="'w' has no identity in manifest.json"):
         checkpoint.load_state_dict(_target(), ck, no_dist=True)
+    assert cli_main(["verify", str(ck)]) == 1
+    assert "'w' has no identity in manifest.json" in capsys.readouterr().out
+
+
+def test_a_relabelling_is_refused_under_a_manifest_without_the_pin_too(good, tmp_path):
+    ck = _tampered(good, tmp_path, two_tensors_swapped)
+    write_manifest(ck, dataclasses.replace(read_manifest(ck), keys_from_metadata_crc32=None))  # before 2026-11
+    with pytest.raises(checkpoint.CheckpointCorruptError, match="'b' is not stored as manifest.json recorded it"):
+        checkpoint.load_state_dict(_target(), ck, no_dist=True)
+
+
+def test_key_records_edited_alone_load_exactly_and_fail_verify(good, tmp_path, capsys):
+    """``.metadata`` still the one the records were made from (``keys_from_metadata_crc32``): a load reads
+    exactly what was saved without comparing the records key by key; ``fsdp-ckpt verify`` compares them."""
+    ck = _without_identities(good, tmp_path, lambda manifest: ["w"])
+    manifest = read_manifest(ck)
+    assert manifest.keys_from_metadata_crc32 == manifest.files[METADATA_NAME].crc32
+    target = _target()
+    checkpoint.load_state_dict(target, ck, no_dist=True)
+    assert torch.equal(target["w"], _SAVED["w"]) and target["groups"] == _SAVED["groups"]
     assert cli_main(["verify", str(ck)]) == 1
     assert "'w' has no identity in manifest.json" in capsys.readouterr().out
 

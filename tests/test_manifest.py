@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from checkpoint.manifest import (
@@ -40,6 +42,17 @@ def test_a_manifest_written_again_after_its_keys_changed_records_the_new_keys(tm
     with pytest.raises(ValueError, match="model.w.*identity"):
         write_manifest(tmp_path, manifest)
     assert read_manifest(tmp_path).keys["model.w"].identity == 7  # nothing was committed
+
+
+@pytest.mark.parametrize("value", ['"7"', "-1", str(1 << 32), "true", "1.5"])
+def test_a_manifest_pinning_its_key_records_round_trips_and_a_bad_pin_is_refused(tmp_path, value):
+    manifest = dataclasses.replace(_committed(tmp_path), keys_from_metadata_crc32=0xFFFFFFFF)
+    write_manifest(tmp_path, manifest)
+    assert read_manifest(tmp_path) == manifest
+    path = tmp_path / "manifest.json"
+    path.write_text(path.read_text().replace(str(0xFFFFFFFF), value))
+    with pytest.raises(ValueError, match="keys_from_metadata_crc32 is not a 32-bit unsigned integer"):
+        read_manifest(tmp_path)
 
 
 def test_read_manifest_distinguishes_missing_path_from_uncommitted_directory(tmp_path):
