@@ -364,7 +364,7 @@ class _OptimizerLoad:
     ) -> None:
         saved = opened.metadata.state_dict_metadata
         self.optimizer = optimizer
-        self.saved_keys = set(saved)
+        self.saved_keys = saved.keys()  # a view: membership without copying ~15 keys a parameter
         fqns = param_fqns(model)
         self.osd, created = checkpoint_state(optimizer, for_save=False)
         fresh = {fqns[i] for i in created if i in fqns}
@@ -504,7 +504,9 @@ _GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.([0-9]+)\.params\Z")
 
 def _saved_group_numbers(opened: OpenCheckpoint, options: ReadOptions) -> dict[str, str]:
     """fqn -> the number of its saved group, from torch's unflattened layout (``param_groups.<n>.params``)."""
-    numbers = {k: m.group(1) for k in opened.metadata.state_dict_metadata if (m := _GROUP_PARAMS.match(k))}
+    # endswith first: a C call per key, where the regex's match costs ~4x that on each of ~15 keys a parameter
+    saved = opened.metadata.state_dict_metadata
+    numbers = {k: m.group(1) for k in saved if k.endswith(".params") and (m := _GROUP_PARAMS.match(k))}
     if not numbers:
         return {}
     _, values = load_flat(opened, dict.fromkeys(numbers), strict=False, scope=(), options=options)

@@ -26,6 +26,7 @@ rank waiting in one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -539,7 +540,7 @@ def _load_target(value: Any, *, name: str) -> Any:
 
 def _refuse_meta_targets(targets: dict[str, Any]) -> None:
     """A meta-device tensor has no storage to fill in place: say so before reading (never a read failure)."""
-    meta = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"]
+    meta = [k for k, v in targets.items() if isinstance(v, torch.Tensor) and v.is_meta]  # not .device: ~1 us a key
     if meta:
         shown = ", ".join(meta[:5]) + (f", ... ({len(meta)} in all)" if len(meta) > 5 else "")
         raise TypeError(
@@ -550,12 +551,58 @@ def _refuse_meta_targets(targets: dict[str, Any]) -> None:
 
 
 def _read(opened: OpenCheckpoint, loadable: dict[str, Any], options: ReadOptions) -> int:
-    """Read ``loadable`` on this rank; the reader's peak buffer bytes."""
+    """Read ``loadable`` on this rank; the reader's peak buffer bytes.
+
+    A key the manifest lists as sharing its source key's stored value (torch's flattened layout keys each
+    param group's options once per parameter) takes a copy of the source's value, read once: the open
+    checked that both name the same bytes (:func:`checkpoint.opener.consistency_problems`).
+    """
     if not loadable:
         return 0
+    shared = _shared_sources(opened, loadable)
+    reads = {k: v for k, v in loadable.items() if k not in shared}
+    sources_only = {source for source in shared.values() if source not in reads}
+    reads.update(dict.fromkeys(sources_only))
     check = opened.content_check()
     with opened.reading():
-        return _read_flat(opened, loadable, check, options.max_read_bytes)
+        peak = _read_flat(opened, reads, check, options.max_read_bytes)
+    loadable.update({k: v for k, v in reads.items() if k not in sources_only})
+    loadable.update({key: _own_copy(reads[source]) for key, source in shared.items()})
+    return peak
+
+
+def _shared_sources(opened: OpenCheckpoint, keys: Iterable[str]) -> dict[str, str]:
+    """key -> its source key, for each of ``keys`` that the manifest lists in :attr:`~checkpoint.manifest.Manifest.shared`
+    (stored where its source key is); one pass over ``keys`` per family."""
+    if opened.manifest is None:
+        return {}
+    saved = opened.metadata.state_dict_metadata
+    found: dict[str, str] = {}
+    for family in opened.manifest.shared:
+        prefix = ".".join(family.under) + "."
+        names: frozenset[str] | None = None
+        for key in keys:
+            if not key.startswith(prefix):
+                continue
+            name, _, field_name = key[len(prefix) :].rpartition(".")
+            source = family.fields.get(field_name)
+            if source is None or source == key or source not in saved:  # not there: the key is read as itself
+                continue
+            names = frozenset(family.names) if names is None else names
+            if name in names:
+                found[key] = source
+    return found
+
+
+_IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _own_copy(value: Any) -> Any:
+    """``value`` for one more key: itself when immutable (a float, a tuple of them: torch's option values),
+    else a deep copy, so no two keys' loaded values are one object (as when each is unpickled on its own)."""
+    if type(value) in _IMMUTABLE or (type(value) is tuple and all(type(v) in _IMMUTABLE for v in value)):
+        return value
+    return copy.deepcopy(value)
 
 
 def _read_then_share(opened: OpenCheckpoint, reads: dict[str, Any], options: ReadOptions) -> int:

@@ -715,6 +715,7 @@ def bench_scaling(root: Path, mib: int, counts: list[int], rounds: int, optimize
     print(
         f"{'optimizer':9s} {'params':>6s} {'who':5s} {'save us/p':>9s} {'cpu':>6s} {'load us/p':>9s} {'cpu':>6s}"
         f" {'bytes/p':>8s} {'save/dcp':>8s} {'load/dcp':>8s} {'save/floor':>10s} {'load/floor':>10s}"
+        f" {'load/dcp cpu':>12s} {'load/floor cpu':>14s}"
     )
     for optimizer in optimizers:
         for count in counts:
@@ -736,6 +737,7 @@ def bench_scaling(root: Path, mib: int, counts: list[int], rounds: int, optimize
                 print(
                     f"{optimizer:9s} {count:6d} {who:5s} {sw * per:9.0f} {sc * per:6.0f} {lw * per:9.0f} {lc * per:6.0f}"
                     f" {size / count:8.0f} {sw / dcp_[0]:8.2f} {lw / dcp_[2]:8.2f} {sw / floor[0]:10.2f} {lw / floor[2]:10.2f}"
+                    f" {lc / dcp_[3]:12.2f} {lc / floor[3]:14.2f}"  # process CPU: the figure this shared VM's load spares
                 )
             del model, opt
 

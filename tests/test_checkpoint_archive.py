@@ -198,6 +198,16 @@ def test_two_keys_loaded_into_one_tensor_read_without_a_false_crc_failure(tmp_pa
     assert torch.equal(shared, torch.full((8,), 1.0)) or torch.equal(shared, torch.full((8,), 2.0))
 
 
+def test_a_conjugate_or_negative_view_loads_the_saved_values_not_its_raw_bytes(tmp_path):
+    saved = torch.randn(6, dtype=torch.complex64)
+    checkpoint.save_state_dict({"conj": saved, "neg": saved}, tmp_path / "ck")
+    # Views that read their storage transformed (conjugated / negated): the bytes on disk cannot land in them raw.
+    conj, neg = torch.zeros(6, dtype=torch.complex64).conj(), torch.zeros(6, dtype=torch.complex64)._neg_view()
+    assert conj.is_conj() and neg.is_neg()
+    checkpoint.load_state_dict({"conj": conj, "neg": neg}, tmp_path / "ck")
+    assert torch.equal(conj, saved) and torch.equal(neg, saved)
+
+
 def test_read_whole_tensors_fills_whole_stored_tensors_and_leaves_every_other_target_to_the_planner(tmp_path):
     from torch.distributed.checkpoint.metadata import MetadataIndex
 

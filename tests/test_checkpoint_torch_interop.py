@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import checkpoint
+from checkpoint.safe_unpickle import SafeLoadPlanner
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -248,3 +249,30 @@ def test_load_keeps_torchs_casting_of_step_per_group(tmp_path):
             ours, torchs = opt2.state[p][key], reference.state[p][key]
             assert (ours.dtype, ours.device) == (torchs.dtype, torchs.device), key
             assert torch.equal(ours, torchs), key
+
+
+def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_parameter(tmp_path, monkeypatch):
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    opt.param_groups[1]["betas"] = [0.8, 0.9]  # a mutable option: every key gets a list of its own
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    unpickled = []
+    real_load_bytes = SafeLoadPlanner.load_bytes
+    monkeypatch.setattr(
+        SafeLoadPlanner,
+        "load_bytes",
+        lambda self, item, value: unpickled.append(item) or real_load_bytes(self, item, value),
+    )
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    ours_model, ours_opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(ours_model, ours_opt, options=options)
+    # our checkpoint also holds torch's default layout's numbered group keys, which this layout does not ask for
+    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours", strict=False)
+    assert not report.missing_keys and not report.mismatched_keys
+    set_state_dict(ours_model, ours_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert _options_by_name(ours_model, ours_opt) == _options_by_name(model, opt)
+    _assert_same(model, opt, ours_model, ours_opt)
+    option_keys = [k for k in osd if k.startswith("param_groups.")]
+    assert len(option_keys) == 4 * len(opt.param_groups[0]) - 4  # 4 parameters, each with its group's options
+    assert len(unpickled) <= 2 * len(opt.param_groups[0])  # each group's stored values once, not once per key
+    betas = [osd[k] for k in option_keys if k.endswith(".betas") and osd[k] == [0.8, 0.9]]
+    assert len(betas) == 2 and betas[0] is not betas[1]
