@@ -571,27 +571,18 @@ def _read(opened: OpenCheckpoint, loadable: dict[str, Any], options: ReadOptions
     return peak
 
 
-def _shared_sources(opened: OpenCheckpoint, keys: Iterable[str]) -> dict[str, str]:
+def _shared_sources(opened: OpenCheckpoint, keys: dict[str, Any]) -> dict[str, str]:
     """key -> its source key, for each of ``keys`` that the manifest lists in :attr:`~checkpoint.manifest.Manifest.shared`
-    (stored where its source key is); one pass over ``keys`` per family."""
-    if opened.manifest is None:
+    (stored where its source key is); one pass over the listed keys, whatever the number of param groups."""
+    if opened.manifest is None or not opened.manifest.shared:
         return {}
     saved = opened.metadata.state_dict_metadata
-    found: dict[str, str] = {}
-    for family in opened.manifest.shared:
-        prefix = ".".join(family.under) + "."
-        names: frozenset[str] | None = None
-        for key in keys:
-            if not key.startswith(prefix):
-                continue
-            name, _, field_name = key[len(prefix) :].rpartition(".")
-            source = family.fields.get(field_name)
-            if source is None or source == key or source not in saved:  # not there: the key is read as itself
-                continue
-            names = frozenset(family.names) if names is None else names
-            if name in names:
-                found[key] = source
-    return found
+    return {
+        key: source
+        for family in opened.manifest.shared
+        for key, source, _ in family.keys()
+        if key in keys and source != key and source in saved  # source not there: the key is read as itself
+    }
 
 
 _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))
