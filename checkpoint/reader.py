@@ -296,7 +296,7 @@ class DirectReader(FileSystemReader):
         for anything else (several chunks, another shape, see :meth:`_layout_of`)."""
         if self._index is not None:  # every key is one piece there
             md = self._index.saved.get(key)
-            if not isinstance(md, TensorStorageMetadata) or tuple(target.shape) != tuple(md.size):
+            if not isinstance(md, TensorStorageMetadata) or target.shape != md.size:  # torch.Size both
                 return None
             return self._whole_at(key, self._index.stored_at(key), md, target)
         md = self._planned.state_dict_metadata.get(key)
@@ -455,8 +455,12 @@ class _WholeChunk:
         self.key, self.info, self.target, self.layout = key, info, target, layout
         self.item = item  # None when read without a DCP plan (DirectReader.read_whole_tensors)
         self.head, self.tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
-        self.buffers = [self.head, _bytes_of(target), self.tail]
+        data = _bytes_of(target)
+        self.buffers = [self.head, data, self.tail]
         self.size = info.length
+        start = ctypes.addressof(data)
+        self.span = (start, start + len(data))
+        """the destination's bytes in memory: [start, end) addresses"""
 
     def matches(self) -> bool:
         """Whether the head and tail read are what our writer makes around this data (only then the data is
@@ -477,7 +481,7 @@ def _bytes_of(target: torch.Tensor) -> ctypes.Array:
 
 def _disjoint(run: list[_WholeChunk]) -> bool:
     """Whether no two destinations of ``run`` share a byte."""
-    spans = sorted((w.target.data_ptr(), w.target.data_ptr() + w.target.nbytes) for w in run)
+    spans = sorted(w.span for w in run)
     return all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
 
 
