@@ -156,7 +156,8 @@ def open_checkpoint(
     opt-out: damaged data bytes then load silently); ``"none"`` checks no
     file, nor the consistency of ``.metadata`` (chunk cover, byte ranges, the
     manifest's keys) that every other mode checks. ``.metadata`` is always
-    read with a restricted unpickler: nothing in a checkpoint runs code. ``require_manifest=False`` also opens a plain
+    read with a restricted unpickler: nothing in a checkpoint runs code; where the manifest's load index checks
+    out (:mod:`checkpoint.load_index`) it is not unpickled at all unless :attr:`OpenCheckpoint.metadata` is asked for. ``require_manifest=False`` also opens a plain
     DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
     without file checks (logged unless ``quiet``). ``path`` may be a URL (``storage_options`` go to its
     fsspec file system). Raises ``FileNotFoundError``,
