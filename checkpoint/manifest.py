@@ -12,9 +12,11 @@ same bytes.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
@@ -106,12 +108,19 @@ class SharedValues:
         object.__setattr__(self, "under", tuple(self.under))
         object.__setattr__(self, "names", tuple(self.names))
 
-    def keys(self):
-        """``(key, source key, nested path)`` of every key listed."""
-        for name in self.names:
-            for field_name, source in self.fields.items():
-                path = (*self.under, name, field_name)
-                yield ".".join(path), source, path
+    def keys(self) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+        """``(key, source key, nested path)`` of every key listed (made on the first call, then kept: a load
+        goes over them once per read of the family's keys, ~330,000 at 30,000 parameters)."""
+        return iter(self._listed)
+
+    @functools.cached_property  # sets the instance's __dict__ directly: works on a frozen dataclass
+    def _listed(self) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+        return tuple(
+            (".".join(path), source, path)
+            for name in self.names
+            for field_name, source in self.fields.items()
+            for path in [(*self.under, name, field_name)]
+        )
 
 
 @dataclass(frozen=True)
