@@ -573,16 +573,32 @@ def _read(opened: OpenCheckpoint, loadable: dict[str, Any], options: ReadOptions
 
 def _shared_sources(opened: OpenCheckpoint, keys: dict[str, Any]) -> dict[str, str]:
     """key -> its source key, for each of ``keys`` that the manifest lists in :attr:`~checkpoint.manifest.Manifest.shared`
-    (stored where its source key is); one pass over the listed keys, whatever the number of param groups."""
+    (stored where its source key is).
+
+    One pass over the non-tensor ``keys``, each split into the manifest's ``<under>.<name>.<field>`` at each of
+    its dots, whatever the number of keys listed (torch's flattened layout lists one per parameter and option:
+    a load of a few keys would pay for all of them).
+    """
     if opened.manifest is None or not opened.manifest.shared:
         return {}
     saved = opened.metadata.state_dict_metadata
-    return {
-        key: source
-        for family in opened.manifest.shared
-        for key, source, _ in family.keys()
-        if key in keys and source != key and source in saved  # source not there: the key is read as itself
-    }
+    fields_of: dict[str, dict[str, str]] = {}  # "<under>.<name>" -> field -> source
+    for family in opened.manifest.shared:
+        for name in family.names:
+            fields_of.setdefault(".".join((*family.under, name)), {}).update(family.fields)
+    sources: dict[str, str] = {}
+    for key, value in keys.items():
+        if type(value) in _PLAIN_TENSORS:  # a listed key holds a pickled value
+            continue
+        dot = key.find(".")
+        while dot >= 0:  # a name or a field may hold dots (a flattened state dict's keys do): try each split
+            source = fields_of.get(key[:dot], {}).get(key[dot + 1 :])
+            if source is not None:
+                if source != key and source in saved:  # source not there: the key is read as itself
+                    sources[key] = source
+                break
+            dot = key.find(".", dot + 1)
+    return sources
 
 
 _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))

@@ -276,3 +276,22 @@ def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_par
     assert len(unpickled) <= 2 * len(opt.param_groups[0])  # each group's stored values once, not once per key
     betas = [osd[k] for k in option_keys if k.endswith(".betas") and osd[k] == [0.8, 0.9]]
     assert len(betas) == 2 and betas[0] is not betas[1]
+
+
+def test_a_resume_reads_no_group_list_it_does_not_need(tmp_path, monkeypatch):
+    # Every parameter has saved state and per-parameter options: the lists naming every parameter
+    # (param_groups.<i>.params, saved_without_state) are read only to account for a parameter without state.
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    unpickled = []
+    real_load_bytes = SafeLoadPlanner.load_bytes
+    monkeypatch.setattr(
+        SafeLoadPlanner,
+        "load_bytes",
+        lambda self, item, value: unpickled.append(item.dest_index.fqn) or real_load_bytes(self, item, value),
+    )
+    model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    checkpoint.load(tmp_path / "ours", model=model2, optimizer=opt2)
+    assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
+    _assert_same(model, opt, model2, opt2)
+    assert unpickled and not [k for k in unpickled if k.endswith((".params", ".saved_without_state"))]
