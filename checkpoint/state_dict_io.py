@@ -84,6 +84,7 @@ from checkpoint.save_plan import PlannedSave
 from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
 from checkpoint.storage_backend import locate
+from checkpoint.training_state import unasked_group_layout
 from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = [
@@ -771,7 +772,9 @@ def _load_state_dict(
     flat.update(materialized)
     scope = tuple(f"{k}." for k in state_dict)
     options = options.sharing_replicas_of(flat.values())
-    report, values = load_flat(opened, flat, strict=strict, scope=scope, options=options)
+    saved = opened.metadata.state_dict_metadata
+    ignored = unasked_group_layout(saved, flat.keys())  # ours stores both of torch's optimizer layouts
+    report, values = load_flat(opened, flat, strict=strict, scope=scope, ignored=ignored, options=options)
     for key, value in {**materialized, **values}.items():
         where = mappings[key]
         set_element(resolved, where, value)

@@ -265,9 +265,9 @@ def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_par
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     ours_model, ours_opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
     msd, osd = get_state_dict(ours_model, ours_opt, options=options)
-    # our checkpoint also holds torch's default layout's numbered group keys, which this layout does not ask for
-    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours", strict=False)
-    assert not report.missing_keys and not report.mismatched_keys
+    # our checkpoint also holds torch's default layout's numbered group keys: not unexpected in this layout
+    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours")
+    assert not report
     set_state_dict(ours_model, ours_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
     assert _options_by_name(ours_model, ours_opt) == _options_by_name(model, opt)
     _assert_same(model, opt, ours_model, ours_opt)
@@ -295,3 +295,32 @@ def test_a_resume_reads_no_group_list_it_does_not_need(tmp_path, monkeypatch):
     assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
     _assert_same(model, opt, model2, opt2)
     assert unpickled and not [k for k in unpickled if k.endswith((".params", ".saved_without_state"))]
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["torch_default", "flattened"])
+def test_a_strict_load_state_dict_of_either_torch_layout_reads_our_checkpoint(tmp_path, flatten):
+    # ours stores the group options in both layouts: the one not asked for is not unexpected
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(model2, opt2, options=options)
+    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours")
+    assert not report
+    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
+    _assert_same(model, opt, model2, opt2)
+
+
+def test_a_strict_load_state_dict_still_names_a_saved_parameter_it_lacks_in_the_layout_asked_for(tmp_path):
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(model2, opt2, options=options)
+    del msd["2.bias"]
+    for key in [k for k in osd if k.startswith(("state.2.bias.", "param_groups.2.bias."))]:
+        del osd[key]
+    with pytest.raises(ValueError, match=r"unexpected: .*optimizer\.param_groups\.2\.bias\.lr") as raised:
+        checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours")
+    assert "optimizer.param_groups.0.lr" not in str(raised.value)
