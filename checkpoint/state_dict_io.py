@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-# flatten_state_dict/set_element: DCP's key flattening and its inverse (no public names); needed because
-# load_flat loads flat keys itself; renamed -> import fails, changed key format -> loads miss keys
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+# set_element: the inverse of DCP's key flattening (no public name); needed because load_flat loads flat keys
+# itself; renamed -> import fails, changed path format -> loaded values land in the wrong place
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -54,6 +53,7 @@ from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_stag
 from checkpoint.convert import (
     assign_back,
     convert_tree,
+    flatten_state_dict,
     load_stateful,
     materialize_meta,
     resolve_stateful,
@@ -568,7 +568,8 @@ def _read(opened: OpenCheckpoint, loadable: dict[str, Any], options: ReadOptions
     with opened.reading():
         peak = _read_flat(opened, reads, check, options.max_read_bytes)
     loadable.update({k: v for k, v in reads.items() if k not in sources_only})
-    loadable.update({key: _own_copy(reads[source]) for key, source in shared.items()})
+    copies = {source: _copier(reads[source]) for source in set(shared.values())}
+    loadable.update({key: copies[source](reads[source]) for key, source in shared.items()})
     return peak
 
 
@@ -605,12 +606,23 @@ def _shared_sources(opened: OpenCheckpoint, keys: dict[str, Any]) -> dict[str, s
 _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))
 
 
-def _own_copy(value: Any) -> Any:
-    """``value`` for one more key: itself when immutable (a float, a tuple of them: torch's option values),
-    else a deep copy, so no two keys' loaded values are one object (as when each is unpickled on its own)."""
+def _copier(value: Any) -> Callable[[Any], Any]:
+    """How ``value`` is given to one more key: itself when immutable (a float, a tuple of them: torch's option
+    values), else a copy, so no two keys' loaded values are one object (as when each is unpickled on its own).
+    Decided once per value: a list naming every parameter (``param_names``), copied for each of them, must
+    not cost a Python step per name (O(N^2)).
+    """
     if type(value) in _IMMUTABLE or (type(value) is tuple and all(type(v) in _IMMUTABLE for v in value)):
-        return value
-    return copy.deepcopy(value)
+        return _itself
+    if type(value) in (list, dict) and all(
+        type(v) in _IMMUTABLE for v in (value.values() if type(value) is dict else value)
+    ):
+        return copy.copy  # a C copy: its items are immutable
+    return copy.deepcopy
+
+
+def _itself(value: T) -> T:
+    return value
 
 
 def _read_then_share(opened: OpenCheckpoint, reads: dict[str, Any], options: ReadOptions) -> int:
