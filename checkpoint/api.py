@@ -477,8 +477,7 @@ class _OptimizerLoad:
         for key, (fqn, name) in self.state_keys.items():
             if key in values:
                 state[index_of[fqn]][name] = values[key]
-            loaded = key in self.saved_keys and not _skipped(key, report)
-            if name == MASTER_PARAM and not loaded:
+            if name == MASTER_PARAM and (key not in self.saved_keys or _skipped(key, report)):
                 # Not saved: keep the master reload_model_params() rebuilds from the loaded weight.
                 state[index_of[fqn]].pop(MASTER_PARAM, None)
         for fqn in self.unsaved:
