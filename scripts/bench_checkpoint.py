@@ -30,6 +30,12 @@ Parts (``--parts`` picks a subset):
   bytes, a compact JSON index with CRC-32s computed inline, ``os.writev`` / ``os.preadv`` in
   batches), in interleaved rounds. Then, on 2 gloo ranks, the collective calls and the bytes they
   carry on the first and the second save of one layout.
+* ``rank-scaling`` (not in the default set: minutes): an FSDP2 (``fully_shard``) model of
+  ``--rank-scaling-params`` fp32 params (``--scaling-mib`` MiB) + AdamW state on each of
+  ``--rank-scaling-worlds`` gloo ranks: wall and process CPU per rank of a save and a load, ours
+  (first save of the layout apart from later ones) vs plain ``get_state_dict`` + ``dcp.save`` /
+  ``dcp.load`` with torch's default options; the coordinator's (rank 0's) CPU against the other ranks',
+  and the CPU of all ranks together per param, as the ranks grow.
 * ``verify``: ``checkpoint.load_state_dict`` of the ``--mib`` state with the
   default content check (``verify="crc"``: each file's CRC-32 computed as it
   is read) vs without (``verify="sizes"``), cold and warm page cache, as a ratio
@@ -775,6 +781,99 @@ def bench_plan_collectives(root: Path, counts: list[int]) -> None:
         print(f"{count:7d} {c1:5d} {b1:10d} {c2:5d} {b2:10d}")
 
 
+def _rank_scaling_body(rank: int, world_size: int, root: str, count: int, total_bytes: int, rounds: int) -> dict:
+    """One rank of an FSDP2 model of ``count`` fp32 params + AdamW state: (wall, process CPU) of each save and
+    load, ours and plain DCP's, in interleaved rounds; ours' first save of the layout apart from later ones."""
+    import warnings
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = torch.nn.ParameterDict(
+        {f"p{i}": torch.nn.Parameter(torch.randn(max(total_bytes // 4 // count, 1))) for i in range(count)}
+    )
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    # foreach over thousands of DTensors spent minutes in DTensor's sharding propagation at 2 ranks
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+    def dcp_save(path: Path) -> None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path)
+
+    def dcp_load(path: Path) -> None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+    systems = {
+        "ours": (lambda path: checkpoint.save(path, model=model, optimizer=opt),
+                 lambda path: checkpoint.load(path, model=model, optimizer=opt)),
+        "dcp": (dcp_save, dcp_load),
+    }  # fmt: skip
+
+    def timed(fn) -> tuple[float, float]:
+        dist.barrier()
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    out: dict[str, list] = {f"{who}_{op}": [] for who in systems for op in ("save", "load")}
+    for round_ in range(rounds):
+        for who, (save, load) in systems.items():
+            path = Path(root) / f"rs_{who}_{world_size}_{count}_{round_}"
+            out[f"{who}_save"].append(timed(lambda: save(path)))
+            out[f"{who}_load"].append(timed(lambda: load(path)))
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+    return out
+
+
+def bench_rank_scaling(root: Path, mib: int, count: int, worlds: list[int], rounds: int) -> None:
+    """Save / load cost of one FSDP2 model + AdamW state as the ranks sharing it grow: per rank and on the
+    coordinator (rank 0), ours vs plain DCP (``get_state_dict`` + ``dcp.save`` / ``dcp.load``, torch's
+    default options), process CPU per rank in one run."""
+    from tests.distributed import run_ranks
+
+    print(
+        f"\n== rank scaling: FSDP2 (fully_shard) model of {count:,} fp32 params ({mib} MiB) + AdamW state on"
+        f" {' / '.join(map(str, worlds))} gloo ranks ({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f});"
+        f" {rounds} interleaved rounds; ours' first save of the layout apart, later figures the best round"
+    )
+    print(
+        f"{'ranks':>5s} {'who':5s} {'op':12s} {'wall s':>7s} {'cpu/rank s':>10s} {'rank0 cpu':>9s}"
+        f" {'others cpu':>10s} {'rank0/others':>12s} {'cpu us/param':>12s} {'ours/dcp cpu':>12s}"
+    )
+    for world_size in worlds:
+        per_rank = run_ranks(_rank_scaling_body, world_size, args=(str(root), count, mib << 20, rounds), timeout_s=3600)
+        rows: dict[tuple[str, str], tuple[float, list[float]]] = {}
+        for who in ("ours", "dcp"):
+            for op in ("save", "load"):
+                runs = [r[f"{who}_{op}"] for r in per_rank]  # [rank][round] -> (wall, cpu)
+                picks = [("first save", [0])] if who == "ours" and op == "save" else []
+                later = list(range(1, rounds)) if who == "ours" and op == "save" and rounds > 1 else range(rounds)
+                picks.append((op if not picks else "later save", list(later)))
+                for label, which in picks:
+                    best = min(which, key=lambda i: max(r[i][1] for r in runs))
+                    rows[(who, label)] = (max(r[best][0] for r in runs), [r[best][1] for r in runs])
+        for (who, label), (wall, cpus) in rows.items():
+            others = cpus[1:] or cpus
+            mean_cpu = sum(cpus) / len(cpus)
+            base = rows.get(("dcp", "save" if "save" in label else "load"))
+            ratio = f"{mean_cpu / (sum(base[1]) / len(base[1])):12.2f}" if who == "ours" and base else f"{'':12s}"
+            print(
+                f"{world_size:5d} {who:5s} {label:12s} {wall:7.2f} {mean_cpu:10.2f} {cpus[0]:9.2f}"
+                f" {sum(others) / len(others):10.2f} {cpus[0] / (sum(others) / len(others)):12.2f}"
+                f" {sum(cpus) / count * 1e6:12.0f} {ratio}"
+            )
+
+
 _RSS_CHILD = """
 import sys, threading, time, torch, checkpoint
 sys.path.insert(0, sys.argv[3])
@@ -999,6 +1098,12 @@ def main(argv: list[str] | None = None) -> None:
         default=[100, 1000, 10000, 30000],
         help="parameter counts the scaling part cuts that state into",
     )
+    parser.add_argument(
+        "--rank-scaling-params", type=int, default=3000, help="params of the FSDP2 model of the rank-scaling part"
+    )
+    parser.add_argument(
+        "--rank-scaling-worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes of the rank-scaling part"
+    )
     parser.add_argument("--scaling-rounds", type=int, default=2, help="interleaved rounds of the scaling part")
     parser.add_argument("--scaling-optimizers", nargs="+", default=["adamw", "hybrid"], choices=["adamw", "hybrid"])
     parser.add_argument(
@@ -1047,6 +1152,10 @@ def main(argv: list[str] | None = None) -> None:
         if "scaling" in args.parts:
             bench_scaling(root, args.scaling_mib, args.scaling_params, args.scaling_rounds, args.scaling_optimizers)
             bench_plan_collectives(root, [c for c in args.scaling_params if c <= 1000] or [100])
+        if "rank-scaling" in args.parts:
+            bench_rank_scaling(
+                root, args.scaling_mib, args.rank_scaling_params, args.rank_scaling_worlds, args.scaling_rounds
+            )
         if "remote" in args.parts:
             bench_remote(args.remote_mib, args.remote_rounds)
         if "tiers" in args.parts:
