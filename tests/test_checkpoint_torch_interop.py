@@ -251,24 +251,25 @@ def test_load_keeps_torchs_casting_of_step_per_group(tmp_path):
             assert torch.equal(ours, torchs), key
 
 
-def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_parameter(tmp_path, monkeypatch):
-    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
-    opt.param_groups[1]["betas"] = [0.8, 0.9]  # a mutable option: every key gets a list of its own
-    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
-    unpickled = []
+def _unpickled_keys(monkeypatch) -> list[str]:
+    """The keys whose stored values loads unpickle from now on (one entry per unpickling)."""
+    unpickled: list[str] = []
     real_load_bytes = SafeLoadPlanner.load_bytes
     monkeypatch.setattr(
         SafeLoadPlanner,
         "load_bytes",
-        lambda self, item, value: unpickled.append(item) or real_load_bytes(self, item, value),
+        lambda self, item, value: unpickled.append(item.dest_index.fqn) or real_load_bytes(self, item, value),
     )
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    ours_model, ours_opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
-    msd, osd = get_state_dict(ours_model, ours_opt, options=options)
-    # our checkpoint also holds torch's default layout's numbered group keys: not unexpected in this layout
-    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours")
+    return unpickled
+
+
+def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_parameter(tmp_path, monkeypatch):
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    opt.param_groups[1]["betas"] = [0.8, 0.9]  # a mutable option: every key gets a list of its own
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    unpickled = _unpickled_keys(monkeypatch)
+    ours_model, ours_opt, osd, report = _strictly_loaded_torch_state_dict(tmp_path / "ours", flatten=True)
     assert not report
-    set_state_dict(ours_model, ours_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
     assert _options_by_name(ours_model, ours_opt) == _options_by_name(model, opt)
     _assert_same(model, opt, ours_model, ours_opt)
     option_keys = [k for k in osd if k.startswith("param_groups.")]
@@ -283,13 +284,7 @@ def test_a_resume_reads_no_group_list_it_does_not_need(tmp_path, monkeypatch):
     # (param_groups.<i>.params, saved_without_state) are read only to account for a parameter without state.
     model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
     checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
-    unpickled = []
-    real_load_bytes = SafeLoadPlanner.load_bytes
-    monkeypatch.setattr(
-        SafeLoadPlanner,
-        "load_bytes",
-        lambda self, item, value: unpickled.append(item.dest_index.fqn) or real_load_bytes(self, item, value),
-    )
+    unpickled = _unpickled_keys(monkeypatch)
     model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
     checkpoint.load(tmp_path / "ours", model=model2, optimizer=opt2)
     assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
@@ -302,14 +297,21 @@ def test_a_strict_load_state_dict_of_either_torch_layout_reads_our_checkpoint(tm
     # ours stores the group options in both layouts: the one not asked for is not unexpected
     model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
     checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
-    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-    model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
-    msd, osd = get_state_dict(model2, opt2, options=options)
-    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours")
+    model2, opt2, _, report = _strictly_loaded_torch_state_dict(tmp_path / "ours", flatten=flatten)
     assert not report
-    set_state_dict(model2, opt2, model_state_dict=msd, optim_state_dict=osd, options=options)
     assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
     _assert_same(model, opt, model2, opt2)
+
+
+def _strictly_loaded_torch_state_dict(path, *, flatten: bool):
+    """Another model and optimizer, filled through torch's state dict in the layout asked for by a strict
+    ``checkpoint.load_state_dict`` from ``path`` (then ``set_state_dict``); with that state dict and the report."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model, opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(model, opt, options=options)
+    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return model, opt, osd, report
 
 
 def test_a_strict_load_state_dict_still_names_a_saved_parameter_it_lacks_in_the_layout_asked_for(tmp_path):
