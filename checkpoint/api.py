@@ -6,7 +6,7 @@ import logging
 import os
 import re
 from concurrent.futures import Future
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -369,28 +369,22 @@ class _OptimizerLoad:
         self.osd, created = checkpoint_state(optimizer, for_save=False)
         fresh = {fqns[i] for i in created if i in fqns}
         self.entries = optimizer_entries(optimizer, self.osd, fqns)
-        saved_fqns = _fqns_under("optimizer.state.", saved)
         # State created here for a parameter the checkpoint has none for is dropped again after the load.
-        self.unsaved = {f for f in fresh if f not in saved_fqns}
+        self.unsaved = _without_saved_state(fresh, self.entries.state, saved)
         self.fresh = fresh
         self.targets: dict[str, Any] = {}
         self.optional: set[str] = set()
         self.state_keys: dict[str, tuple[str, str]] = {}
-        numbers = _saved_group_numbers(opened, options)  # torch's unflattened layout: fqn -> its group's number
-        known = _params_known_to_saved_optimizer(saved, numbers, fqns, saved_fqns)
-        trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        without_state = _saved_without_state(opened, options)  # None: not recorded (older, another tool)
+        # torch's unflattened layout: fqn -> its group's number; read only where asked for (a list of every name)
+        numbers = cache(partial(_saved_group_numbers, opened, options))
         self.lost: list[str] = []
         """trained here, in the saved groups, without saved state that the checkpoint says it had"""
         self.unrecorded: list[str] = []
         """trained here, without saved state, in a checkpoint that does not say why (the old behaviour)"""
+        asked = self._sort_unsaved(optimizer, opened, options, numbers(), fqns) if self.unsaved else set()
         for fqn, entry in self.entries.state.items():
             if fqn in self.unsaved:
-                if fqn in trainable and fqn in known and fqn not in (without_state or ()):
-                    (self.unrecorded if without_state is None else self.lost).append(fqn)
-                if fqn in trainable and (fqn not in known or fqn in self.lost):
-                    # Not in the saved optimizer's groups (e.g. a model-only checkpoint), or its state was
-                    # lost: resuming would restart its moments from zero. Asked for, so reported missing.
+                if fqn in asked:
                     self.targets.update({f"optimizer.state.{fqn}.{name}": None for name in entry})
                 continue
             for name, value in entry.items():
@@ -409,19 +403,46 @@ class _OptimizerLoad:
         for g_index, (names, osd_group) in enumerate(zip(self.entries.group_members, self.osd["param_groups"])):
             if not names:
                 continue
-            # the saved group that held this parameter, not the one at this position (groups may be reordered)
-            # (position only where no saved list names any of them: stale after --stack / --split)
-            number = next((numbers[n] for n in names if n in numbers), str(g_index))
             for hyper in osd_group:
                 if hyper == "params":
                     continue
-                # Ours / flattened torch layout first, then torch's unflattened one.
-                for key in (f"optimizer.param_groups.{names[0]}.{hyper}", f"optimizer.param_groups.{number}.{hyper}"):
-                    if key in saved:
-                        self.targets[key] = None
-                        self.optional.add(key)
-                        self.group_keys.append((g_index, hyper, key))
-                        break
+                # Ours / flattened torch layout first, then torch's unflattened one: the saved group that held
+                # this parameter, not the one at this position (groups may be reordered; position only where no
+                # saved list names any of them: stale after --stack / --split)
+                key = f"optimizer.param_groups.{names[0]}.{hyper}"
+                if key not in saved:
+                    number = next((numbers()[n] for n in names if n in numbers()), str(g_index))
+                    key = f"optimizer.param_groups.{number}.{hyper}"
+                if key in saved:
+                    self.targets[key] = None
+                    self.optional.add(key)
+                    self.group_keys.append((g_index, hyper, key))
+
+    def _sort_unsaved(
+        self,
+        optimizer: torch.optim.Optimizer,
+        opened: OpenCheckpoint,
+        options: ReadOptions,
+        numbers: dict[str, str],
+        fqns: dict[int, str],
+    ) -> set[str]:
+        """Sort the parameters with no saved state (:attr:`unsaved`) trained here into :attr:`lost` and
+        :attr:`unrecorded`; return those whose state is asked for all the same (reported missing)."""
+        saved = opened.saved
+        known = _params_known_to_saved_optimizer(saved, numbers, fqns, _fqns_under("optimizer.state.", saved))
+        trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+        without_state = _saved_without_state(opened, options)  # None: not recorded (older, another tool)
+        asked = set()
+        for fqn in self.entries.state:
+            if fqn not in self.unsaved or fqn not in trainable:
+                continue
+            if fqn in known and fqn not in (without_state or ()):
+                (self.unrecorded if without_state is None else self.lost).append(fqn)
+            if fqn not in known or fqn in self.lost:
+                # Not in the saved optimizer's groups (e.g. a model-only checkpoint), or its state was
+                # lost: resuming would restart its moments from zero.
+                asked.add(fqn)
+        return asked
 
     def check_saved_state(self, strict: bool) -> None:
         """Refuse (strict) state lost from the checkpoint; warn of state a checkpoint does not account for."""
@@ -456,8 +477,7 @@ class _OptimizerLoad:
         for key, (fqn, name) in self.state_keys.items():
             if key in values:
                 state[index_of[fqn]][name] = values[key]
-            loaded = key in self.saved_keys and not _skipped(key, report)
-            if name == MASTER_PARAM and not loaded:
+            if name == MASTER_PARAM and (key not in self.saved_keys or _skipped(key, report)):
                 # Not saved: keep the master reload_model_params() rebuilds from the loaded weight.
                 state[index_of[fqn]].pop(MASTER_PARAM, None)
         for fqn in self.unsaved:
@@ -520,6 +540,23 @@ def _saved_without_state(opened: OpenCheckpoint, options: ReadOptions) -> set[st
         return None
     _, values = load_flat(opened, {key: None}, strict=False, scope=(), options=options)
     return set(values.get(key) or ())
+
+
+def _without_saved_state(fqns: set[str], state: dict[str, dict[str, Any]], saved: dict[str, Any]) -> set[str]:
+    """The names of ``fqns`` with no key ``optimizer.state.<fqn>.<name>`` in ``saved``.
+
+    Looked up under the names of their ``state`` here (a resume: the same optimizer); a pass over every
+    saved key only for those not found so (another optimizer's state names, or none saved).
+    """
+    unsure = [
+        fqn
+        for fqn in fqns
+        if not any(f"optimizer.state.{fqn}.{name}" in saved for name in state.get(fqn, ()) if "." not in name)
+    ]
+    if not unsure:
+        return set()
+    with_state = _fqns_under("optimizer.state.", saved)
+    return {fqn for fqn in unsure if fqn not in with_state}
 
 
 def _fqns_under(prefix: str, saved: dict[str, Any]) -> set[str]:

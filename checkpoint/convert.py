@@ -8,6 +8,7 @@ shape, as locally computed chunks of bounded size.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "StatefulPath",
     "assign_back",
     "convert_tree",
+    "flatten_state_dict",
     "is_one_chunk",
     "load_stateful",
     "materialize_meta",
@@ -276,10 +278,17 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
     first. Dict entries are visited in sorted key order, so every rank calls the
     objects' ``state_dict()`` in the same order whatever its dicts' insertion order
     (they may run collectives); :func:`load_stateful` then hands each object its
-    loaded state, in the order ``dcp.load`` does.
+    loaded state, in the order ``dcp.load`` does. A list of plain values referenced from several places is
+    copied once, the copy referenced likewise: torch's flattened optimizer layout references a group's
+    ``param_names`` (every name) from each parameter's key, which copied per key would cost O(N^2).
     """
+    return _resolve(tree, path, {})
+
+
+def _resolve(tree: Any, path: StatefulPath, plain_lists: dict[int, list]) -> tuple[Any, list[tuple[StatefulPath, Any]]]:
+    """:func:`resolve_stateful`; ``plain_lists``: id of a list of plain values met already -> its copy."""
     if _is_stateful(tree):
-        inner, below = resolve_stateful(tree.state_dict(), path)
+        inner, below = _resolve(tree.state_dict(), path, plain_lists)
         return inner, [(path, tree), *below]
     if isinstance(tree, tuple) and any(_is_stateful(v) for v in tree):
         # a tuple is one pickled value (as in DCP): its objects would be pickled whole and never loaded into
@@ -298,17 +307,68 @@ def resolve_stateful(tree: Any, path: StatefulPath = ()) -> tuple[Any, list[tupl
             if type(value) in _LEAVES:
                 out[k] = value
                 continue
-            out[k], more = resolve_stateful(value, (*path, str(k)))
+            out[k], more = _resolve(value, (*path, str(k)), plain_lists)
             found += more
         return {k: out[k] for k in tree}, found
+    if type(tree) is list:
+        copied = plain_lists.get(id(tree))  # the caller's tree keeps ``tree`` alive: its id is not reused
+        if copied is None and all(type(v) in _SCALARS for v in tree):
+            copied = plain_lists[id(tree)] = list(tree)
+        if copied is not None:
+            return copied, found
     if isinstance(tree, list):
         items = []
         for i, v in enumerate(tree):
-            value, more = resolve_stateful(v, (*path, i))
+            value, more = _resolve(v, (*path, i), plain_lists)
             items.append(value)
             found += more
         return items, found
     return tree, []
+
+
+def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple]]:
+    """DCP's key flattening (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``, torch >= 2.4):
+    the flat dict (dotted keys) and each key's nested path, in time linear in the tree.
+
+    As DCP: dicts are walked, a list only if it holds a tensor or a dict (or such a list), its items keyed
+    by index; any other value is one key. DCP's own decides that for a list at each reference to it,
+    walking it each time: O(N^2) for torch's flattened optimizer layout, which references a group's
+    ``param_names`` (every name) from each parameter's key. Here once per list object.
+    """
+    flat: dict[str, Any] = {}
+    paths: dict[str, tuple] = {}
+    walked: dict[int, bool] = {}  # id of a list -> whether it is walked (the tree keeps it alive meanwhile)
+
+    def is_walked(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return True
+        if not isinstance(value, list):
+            return False
+        known = walked.get(id(value))
+        if known is None:
+            known = walked[id(value)] = any(
+                isinstance(item, torch.Tensor) or (isinstance(item, (Mapping, list)) and is_walked(item))
+                for item in value
+            )
+        return known
+
+    def visit(path: tuple, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), v)
+        elif not is_walked(value):
+            key = ".".join(map(str, path))
+            if key in flat:
+                raise ValueError(f"duplicated flatten key {key}")
+            flat[key] = value
+            paths[key] = path
+        else:
+            for i, v in enumerate(value):
+                visit((*path, i), v)
+
+    for key, value in state_dict.items():
+        visit((str(key),), value)
+    return flat, paths
 
 
 def _sorted_keys(tree: dict) -> list:

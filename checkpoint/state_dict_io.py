@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-# flatten_state_dict/set_element: DCP's key flattening and its inverse (no public names); needed because
-# load_flat loads flat keys itself; renamed -> import fails, changed key format -> loads miss keys
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+# set_element: the inverse of DCP's key flattening (no public name); needed because load_flat loads flat keys
+# itself; renamed -> import fails, changed path format -> loaded values land in the wrong place
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -54,6 +53,7 @@ from checkpoint.commit import DEFAULT_MAX_CHUNK_BYTES, commit_ranks, commit_stag
 from checkpoint.convert import (
     assign_back,
     convert_tree,
+    flatten_state_dict,
     load_stateful,
     materialize_meta,
     resolve_stateful,
@@ -84,6 +84,7 @@ from checkpoint.save_plan import PlannedSave
 from checkpoint.save_queue import wait_for_async_save
 from checkpoint.storage import FsdpWriter, quiet_single_process
 from checkpoint.storage_backend import locate
+from checkpoint.training_state import unasked_group_layout
 from offload_fsdp.shard_spec import shard_spec_of
 
 __all__ = [
@@ -567,33 +568,61 @@ def _read(opened: OpenCheckpoint, loadable: dict[str, Any], options: ReadOptions
     with opened.reading():
         peak = _read_flat(opened, reads, check, options.max_read_bytes)
     loadable.update({k: v for k, v in reads.items() if k not in sources_only})
-    loadable.update({key: _own_copy(reads[source]) for key, source in shared.items()})
+    copies = {source: _copier(reads[source]) for source in set(shared.values())}
+    loadable.update({key: copies[source](reads[source]) for key, source in shared.items()})
     return peak
 
 
 def _shared_sources(opened: OpenCheckpoint, keys: dict[str, Any]) -> dict[str, str]:
     """key -> its source key, for each of ``keys`` that the manifest lists in :attr:`~checkpoint.manifest.Manifest.shared`
-    (stored where its source key is); one pass over the listed keys, whatever the number of param groups."""
+    (stored where its source key is).
+
+    One pass over the non-tensor ``keys``, each split into the manifest's ``<under>.<name>.<field>`` at each of
+    its dots, whatever the number of keys listed (torch's flattened layout lists one per parameter and option:
+    a load of a few keys would pay for all of them).
+    """
     if opened.manifest is None or not opened.manifest.shared:
         return {}
     saved = opened.saved
-    return {
-        key: source
-        for family in opened.manifest.shared
-        for key, source, _ in family.keys()
-        if key in keys and source != key and source in saved  # source not there: the key is read as itself
-    }
+    fields_of: dict[str, dict[str, str]] = {}  # "<under>.<name>" -> field -> source
+    for family in opened.manifest.shared:
+        for name in family.names:
+            fields_of.setdefault(".".join((*family.under, name)), {}).update(family.fields)
+    sources: dict[str, str] = {}
+    for key, value in keys.items():
+        if type(value) in _PLAIN_TENSORS:  # a listed key holds a pickled value
+            continue
+        dot = key.find(".")
+        while dot >= 0:  # a name or a field may hold dots (a flattened state dict's keys do): try each split
+            source = fields_of.get(key[:dot], {}).get(key[dot + 1 :])
+            if source is not None:
+                if source != key and source in saved:  # source not there: the key is read as itself
+                    sources[key] = source
+                break
+            dot = key.find(".", dot + 1)
+    return sources
 
 
 _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))
 
 
-def _own_copy(value: Any) -> Any:
-    """``value`` for one more key: itself when immutable (a float, a tuple of them: torch's option values),
-    else a deep copy, so no two keys' loaded values are one object (as when each is unpickled on its own)."""
+def _copier(value: Any) -> Callable[[Any], Any]:
+    """How ``value`` is given to one more key: itself when immutable (a float, a tuple of them: torch's option
+    values), else a copy, so no two keys' loaded values are one object (as when each is unpickled on its own).
+    Decided once per value: a list naming every parameter (``param_names``), copied for each of them, must
+    not cost a Python step per name (O(N^2)).
+    """
     if type(value) in _IMMUTABLE or (type(value) is tuple and all(type(v) in _IMMUTABLE for v in value)):
-        return value
-    return copy.deepcopy(value)
+        return _itself
+    if type(value) in (list, dict) and all(
+        type(v) in _IMMUTABLE for v in (value.values() if type(value) is dict else value)
+    ):
+        return copy.copy  # a C copy: its items are immutable
+    return copy.deepcopy
+
+
+def _itself(value: T) -> T:
+    return value
 
 
 def _read_then_share(opened: OpenCheckpoint, reads: dict[str, Any], options: ReadOptions) -> int:
@@ -762,7 +791,9 @@ def _load_state_dict(
     flat.update(materialized)
     scope = tuple(f"{k}." for k in state_dict)
     options = options.sharing_replicas_of(flat.values())
-    report, values = load_flat(opened, flat, strict=strict, scope=scope, options=options)
+    saved = opened.saved
+    ignored = unasked_group_layout(saved, flat.keys())  # ours stores both of torch's optimizer layouts
+    report, values = load_flat(opened, flat, strict=strict, scope=scope, ignored=ignored, options=options)
     for key, value in {**materialized, **values}.items():
         where = mappings[key]
         set_element(resolved, where, value)

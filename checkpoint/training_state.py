@@ -26,6 +26,8 @@ a master it knows to be exactly its weight widened, which a load rebuilds from t
 from __future__ import annotations
 
 import copy
+import re
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,12 +52,15 @@ __all__ = [
     "optimizer_entries",
     "param_fqns",
     "tied_aliases",
+    "unasked_group_layout",
 ]
 
 MASTER_PARAM = MASTER_KEY
 PARAM_NAMES = "param_names"
 SAVED_WITHOUT_STATE = "saved_without_state"
 """``optimizer.saved_without_state``: the FQNs saved with no optimizer state (absent before 2026-11)."""
+_NUMBERED_GROUP_KEY = re.compile(r"[0-9]+\.[^.]+\Z")
+"""what follows ``<section>.param_groups.`` in torch's unflattened layout: ``<group number>.<option>``"""
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
@@ -86,6 +91,34 @@ def key_path(key: str, saved_paths: dict[str, tuple] | None = None) -> tuple:
         if key.startswith(prefix) and dot and fqn:
             return ("optimizer", section, fqn, name)
     return tuple(key.split("."))
+
+
+def unasked_group_layout(saved: Iterable[str], asked: Collection[str]) -> set[str]:
+    """The keys of ``saved`` that a load of the flat keys ``asked`` reads in another form: an optimizer's
+    param groups in the torch layout it does not ask for, and ``<section>.saved_without_state``.
+
+    :func:`checkpoint.save` stores each group's options in both of torch's layouts (``get_state_dict``'s
+    default one, ``<section>.param_groups.<number>.<option>``, and the flattened one,
+    ``<section>.param_groups.<fqn>.<option>``); a section asked for in one layout only reads the same options
+    there, so the other's keys are not unexpected. A section asked for in both, or in neither, ignores none.
+    """
+    layouts: dict[str, set[bool]] = {}  # "<section>.param_groups." -> numbered? of the keys asked for
+    for key in asked:
+        section, found, rest = key.partition(".param_groups.")
+        if found and "." not in section:
+            layouts.setdefault(f"{section}{found}", set()).add(bool(_NUMBERED_GROUP_KEY.match(rest)))
+    one_layout = {prefix: numbered for prefix, (numbered, *others) in layouts.items() if not others}
+    if not one_layout:
+        return set()
+    bookkeeping = {f"{prefix.removesuffix('param_groups.')}{SAVED_WITHOUT_STATE}" for prefix in one_layout}
+    ignored = {key for key in bookkeeping if key not in asked}
+    prefixes = tuple(one_layout)
+    for key in saved:
+        if key.startswith(prefixes) and key not in asked:
+            prefix = key[: key.index(".param_groups.") + len(".param_groups.")]
+            if bool(_NUMBERED_GROUP_KEY.match(key, len(prefix))) != one_layout[prefix]:
+                ignored.add(key)
+    return ignored
 
 
 def _module(model: torch.nn.Module) -> torch.nn.Module:

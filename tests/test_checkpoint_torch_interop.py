@@ -251,24 +251,25 @@ def test_load_keeps_torchs_casting_of_step_per_group(tmp_path):
             assert torch.equal(ours, torchs), key
 
 
-def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_parameter(tmp_path, monkeypatch):
-    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
-    opt.param_groups[1]["betas"] = [0.8, 0.9]  # a mutable option: every key gets a list of its own
-    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
-    unpickled = []
+def _unpickled_keys(monkeypatch) -> list[str]:
+    """The keys whose stored values loads unpickle from now on (one entry per unpickling)."""
+    unpickled: list[str] = []
     real_load_bytes = SafeLoadPlanner.load_bytes
     monkeypatch.setattr(
         SafeLoadPlanner,
         "load_bytes",
-        lambda self, item, value: unpickled.append(item) or real_load_bytes(self, item, value),
+        lambda self, item, value: unpickled.append(item.dest_index.fqn) or real_load_bytes(self, item, value),
     )
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    ours_model, ours_opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
-    msd, osd = get_state_dict(ours_model, ours_opt, options=options)
-    # our checkpoint also holds torch's default layout's numbered group keys, which this layout does not ask for
-    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours", strict=False)
-    assert not report.missing_keys and not report.mismatched_keys
-    set_state_dict(ours_model, ours_opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return unpickled
+
+
+def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_parameter(tmp_path, monkeypatch):
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    opt.param_groups[1]["betas"] = [0.8, 0.9]  # a mutable option: every key gets a list of its own
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    unpickled = _unpickled_keys(monkeypatch)
+    ours_model, ours_opt, osd, report = _strictly_loaded_torch_state_dict(tmp_path / "ours", flatten=True)
+    assert not report
     assert _options_by_name(ours_model, ours_opt) == _options_by_name(model, opt)
     _assert_same(model, opt, ours_model, ours_opt)
     option_keys = [k for k in osd if k.startswith("param_groups.")]
@@ -276,3 +277,129 @@ def test_torchs_flattened_layout_loads_each_groups_options_once_not_once_per_par
     assert len(unpickled) <= 2 * len(opt.param_groups[0])  # each group's stored values once, not once per key
     betas = [osd[k] for k in option_keys if k.endswith(".betas") and osd[k] == [0.8, 0.9]]
     assert len(betas) == 2 and betas[0] is not betas[1]
+
+
+def test_a_resume_reads_no_group_list_it_does_not_need(tmp_path, monkeypatch):
+    # Every parameter has saved state and per-parameter options: the lists naming every parameter
+    # (param_groups.<i>.params, saved_without_state) are read only to account for a parameter without state.
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    unpickled = _unpickled_keys(monkeypatch)
+    model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    checkpoint.load(tmp_path / "ours", model=model2, optimizer=opt2)
+    assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
+    _assert_same(model, opt, model2, opt2)
+    assert unpickled and not [k for k in unpickled if k.endswith((".params", ".saved_without_state"))]
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["torch_default", "flattened"])
+def test_a_strict_load_state_dict_of_either_torch_layout_reads_our_checkpoint(tmp_path, flatten):
+    # ours stores the group options in both layouts: the one not asked for is not unexpected
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    model2, opt2, _, report = _strictly_loaded_torch_state_dict(tmp_path / "ours", flatten=flatten)
+    assert not report
+    assert _options_by_name(model2, opt2) == _options_by_name(model, opt)
+    _assert_same(model, opt, model2, opt2)
+
+
+def _strictly_loaded_torch_state_dict(path, *, flatten: bool):
+    """Another model and optimizer, filled through torch's state dict in the layout asked for by a strict
+    ``checkpoint.load_state_dict`` from ``path`` (then ``set_state_dict``); with that state dict and the report."""
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model, opt = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(model, opt, options=options)
+    report = checkpoint.load_state_dict({"model": msd, "optimizer": osd}, path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return model, opt, osd, report
+
+
+def test_a_strict_load_state_dict_still_names_a_saved_parameter_it_lacks_in_the_layout_asked_for(tmp_path):
+    model, opt = _stepped_groups(0, (0.1, 0.3), (0.0, 0.05))
+    checkpoint.save(tmp_path / "ours", model=model, optimizer=opt)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model2, opt2 = _stepped_groups(2, (0.9, 0.9), (0.5, 0.5))
+    msd, osd = get_state_dict(model2, opt2, options=options)
+    del msd["2.bias"]
+    for key in [k for k in osd if k.startswith(("state.2.bias.", "param_groups.2.bias."))]:
+        del osd[key]
+    # any of its option keys: the message names the first ten unexpected keys, in the order the checkpoint lists them
+    with pytest.raises(ValueError, match=r"unexpected: .*optimizer\.param_groups\.2\.bias\.[a-z]") as raised:
+        checkpoint.load_state_dict({"model": msd, "optimizer": osd}, tmp_path / "ours")
+    assert "optimizer.param_groups.0.lr" not in str(raised.value)
+
+
+def _named_flattened(seed: int, count: int):
+    torch.manual_seed(seed)
+    model = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.randn(2)) for i in range(count)})
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    opt.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    return model, opt, options, *get_state_dict(model, opt, options=options)
+
+
+def test_torchs_flattened_layout_of_named_parameters_loads_in_time_linear_in_the_parameters(tmp_path, monkeypatch):
+    # that layout keys the group's param_names (every name) once per parameter; one object in torch's
+    # state dict. Each key still gets a list of its own, without a Python step per name and key (O(N^2)).
+    import copy
+
+    count = 300
+    model, opt, options, msd, osd = _named_flattened(0, count)
+    checkpoint.save_state_dict({"model": msd, "optimizer": osd}, tmp_path / "flat")
+    model2, opt2, _, msd2, osd2 = _named_flattened(1, count)
+    deep_copies = []
+    real_deepcopy = copy.deepcopy
+    monkeypatch.setattr(copy, "deepcopy", lambda *args: deep_copies.append(1) or real_deepcopy(*args))
+    checkpoint.load_state_dict({"model": msd2, "optimizer": osd2}, tmp_path / "flat")
+    monkeypatch.undo()
+    assert not deep_copies  # a list of strings is copied by one C call per key (deepcopy: a Python step per name)
+    names = [k for k in osd2 if k.endswith(".param_names")]
+    assert len(names) == count and len({id(osd2[k]) for k in names}) == count
+    assert all(osd2[k] == osd[k] and len(osd[k]) == count for k in names)
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2, options=options)
+    _assert_same(model, opt, model2, opt2)
+
+
+def test_resolving_a_state_dict_copies_a_list_of_plain_values_once_however_often_it_is_referenced():
+    from checkpoint.convert import resolve_stateful
+
+    names = [f"p{i}" for i in range(4)]
+    tree = {"optimizer": {f"param_groups.p{i}.param_names": names for i in range(4)}, "own": list(names)}
+    resolved, found = resolve_stateful(tree)
+    copies = list(resolved["optimizer"].values())
+    assert not found and all(c == names and c is not names for c in copies)
+    assert all(c is copies[0] for c in copies)  # as in the tree: one list
+    assert resolved["own"] == names and resolved["own"] is not copies[0]
+
+
+def test_our_key_flattening_equals_dcps_and_walks_a_list_referenced_from_every_key_once():
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as dcp_flatten
+
+    from checkpoint.convert import flatten_state_dict
+
+    class CountedList(list):
+        walks = 0
+
+        def __iter__(self):
+            CountedList.walks += 1
+            return super().__iter__()
+
+    t = torch.arange(3.0)
+    names = CountedList(f"p{i}" for i in range(5))
+    tree = {
+        "model": {"w": t, 0: t, "pairs": [t, t], "nested": [[t], [1]], "dicts": [{"x": 1, "y": t}]},
+        "optimizer": {f"param_groups.p{i}.param_names": names for i in range(5)},
+        "extra": {"step": 3, "empty": [], "plain": [1, [2]], "tuple": (t, 1), "none": None},
+    }
+    ours, dcps = flatten_state_dict(tree), dcp_flatten(tree)
+    assert ours[1] == dcps[1]
+    assert ours[0].keys() == dcps[0].keys() and all(ours[0][k] is dcps[0][k] for k in ours[0])
+    CountedList.walks = 0
+    flatten_state_dict(tree)
+    assert CountedList.walks == 1
+    for clash in ({"a.b": 1, "a": {"b": 2}}, {"a": {"0": 1, 0: 2}}):
+        with pytest.raises(ValueError, match="duplicated flatten key a"):
+            dcp_flatten(clash)
+        with pytest.raises(ValueError, match="duplicated flatten key a"):
+            flatten_state_dict(clash)
