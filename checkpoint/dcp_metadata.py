@@ -35,6 +35,7 @@ from checkpoint.manifest import METADATA_NAME, SharedValues
 from checkpoint.storage_backend import CrcStream, FileRecord, locate, storage_for
 
 __all__ = [
+    "BYTES_RECORD",
     "MetadataBuilder",
     "key_identities",
     "metadata_bytes",
@@ -45,7 +46,8 @@ __all__ = [
 ]
 
 
-_BYTES = BytesStorageMetadata()  # a field-less marker; one instance serves every key
+BYTES_RECORD = BytesStorageMetadata()
+"""DCP's record of a pickled value: a field-less marker, so one instance serves every byte key"""
 
 
 class MetadataBuilder:
@@ -97,7 +99,7 @@ class MetadataBuilder:
         """Add a pickled non-tensor value (the first one declared for ``key`` is kept)."""
         if key in self._state:
             return
-        self._state[key] = _BYTES  # shared: pickled once, referenced by every byte key
+        self._state[key] = BYTES_RECORD  # shared: pickled once, referenced by every byte key
         if where is not None:
             self._storage[MetadataIndex(key)] = where
 

@@ -37,12 +37,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from checkpoint.data_file import StorageInfo
+from checkpoint.dcp_metadata import BYTES_RECORD
 from checkpoint.manifest import METADATA_NAME, KeyRecord, LoadIndex, Manifest, SharedValues
 from checkpoint.training_state import key_path
 
 __all__ = ["IndexedKeys", "index_problems", "indexed_keys", "load_index"]
-
-_BYTES = BytesStorageMetadata()  # a field-less marker; one instance serves every byte key
 
 
 def load_index(metadata: Metadata, keys: Mapping[str, KeyRecord]) -> LoadIndex | None:
@@ -165,10 +164,10 @@ def indexed_keys(manifest: Manifest, metadata_crc32: int) -> IndexedKeys | None:
         return None
     count, names = len(saved), []
     for family in manifest.shared:
-        if any(saved.get(source) is not _BYTES for source in family.fields.values()):
+        if any(saved.get(source) is not BYTES_RECORD for source in family.fields.values()):
             return None  # read from something other than a pickled value of its own
         names += _shared_names(family)
-    saved.update(zip(names, itertools.repeat(_BYTES)))
+    saved.update(zip(names, itertools.repeat(BYTES_RECORD)))
     if len(saved) != count + len(names):
         return None  # a key listed twice
     return IndexedKeys(manifest, saved)
@@ -232,7 +231,7 @@ def _records(keys: Mapping[str, KeyRecord]) -> dict | None:
     saved: dict = {}
     for key, record in keys.items():
         if record.kind == "bytes":
-            saved[key] = _BYTES
+            saved[key] = BYTES_RECORD
             continue
         kind = (record.dtype, record.shape)
         item = tensors.get(kind)
