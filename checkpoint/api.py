@@ -204,7 +204,7 @@ def _load(
     path, model, optimizer, strict, verify, require_manifest, extra, options: ReadOptions, local: bool
 ) -> LoadResult:
     opened = open_checkpoint(path, verify=verify, require_manifest=require_manifest)
-    saved = opened.metadata.state_dict_metadata
+    saved = opened.saved
     targets: dict[str, Any] = {}
     optional: set[str] = set()
     scope: list[str] = []
@@ -225,7 +225,7 @@ def _load(
         optional |= opt_plan.optional
         ignored = set(opt_plan.unheld_masters)
         scope.append("optimizer.state.")
-    extra_targets = _extra_placeholders(opened.metadata)
+    extra_targets = _extra_placeholders(opened.saved)
     targets.update(extra_targets)
     if local:
         targets = rank_local(targets)  # views of the same storage: filling them fills the model and optimizer
@@ -244,7 +244,7 @@ def _load(
         raise
     if opt_plan is not None:
         opt_plan.finish(values, report)
-    saved_extra = _unflatten_extra(opened.metadata, extra_targets, values)
+    saved_extra = _unflatten_extra(opened.planner_paths, extra_targets, values)
     _load_stateful_extra(saved_extra, extra or {}, strict, report)
     return LoadResult(saved_extra, report)
 
@@ -362,7 +362,7 @@ class _OptimizerLoad:
     def __init__(
         self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, opened: OpenCheckpoint, options: ReadOptions
     ) -> None:
-        saved = opened.metadata.state_dict_metadata
+        saved = opened.saved
         self.optimizer = optimizer
         self.saved_keys = saved.keys()  # a view: membership without copying ~15 keys a parameter
         fqns = param_fqns(model)
@@ -428,7 +428,7 @@ class _OptimizerLoad:
     ) -> set[str]:
         """Sort the parameters with no saved state (:attr:`unsaved`) trained here into :attr:`lost` and
         :attr:`unrecorded`; return those whose state is asked for all the same (reported missing)."""
-        saved = opened.metadata.state_dict_metadata
+        saved = opened.saved
         known = _params_known_to_saved_optimizer(saved, numbers, fqns, _fqns_under("optimizer.state.", saved))
         trainable = {fqns[id(p)] for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
         without_state = _saved_without_state(opened, options)  # None: not recorded (older, another tool)
@@ -525,7 +525,7 @@ _GROUP_PARAMS = re.compile(r"optimizer\.param_groups\.([0-9]+)\.params\Z")
 def _saved_group_numbers(opened: OpenCheckpoint, options: ReadOptions) -> dict[str, str]:
     """fqn -> the number of its saved group, from torch's unflattened layout (``param_groups.<n>.params``)."""
     # endswith first: a C call per key, where the regex's match costs ~4x that on each of ~15 keys a parameter
-    saved = opened.metadata.state_dict_metadata
+    saved = opened.saved
     numbers = {k: m.group(1) for k in saved if k.endswith(".params") and (m := _GROUP_PARAMS.match(k))}
     if not numbers:
         return {}
@@ -536,7 +536,7 @@ def _saved_group_numbers(opened: OpenCheckpoint, options: ReadOptions) -> dict[s
 def _saved_without_state(opened: OpenCheckpoint, options: ReadOptions) -> set[str] | None:
     """The FQNs the save recorded as having no optimizer state; ``None`` where it recorded nothing."""
     key = f"optimizer.{SAVED_WITHOUT_STATE}"
-    if key not in opened.metadata.state_dict_metadata:
+    if key not in opened.saved:
         return None
     _, values = load_flat(opened, {key: None}, strict=False, scope=(), options=options)
     return set(values.get(key) or ())
@@ -586,10 +586,10 @@ def _skipped(key: str, report: LoadReport) -> bool:
     return key in report.missing_keys or any(m.startswith(f"{key}:") for m in report.mismatched_keys)
 
 
-def _extra_placeholders(metadata) -> dict[str, Any]:
+def _extra_placeholders(saved: dict[str, Any]) -> dict[str, Any]:
     """Targets for every saved ``extra.*`` key: empty tensors of the saved shape, ``None`` for other values."""
     targets: dict[str, Any] = {}
-    for key, item in metadata.state_dict_metadata.items():
+    for key, item in saved.items():
         if key.startswith("extra."):
             if isinstance(item, TensorStorageMetadata):
                 targets[key] = torch.empty(tuple(item.size), dtype=item.properties.dtype)
@@ -598,9 +598,8 @@ def _extra_placeholders(metadata) -> dict[str, Any]:
     return targets
 
 
-def _unflatten_extra(metadata, targets: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """The nested ``extra`` dict as saved (DCP's planner data maps each dotted key back to its path)."""
-    paths = metadata.planner_data or {}
+def _unflatten_extra(paths: dict[str, tuple], targets: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The nested ``extra`` dict as saved (DCP's planner data, ``paths``, maps each dotted key back to its path)."""
     nested: dict[str, Any] = {}
     for key, target in targets.items():
         value = values.get(key, target)

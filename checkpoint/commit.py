@@ -42,10 +42,12 @@ from checkpoint.atomic import (
 from checkpoint.convert import convert_tree
 from checkpoint.data_file import StorageInfo
 from checkpoint.dcp_metadata import MetadataBuilder, key_identities, shared_values, write_metadata
+from checkpoint.load_index import load_index
 from checkpoint.manifest import (
     METADATA_NAME,
     FileRecord,
     KeyRecord,
+    LoadIndex,
     Manifest,
     SharedValues,
     dtype_name,
@@ -253,13 +255,14 @@ def merge_metadata(records: list[dict]) -> tuple[Metadata, dict[str, FileRecord]
     return builder.build(), files
 
 
-ManifestKeys = tuple[dict[str, KeyRecord], tuple[SharedValues, ...]]
-"""A manifest's ``keys`` and ``shared`` (:func:`manifest_keys`)."""
+ManifestKeys = tuple[dict[str, KeyRecord], tuple[SharedValues, ...], LoadIndex | None]
+"""A manifest's ``keys``, ``shared`` and ``load_index`` (:func:`manifest_keys`)."""
 
 
 def manifest_keys(metadata: Metadata) -> ManifestKeys:
     """What a manifest records of ``metadata``'s keys: a record per key (kind, dtype, shape, identity), but for
-    the byte keys it lists by the value they share (:func:`~checkpoint.dcp_metadata.shared_values`).
+    the byte keys it lists by the value they share (:func:`~checkpoint.dcp_metadata.shared_values`), and where
+    each is stored when each is one piece (:func:`~checkpoint.load_index.load_index`).
 
     Linear in the keys and chunks; a collective save keeps it with its plan while ``.metadata`` is unchanged.
     """
@@ -274,7 +277,7 @@ def manifest_keys(metadata: Metadata) -> ManifestKeys:
             keys[key] = KeyRecord("tensor", dtype_name(item.properties.dtype), tuple(item.size), identities[key])
         else:
             keys[key] = KeyRecord("bytes", identity=identities[key])
-    return keys, tuple(shared)
+    return keys, tuple(shared), load_index(metadata, keys)
 
 
 def build_manifest(
@@ -286,7 +289,7 @@ def build_manifest(
     keys: ManifestKeys | None = None,
 ) -> Manifest:
     """The manifest of ``metadata`` and ``files``; ``keys``: :func:`manifest_keys` of ``metadata``, if known."""
-    records, shared = manifest_keys(metadata) if keys is None else keys
+    records, shared, index = manifest_keys(metadata) if keys is None else keys
     written = files.get(METADATA_NAME)  # the record of metadata's own bytes, as write_metadata wrote them
     return Manifest(
         world_size=world_size,
@@ -295,6 +298,7 @@ def build_manifest(
         extra_info=dict(extra_info or {}),
         shared=shared,
         keys_from_metadata_crc32=None if written is None else written.crc32,
+        load_index=None if written is None else index,  # tied to the .metadata written: no pin, no index
     )
 
 

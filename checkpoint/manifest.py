@@ -12,8 +12,11 @@ same bytes.
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import BinaryIO
 
@@ -31,6 +34,7 @@ __all__ = [
     "CheckpointCorruptError",
     "FileRecord",
     "KeyRecord",
+    "LoadIndex",
     "Manifest",
     "NotACheckpointError",
     "SharedValues",
@@ -104,12 +108,73 @@ class SharedValues:
         object.__setattr__(self, "under", tuple(self.under))
         object.__setattr__(self, "names", tuple(self.names))
 
-    def keys(self):
-        """``(key, source key, nested path)`` of every key listed."""
-        for name in self.names:
-            for field_name, source in self.fields.items():
-                path = (*self.under, name, field_name)
-                yield ".".join(path), source, path
+    def keys(self) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+        """``(key, source key, nested path)`` of every key listed (made on the first call, then kept: a load
+        goes over them once per read of the family's keys, ~330,000 at 30,000 parameters)."""
+        return iter(self._listed)
+
+    @functools.cached_property  # sets the instance's __dict__ directly: works on a frozen dataclass
+    def _listed(self) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+        return tuple(
+            (".".join(path), source, path)
+            for name in self.names
+            for field_name, source in self.fields.items()
+            for path in [(*self.under, name, field_name)]
+        )
+
+
+@dataclass(frozen=True)
+class LoadIndex:
+    """Where the bytes of every key of a manifest's :attr:`~Manifest.keys` lie, in columns (one entry per key,
+    in the order of ``keys``): what a load reads instead of unpickling ``.metadata`` (:mod:`checkpoint.load_index`).
+
+    Written only when every key is stored as one piece: a tensor as one chunk covering it whole, a pickled
+    value as one byte range. :attr:`crc32` covers the columns and the key records they describe (name, kind,
+    dtype, shape), so a flipped digit in either is a mismatch: the load then reads ``.metadata`` as before.
+    """
+
+    files: tuple[str, ...]
+    """the data files the keys are stored in; :attr:`file` numbers them by position"""
+    file: tuple[int, ...]
+    """per key: the number of its file in :attr:`files`"""
+    offset: tuple[int, ...]
+    """per key: the byte its piece starts at in that file"""
+    length: tuple[int, ...]
+    """per key: the length of its piece in bytes"""
+    paths: dict[str, list[str | int]]
+    """the nested path (DCP's ``planner_data``) of each key whose path is not the one
+    :func:`checkpoint.training_state.key_path` derives from its name"""
+    crc32: int
+    """:meth:`digest` of the index and the key records, as written"""
+
+    def __post_init__(self) -> None:
+        for name in ("files", "file", "offset", "length"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def digest(self, keys: dict[str, KeyRecord]) -> int:
+        """CRC-32 of the canonical bytes of this index's columns with the records of ``keys`` (in order): each
+        column joined or ``repr``'d whole (C loops; json's encoder took twice as long at 120,000 keys)."""
+        records = keys.values()
+        parts = [
+            "\0".join(keys),
+            "\0".join(map(str, map(_KIND, records))),
+            "\0".join(map(str, map(_DTYPE, records))),
+            repr(list(map(_SHAPE, records))),
+            repr((self.files, self.file, self.offset, self.length, sorted(self.paths.items()))),
+        ]
+        crc = 0
+        for part in parts:
+            crc = crc32(part.encode("utf-8", "surrogatepass"), crc)
+        return crc
+
+    def to_json(self) -> dict[str, object]:
+        """The manifest's ``load_index`` entry: one line per column, without spaces (a column per key)."""
+        columns = {"file": self.file, "files": self.files, "length": self.length, "offset": self.offset}
+        return {
+            "crc32": self.crc32,
+            "paths": _Json(_NO_SPACES.encode(dict(sorted(self.paths.items())))),
+            **{name: _Json(_NO_SPACES.encode(column)) for name, column in columns.items()},
+        }
 
 
 @dataclass(frozen=True)
@@ -132,6 +197,8 @@ class Manifest:
     with its file record recomputed no longer matches it). A load whose ``.metadata`` matches it skips
     comparing the records key by key (:func:`checkpoint.opener.consistency_problems`): they were made from
     those very bytes. ``None`` in manifests written before 2026-11 (every load compares them)"""
+    load_index: LoadIndex | None = None
+    """where every key's bytes lie, when each is stored as one piece (absent otherwise, and before 2026-11)"""
 
     def shared_keys(self) -> dict[str, tuple[str, tuple[str, ...]]]:
         """Every key of :attr:`shared`: key -> (its source key, its nested path)."""
@@ -152,6 +219,8 @@ class Manifest:
             data["shared"] = [{"fields": f.fields, "names": list(f.names), "under": list(f.under)} for f in self.shared]
         if self.keys_from_metadata_crc32 is not None:
             data["keys_from_metadata_crc32"] = self.keys_from_metadata_crc32
+        if self.load_index is not None:
+            data["load_index"] = self.load_index.to_json()
         return _json_lines(data, depth=0) + "\n"
 
     @classmethod
@@ -175,23 +244,42 @@ class Manifest:
             )
         return cls(
             world_size=data["world_size"],
-            keys={k: KeyRecord(**v) for k, v in data["keys"].items()},
+            keys={k: _checked_record(v) for k, v in data["keys"].items()},
             files={k: FileRecord(**v) for k, v in data["files"].items()},
             format=data["format"],
             version=data["version"],
             extra_info=dict(data.get("extra_info", {})),
             shared=tuple(SharedValues(**f) for f in data.get("shared", ())),
             keys_from_metadata_crc32=data.get("keys_from_metadata_crc32"),
+            load_index=None if "load_index" not in data else LoadIndex(**data["load_index"]),
         )
 
 
 _FIX = "restore manifest.json from a copy or re-save the checkpoint"
 
 
+def _checked_record(record: dict) -> KeyRecord:
+    """The :class:`KeyRecord` of a record :func:`_key_problem` found nothing wrong with, its fields set as
+    ``__init__`` would set them (``__post_init__``'s checks are the ones already made): a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, twice the cost of the record at 120,000 keys."""
+    shape = record.get("shape")
+    fields = {
+        "kind": record["kind"],
+        "dtype": record.get("dtype"),
+        "shape": None if shape is None else tuple(shape),
+        "identity": record.get("identity"),
+    }
+    parsed = object.__new__(KeyRecord)
+    object.__setattr__(parsed, "__dict__", fields)
+    return parsed
+
+
 _LINES_UP_TO = 1000  # a section with more entries is written on one line: the C encoder does it whole
 _COMPACT = json.JSONEncoder(
     sort_keys=True, separators=(", ", ": ")
 )  # made once: json.dumps(**options) makes one a call
+_NO_SPACES = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+_KIND, _DTYPE, _SHAPE = (operator.attrgetter(name) for name in ("kind", "dtype", "shape"))
 
 
 class _Json(str):
@@ -262,6 +350,7 @@ def _schema_problem(data: object) -> str | None:
         "extra_info",
         "shared",
         "keys_from_metadata_crc32",
+        "load_index",
     }
     if unknown:
         return f"unknown fields {sorted(unknown)}"
@@ -293,6 +382,31 @@ def _schema_problem(data: object) -> str | None:
         problem = _shared_problem(family)
         if problem is not None:
             return f"shared: {problem}"
+    if "load_index" in data:
+        problem = _index_problem(data["load_index"], len(keys))
+        if problem is not None:
+            return f"load_index: {problem}"
+    return None
+
+
+_INDEX_FIELDS = frozenset({"crc32", "files", "file", "offset", "length", "paths"})
+
+
+def _index_problem(index: object, count: int) -> str | None:
+    """What makes ``index`` not the JSON of a :class:`LoadIndex` of ``count`` keys. Its values are not checked
+    here: a load checks them against its CRC-32 and the files (:func:`checkpoint.load_index.indexed_keys`)."""
+    if not isinstance(index, dict) or set(index) != _INDEX_FIELDS:
+        return f"not an object of {', '.join(sorted(_INDEX_FIELDS))}"
+    if not _is_int(index["crc32"], 0, 0xFFFFFFFF):
+        return "crc32 is not a 32-bit unsigned integer"
+    if not (isinstance(index["files"], list) and all(isinstance(name, str) for name in index["files"])):
+        return "files is not a list of file names"
+    if not all(
+        isinstance(index[column], list) and len(index[column]) == count for column in ("file", "offset", "length")
+    ):
+        return "file, offset and length are not lists of one entry per key"
+    if not (isinstance(index["paths"], dict) and all(isinstance(path, list) for path in index["paths"].values())):
+        return "paths is not an object of lists"
     return None
 
 
@@ -389,7 +503,11 @@ def write_manifest(directory: str | os.PathLike, manifest: Manifest) -> None:
     """
     text = manifest.to_json()
     # the keys checked as they were encoded (once per set of records), everything else here
-    problem = _encoded_keys(manifest.keys).problem or _schema_problem(json.loads(replace(manifest, keys={}).to_json()))
+    problem = _encoded_keys(manifest.keys).problem or _schema_problem(
+        json.loads(replace(manifest, keys={}, load_index=None).to_json())
+    )
+    if problem is None and manifest.load_index is not None:  # its columns have one entry per key
+        problem = _index_problem(json.loads(_json_lines(manifest.load_index.to_json(), depth=1)), len(manifest.keys))
     if problem is not None:
         raise ValueError(f"refusing to commit {locate(directory) / MANIFEST_NAME}: {problem}; nothing was committed")
     storage_for(directory).write_file(locate(directory) / MANIFEST_NAME, text, sync_dir=True)

@@ -6,9 +6,11 @@ command) opens through :func:`open_checkpoint`, in this order: the manifest
 (strictly checked, :mod:`checkpoint.manifest`), the files it lists (regular
 files of the recorded sizes), ``.metadata``'s CRC-32, and only then
 ``.metadata`` itself, through the restricted unpickler of
-:mod:`checkpoint.safe_unpickle`. The returned :class:`OpenCheckpoint` hands
-readers a :class:`~checkpoint.content_check.ContentCheck` that verifies the
-CRC-32 of every file as it is read.
+:mod:`checkpoint.safe_unpickle`; or, where the manifest's load index checks out
+(:mod:`checkpoint.load_index`), the index instead, ``.metadata`` unpickled only
+if something asks for it (:attr:`OpenCheckpoint.metadata`). The returned
+:class:`OpenCheckpoint` hands readers a :class:`~checkpoint.content_check.ContentCheck`
+that verifies the CRC-32 of every file as it is read.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from checkpoint.content_check import ContentCheck, crc32
 from checkpoint.dcp_metadata import key_identities, shared_key_problems
 from checkpoint.errors import LoadTargetError
+from checkpoint.load_index import IndexedKeys, index_problems, indexed_keys
 from checkpoint.manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -69,12 +72,42 @@ class OpenCheckpoint:
     path: Path
     manifest: Manifest | None
     """None for a plain DCP directory opened with ``require_manifest=False``"""
-    metadata: Metadata
     verify: str = "crc"
     """the ``verify`` mode it was opened with"""
     stamp: Hashable | None = None
     """``manifest.json``'s :meth:`~checkpoint.storage_backend.Storage.version` when opened (local: device
     and inode): a save to the same path swaps in a new one"""
+    index: IndexedKeys | None = None
+    """the keys as the manifest's load index describes them, when it checked out (``.metadata`` is then not
+    unpickled unless :attr:`metadata` is asked for)"""
+    _metadata: Metadata | None = field(default=None, repr=False)
+    _metadata_bytes: bytes | None = field(default=None, repr=False)
+    """``.metadata`` as read (CRC-checked) at open, until :attr:`metadata` unpickles it"""
+
+    @property
+    def metadata(self) -> Metadata:
+        """DCP's metadata, read through the restricted unpickler and checked as :func:`open_checkpoint`
+        describes; opened through the load index, on first use (a :class:`CheckpointCorruptError` then)."""
+        if self._metadata is None:
+            assert self._metadata_bytes is not None, "opened with neither metadata nor its bytes"
+            self._metadata = _checked_metadata(self.path, self._metadata_bytes, self.manifest, self.verify)
+            self._metadata_bytes = None
+        return self._metadata
+
+    @property
+    def saved(self) -> dict:
+        """key -> its record, ``.metadata``'s ``state_dict_metadata`` (built from the load index when opened so)."""
+        return self.index.saved if self.index is not None else self.metadata.state_dict_metadata
+
+    @property
+    def planner_paths(self) -> dict:
+        """``.metadata``'s ``planner_data`` (nested path per key); through the load index, the keys whose
+        path :func:`~checkpoint.training_state.key_path` derives from the name alone may be left out."""
+        return self.index.planner_paths if self.index is not None else self.metadata.planner_data or {}
+
+    def metadata_of(self, keys: Iterable[str]) -> Metadata:
+        """DCP metadata holding at least ``keys`` (each one the checkpoint holds): for a DCP read plan of them."""
+        return self.index.metadata_of(keys) if self.index is not None else self.metadata
 
     def content_check(self) -> ContentCheck | None:
         """A fresh streamed CRC-32 check for the bytes a reader reads, or ``None`` when not asked for / no manifest."""
@@ -123,7 +156,8 @@ def open_checkpoint(
     opt-out: damaged data bytes then load silently); ``"none"`` checks no
     file, nor the consistency of ``.metadata`` (chunk cover, byte ranges, the
     manifest's keys) that every other mode checks. ``.metadata`` is always
-    read with a restricted unpickler: nothing in a checkpoint runs code. ``require_manifest=False`` also opens a plain
+    read with a restricted unpickler: nothing in a checkpoint runs code; where the manifest's load index checks
+    out (:mod:`checkpoint.load_index`) it is not unpickled at all unless :attr:`OpenCheckpoint.metadata` is asked for. ``require_manifest=False`` also opens a plain
     DCP directory (``.metadata``, no manifest: e.g. written by ``dcp.save``),
     without file checks (logged unless ``quiet``). ``path`` may be a URL (``storage_options`` go to its
     fsspec file system). Raises ``FileNotFoundError``,
@@ -146,26 +180,42 @@ def open_checkpoint(
         if manifest is not None and verify != "none":
             _check_files(src, manifest, checksums=verify == "full")
         data = _read_metadata_bytes(src, manifest, verify)
-        metadata = load_metadata(src / METADATA_NAME, data)
-        if manifest is not None:
-            unlisted = unlisted_files(metadata, manifest.files)
-            if unlisted:
-                raise CheckpointCorruptError(
-                    f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
-                    "restore the checkpoint from a copy or re-save it"
-                )
-        # verify="none" skips these too: `fsdp-ckpt verify` opens so and lists every problem itself
-        problems = consistency_problems(metadata, manifest, metadata_crc32=crc32(data)) if verify != "none" else []
-        if problems:
-            raise CheckpointCorruptError(
-                f"{src / METADATA_NAME}: does not describe a whole checkpoint ({'; '.join(problems[:3])}); "
-                "restore the checkpoint from a copy or re-save it"
-            )
+        index = None if manifest is None else indexed_keys(manifest, crc32(data))
+        metadata = None if index is not None else _checked_metadata(src, data, manifest, verify)
     except (ValueError, OSError) as exc:
         if stamp is not None and _stamp(src) != stamp:
             raise _replaced_error(src) from exc  # a save swapped a new checkpoint in while this one was opened
         raise
-    return OpenCheckpoint(src, manifest, metadata, verify, stamp if manifest is not None else None)
+    return OpenCheckpoint(
+        src,
+        manifest,
+        verify,
+        stamp if manifest is not None else None,
+        index,
+        _metadata=metadata,
+        _metadata_bytes=data if metadata is None else None,
+    )
+
+
+def _checked_metadata(src: Path, data: bytes, manifest: Manifest | None, verify: str) -> Metadata:
+    """``.metadata``'s bytes ``data`` (CRC-checked) unpickled and checked against ``manifest`` (see
+    :func:`open_checkpoint`); :class:`CheckpointCorruptError` naming it otherwise."""
+    metadata = load_metadata(src / METADATA_NAME, data)
+    if manifest is not None:
+        unlisted = unlisted_files(metadata, manifest.files)
+        if unlisted:
+            raise CheckpointCorruptError(
+                f"{src / METADATA_NAME}: points into {unlisted[:5]}, which manifest.json does not list; "
+                "restore the checkpoint from a copy or re-save it"
+            )
+    # verify="none" skips these too: `fsdp-ckpt verify` opens so and lists every problem itself
+    problems = consistency_problems(metadata, manifest, metadata_crc32=crc32(data)) if verify != "none" else []
+    if problems:
+        raise CheckpointCorruptError(
+            f"{src / METADATA_NAME}: does not describe a whole checkpoint ({'; '.join(problems[:3])}); "
+            "restore the checkpoint from a copy or re-save it"
+        )
+    return metadata
 
 
 def consistency_problems(
@@ -183,12 +233,15 @@ def consistency_problems(
     ``metadata_crc32``: the CRC-32 of the bytes ``metadata`` was read from. When it is the one the
     manifest's key records were made from (:attr:`~checkpoint.manifest.Manifest.keys_from_metadata_crc32`),
     they are not compared key by key: they describe this very ``.metadata`` (edited records alone change
-    nothing a load reads). ``fsdp-ckpt verify`` leaves it out and compares every record.
+    nothing a load reads). ``fsdp-ckpt verify`` leaves it out and compares every record, and the manifest's
+    load index (:func:`~checkpoint.load_index.index_problems`).
     """
     problems = metadata_problems(metadata)
     if manifest is not None:
         pinned = metadata_crc32 is not None and manifest.keys_from_metadata_crc32 == metadata_crc32
         problems += ([] if pinned else _key_problems(metadata, manifest)) + storage_problems(metadata, manifest.files)
+        if metadata_crc32 is None:  # verify: a load does not trust an index that disagrees, verify names it
+            problems += index_problems(metadata, manifest)
     return problems
 
 

@@ -41,6 +41,7 @@ from checkpoint.chunk_archive import ArchiveLayout, stored_layout
 from checkpoint.content_check import ContentCheck, PendingSum
 from checkpoint.data_file import StorageInfo
 from checkpoint.errors import CheckpointCorruptError
+from checkpoint.load_index import IndexedKeys
 from checkpoint.pickle_budget import value_problem
 from checkpoint.storage_backend import locate, storage_for
 
@@ -110,20 +111,25 @@ class DirectReader(FileSystemReader):
     (the caller calls its ``finish``). Every file is checked to be a regular
     file before it is opened (never a FIFO or device that would block).
     ``max_read_bytes``: the cap of :attr:`budget`, on the bytes held in the reader's own buffers.
+    ``index``: where the manifest's load index says each key lies (:mod:`checkpoint.load_index`), for
+    :meth:`read_whole_tensors`; ``metadata`` may then be ``None``, the plan's given to
+    :meth:`set_up_storage_reader` (DCP's reading protocol) for the rest.
     """
 
     def __init__(
         self,
         path: str | Path,
-        metadata: Metadata,
+        metadata: Metadata | None,
         *,
         direct: bool = True,
         check: ContentCheck | None = None,
         max_read_bytes: int | None = DEFAULT_MAX_READ_BYTES,
+        index: IndexedKeys | None = None,
     ) -> None:
         super().__init__(path)
         self.path = locate(path)  # DCP's init made a local Path of it; a URL's stays bound to its storage
         self._metadata = metadata
+        self._index = index
         self._direct = direct
         self._check = check
         self.budget = ReadBudget(max_read_bytes)
@@ -131,7 +137,16 @@ class DirectReader(FileSystemReader):
         self._store = storage_for(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._planned
+
+    @property
+    def _planned(self) -> Metadata:
+        assert self._metadata is not None, "a reader made from a load index has the metadata of its plan only"
         return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata  # the plan's (from a load index: its keys' alone)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -250,7 +265,7 @@ class DirectReader(FileSystemReader):
         plan_reads(sorted(set(ranges)), self.budget)
 
     def _reads_whole(self, item: ReadItem) -> bool:
-        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        md = self._planned.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)  # byte items are read whole
         return not any(item.storage_offsets) and tuple(item.lengths) == _chunk_sizes(md, item)
 
@@ -267,7 +282,7 @@ class DirectReader(FileSystemReader):
         :meth:`_layout_of`); ``None`` for anything else: partial reads, a transform, another writer's archive."""
         if info.transform_descriptors:
             return None
-        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        md = self._planned.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)  # byte items never come here
         chunk_sizes = _chunk_sizes(md, item)
         if any(item.storage_offsets) or tuple(item.lengths) != chunk_sizes:
@@ -279,17 +294,26 @@ class DirectReader(FileSystemReader):
     def _stored_whole(self, key: str, target: torch.Tensor) -> _WholeChunk | None:
         """Key ``key`` as one stored chunk covering the whole tensor, read whole into ``target``; ``None``
         for anything else (several chunks, another shape, see :meth:`_layout_of`)."""
-        md = self._metadata.state_dict_metadata.get(key)
+        if self._index is not None:  # every key is one piece there
+            md = self._index.saved.get(key)
+            if not isinstance(md, TensorStorageMetadata) or target.shape != md.size:  # torch.Size both
+                return None
+            return self._whole_at(key, self._index.stored_at(key), md, target)
+        md = self._planned.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata) or len(md.chunks) != 1:
             return None
         chunk = md.chunks[0]
         sizes = tuple(md.size)
         if any(chunk.offsets) or tuple(chunk.sizes) != sizes or tuple(target.shape) != sizes:
             return None
-        info = self._chunk_storage.get((key, chunk.offsets))
+        return self._whole_at(key, self._chunk_storage.get((key, chunk.offsets)), md, target)
+
+    def _whole_at(
+        self, key: str, info: StorageInfo | None, md: TensorStorageMetadata, target: torch.Tensor
+    ) -> _WholeChunk | None:
         if info is None or info.transform_descriptors:
             return None
-        layout = self._layout_of(info, md.properties.dtype, sizes, target)
+        layout = self._layout_of(info, md.properties.dtype, tuple(md.size), target)
         return None if layout is None else _WholeChunk(key, info, target, layout)
 
     @functools.cached_property
@@ -299,7 +323,7 @@ class DirectReader(FileSystemReader):
         and hashed per key (Python ``__init__`` and ``__hash__``) cost ~4x that pass at 40,000 tensors."""
         return {
             (index.fqn, index.offset): info
-            for index, info in (self._metadata.storage_data or {}).items()
+            for index, info in (self._planned.storage_data or {}).items()
             if index.offset is not None
         }
 
@@ -370,7 +394,7 @@ class DirectReader(FileSystemReader):
         return True, summing
 
     def _read_tensor(self, f, path: Path, info: StorageInfo, location, item: ReadItem, planner: LoadPlanner) -> None:
-        md = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        md = self._planned.state_dict_metadata[item.storage_index.fqn]
         assert isinstance(md, TensorStorageMetadata)
         chunk_sizes = _chunk_sizes(md, item)
         itemsize = md.properties.dtype.itemsize
@@ -431,8 +455,12 @@ class _WholeChunk:
         self.key, self.info, self.target, self.layout = key, info, target, layout
         self.item = item  # None when read without a DCP plan (DirectReader.read_whole_tensors)
         self.head, self.tail = bytearray(len(layout.head)), bytearray(layout.tail_size)
-        self.buffers = [self.head, _bytes_of(target), self.tail]
+        data = _bytes_of(target)
+        self.buffers = [self.head, data, self.tail]
         self.size = info.length
+        start = ctypes.addressof(data)
+        self.span = (start, start + len(data))
+        """the destination's bytes in memory: [start, end) addresses"""
 
     def matches(self) -> bool:
         """Whether the head and tail read are what our writer makes around this data (only then the data is
@@ -453,7 +481,7 @@ def _bytes_of(target: torch.Tensor) -> ctypes.Array:
 
 def _disjoint(run: list[_WholeChunk]) -> bool:
     """Whether no two destinations of ``run`` share a byte."""
-    spans = sorted((w.target.data_ptr(), w.target.data_ptr() + w.target.nbytes) for w in run)
+    spans = sorted(w.span for w in run)
     return all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
 
 

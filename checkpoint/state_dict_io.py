@@ -484,7 +484,7 @@ def load_flat(
     ``scope`` and not in ``ignored`` count as unexpected. Strict: raises ``ValueError`` naming every
     problem before reading anything. In a collective load (``options``) every rank calls it with the same keys.
     """
-    saved = opened.metadata.state_dict_metadata
+    saved = opened.saved
     _refuse_meta_targets(targets)
     report = LoadReport()
     loadable: dict[str, Any] = {}
@@ -583,7 +583,7 @@ def _shared_sources(opened: OpenCheckpoint, keys: dict[str, Any]) -> dict[str, s
     """
     if opened.manifest is None or not opened.manifest.shared:
         return {}
-    saved = opened.metadata.state_dict_metadata
+    saved = opened.saved
     fields_of: dict[str, dict[str, str]] = {}  # "<under>.<name>" -> field -> source
     for family in opened.manifest.shared:
         for name in family.names:
@@ -650,7 +650,12 @@ def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check, max_read
     Returns the reader's peak buffer bytes (:attr:`LoadReport.peak_read_buffer_bytes`).
     """
     reader = DirectReader(
-        opened.path, opened.metadata, direct=opened.manifest is not None, check=check, max_read_bytes=max_read_bytes
+        opened.path,
+        None if opened.index is not None else opened.metadata,  # through a load index: the plan's, below
+        direct=opened.manifest is not None,
+        check=check,
+        max_read_bytes=max_read_bytes,
+        index=opened.index,
     )
     planner = SafeLoadPlanner(
         flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True, where=str(opened.path)
@@ -660,7 +665,7 @@ def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check, max_read
         rest = reader.read_whole_tensors(plain)
         planned = {k: v for k, v in loadable.items() if k not in plain or k in rest}
         if planned:
-            _load_locally(planned, reader, planner)
+            _load_locally(planned, reader, planner, opened.metadata_of(planned))
             loadable.update(planned)  # the planner puts the non-tensor values it reads in the dict it was given
     except (Exception, dcp.CheckpointException) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         raise read_failure(exc, opened.path) from None
@@ -669,13 +674,15 @@ def _read_flat(opened: OpenCheckpoint, loadable: dict[str, Any], check, max_read
     return reader.budget.peak
 
 
-def _load_locally(state_dict: dict[str, Any], reader: DirectReader, planner: SafeLoadPlanner) -> None:
-    """The steps of ``dcp.load(..., no_dist=True)``, through DCP's public planner and storage-reader protocol.
+def _load_locally(
+    state_dict: dict[str, Any], reader: DirectReader, planner: SafeLoadPlanner, metadata: Metadata
+) -> None:
+    """The steps of ``dcp.load(..., no_dist=True)`` with ``metadata`` (holding every key of ``state_dict``),
+    through DCP's public planner and storage-reader protocol.
 
     ``dcp.load`` itself adds, per key, a runtime ``Stateful`` protocol check (~10 us each; Stateful values
     were resolved by the caller already) and logging wrappers per step: a tenth of a 10,000-parameter load.
     """
-    metadata = reader.read_metadata()
     planner.set_up_planner(state_dict, metadata, is_coordinator=True)
     reader.set_up_storage_reader(metadata, is_coordinator=True)
     plan = reader.prepare_local_plan(planner.create_local_plan())
@@ -784,7 +791,7 @@ def _load_state_dict(
     flat.update(materialized)
     scope = tuple(f"{k}." for k in state_dict)
     options = options.sharing_replicas_of(flat.values())
-    saved = opened.metadata.state_dict_metadata
+    saved = opened.saved
     ignored = unasked_group_layout(saved, flat.keys())  # ours stores both of torch's optimizer layouts
     report, values = load_flat(opened, flat, strict=strict, scope=scope, ignored=ignored, options=options)
     for key, value in {**materialized, **values}.items():
