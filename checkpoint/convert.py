@@ -415,18 +415,33 @@ def assign_back(state_dict: dict[str, Any], resolved: dict[str, Any], found: lis
 def convert_tree(tree: Any, prefix: str = "", **kwargs) -> Any:
     """:func:`to_checkpointable` on every leaf of nested dicts (lists / tuples are leaves unless they hold tensors).
 
-    A Stateful value (an ``nn.Module``, a dataloader) is saved as its ``state_dict()``.
+    A Stateful value (an ``nn.Module``, a dataloader) is saved as its ``state_dict()``. Whether a list is
+    walked is decided once per list object, however often it is referenced (torch's flattened optimizer
+    layout references a group's ``param_names`` from each parameter's key: O(N^2) if decided per reference).
     """
+    return _convert(tree, prefix, kwargs, {})
+
+
+def _convert(tree: Any, prefix: str, kwargs: dict[str, Any], walked: dict[int, bool]) -> Any:
+    """:func:`convert_tree`; ``walked``: id of a list met already -> whether it is walked (the tree keeps it alive)."""
     if _is_stateful(tree):
-        return convert_tree(tree.state_dict(), prefix, **kwargs)
+        return _convert(tree.state_dict(), prefix, kwargs, walked)
     if isinstance(tree, dict):
         # sorted: Stateful values' state_dict() in the same order on every rank (see resolve_stateful)
         converted = {
-            k: v if type(v) in _SCALARS else convert_tree(v, f"{prefix}{k}.", **kwargs)
+            k: v if type(v) in _SCALARS else _convert(v, f"{prefix}{k}.", kwargs, walked)
             for k in _sorted_keys(tree)
             for v in (tree[k],)
         }
         return {k: converted[k] for k in tree}  # the state dict's own order: the plan's and the files' order
-    if isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) or _is_stateful(v) for v in tree):
-        return [convert_tree(v, f"{prefix}{i}.", **kwargs) for i, v in enumerate(tree)]
+    if isinstance(tree, list) and _holds_tensors(tree, walked):
+        return [_convert(v, f"{prefix}{i}.", kwargs, walked) for i, v in enumerate(tree)]
     return to_checkpointable(tree, name=prefix.rstrip("."), **kwargs)
+
+
+def _holds_tensors(items: list, walked: dict[int, bool]) -> bool:
+    """Whether :func:`convert_tree` walks ``items``: it holds a tensor, a dict or a Stateful value."""
+    known = walked.get(id(items))
+    if known is None:
+        known = walked[id(items)] = any(isinstance(v, (torch.Tensor, dict)) or _is_stateful(v) for v in items)
+    return known

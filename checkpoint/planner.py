@@ -9,12 +9,16 @@ be committed with a hole in it. Chunk metadata itself comes from
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from checkpoint.convert import flatten_state_dict
 
 __all__ = ["FsdpSavePlanner", "chunk_problem", "metadata_problems"]
 
@@ -32,11 +36,29 @@ class FsdpSavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=False)
         self.validate_cover = validate_cover
         self.convert = convert
+        self._pickled: dict[int, bytes] = {}  # id of a byte item's object -> its torch.save bytes, this save
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         if self.convert is not None:
             state_dict = self.convert(state_dict)
+        # DCP's keys and planner_data by our flattening, linear where DCP's re-walks a list at each reference
+        # (torch's flattened optimizer layout: O(N^2)); DCP then takes the flat dict as it is
+        state_dict, mappings = flatten_state_dict(state_dict)
+        self._pickled = {}
+        self.flatten_state_dict = False
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.flatten_state_dict, self.mappings = True, mappings  # the plans carry the mappings (planner_data)
+
+    def transform_object(self, write_item: WriteItem, object: Any):
+        """DCP's ``torch.save`` of a byte item, once per object: torch's flattened optimizer layout
+        references a group's ``param_names`` (every name) from each parameter's key, O(N^2) pickled per key."""
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        # the planner's state dict keeps every object alive for the save: an id is not reused meanwhile
+        pickled = self._pickled.get(id(object))
+        if pickled is None:
+            pickled = self._pickled[id(object)] = super().transform_object(write_item, object).getvalue()
+        return io.BytesIO(pickled)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         plans, metadata = super().create_global_plan(all_plans)

@@ -430,20 +430,29 @@ def check_saved_values(state_dict: dict[str, Any]) -> None:
     """:func:`check_weights_only` on every non-tensor leaf of a state dict about to be saved.
 
     Precondition: Stateful values are resolved to their ``state_dict()`` (what is written;
-    :func:`~checkpoint.convert.resolve_stateful`). Walked as ``convert_tree`` walks.
+    :func:`~checkpoint.convert.resolve_stateful`). Walked as ``convert_tree`` walks. A list referenced
+    from several keys is checked once (torch's flattened optimizer layout references a group's
+    ``param_names`` from each parameter's key: O(N^2) if checked per reference).
     """
-    _check_leaves(state_dict)
+    _check_leaves(state_dict, "", set())
 
 
-def _check_leaves(tree: Any, prefix: str = "") -> None:
+def _check_leaves(tree: Any, prefix: str, checked: set[int]) -> None:
+    """``checked``: ids of the lists checked already (the state dict keeps them alive meanwhile)."""
     if isinstance(tree, dict):
         for k, v in tree.items():
             if type(v) not in _LEAVES:  # a scalar or tensor loads weights-only: no key name built per leaf
-                _check_leaves(v, f"{prefix}{k}.")
-    elif isinstance(tree, list) and any(isinstance(v, (torch.Tensor, dict)) for v in tree):
-        for i, v in enumerate(tree):
-            _check_leaves(v, f"{prefix}{i}.")
-    elif not _is_plain(tree):  # plain scalars and tensors always load weights-only
+                _check_leaves(v, f"{prefix}{k}.", checked)
+        return
+    if isinstance(tree, list):
+        if id(tree) in checked:
+            return
+        checked.add(id(tree))
+        if any(isinstance(v, (torch.Tensor, dict)) for v in tree):
+            for i, v in enumerate(tree):
+                _check_leaves(v, f"{prefix}{i}.", checked)
+            return
+    if not _is_plain(tree):  # plain scalars and tensors always load weights-only
         check_weights_only(prefix.rstrip("."), tree)
 
 

@@ -39,13 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-# flatten_state_dict: DCP's own key flattening, so keys and planner_data equal dcp.save's (no public name);
-# renamed -> import fails, changed key format -> plain dcp.load no longer finds our keys
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from checkpoint.commit import ManifestKeys, manifest_keys
+from checkpoint.convert import flatten_state_dict
 from checkpoint.data_file import StorageInfo, data_file_name
 from checkpoint.dcp_metadata import MetadataBuilder, metadata_bytes, with_storage, write_metadata
 from checkpoint.layout import Box

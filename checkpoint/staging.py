@@ -34,12 +34,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-
-# flatten_state_dict: DCP's own key flattening, so our keys equal the planner's (no public name);
-# renamed -> import fails, changed key format -> staged buffers no longer match write items
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from checkpoint.convert import flatten_state_dict
 from checkpoint.shard import CheckpointShard
 from checkpoint.staging_pool import StagingPool
 
@@ -189,16 +186,22 @@ def replace_shards(
     """``converted`` with every :class:`CheckpointShard` leaf replaced by ``replace(key, shard)``.
 
     ``key`` is DCP's flattened key, the one the writer's items carry (and the
-    staging buffers are keyed by). The tree is rebuilt; ``converted`` is not changed.
+    staging buffers are keyed by). The tree is rebuilt; ``converted`` is not changed. A list referenced
+    from several places is rebuilt once, the new one referenced likewise (torch's flattened optimizer
+    layout references a group's ``param_names`` from each parameter's key: O(N^2) if rebuilt per reference).
     """
     flat, _ = flatten_state_dict(converted)
     by_id = {id(value): replace(key, value) for key, value in flat.items() if isinstance(value, CheckpointShard)}
+    rebuilt: dict[int, list] = {}  # id of a list of ``converted`` (which keeps it alive) -> its new list
 
     def swap(tree):
         if isinstance(tree, dict):
             return {k: swap(v) for k, v in tree.items()}
         if isinstance(tree, list):
-            return [swap(v) for v in tree]
+            new = rebuilt.get(id(tree))
+            if new is None:
+                new = rebuilt[id(tree)] = [swap(v) for v in tree]
+            return new
         return by_id.get(id(tree), tree)
 
     return swap(converted)

@@ -39,7 +39,6 @@ PRIVATE_USES = [
         "checkpoint/data_file.py (imported once, as StorageInfo), safe_unpickle.py",
     ),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix", "checkpoint/storage.py"),
-    ("torch.distributed.checkpoint._nested_dict", "flatten_state_dict", "checkpoint/staging.py, state_dict_io.py"),
     ("torch.distributed.checkpoint._traverse", "set_element", "checkpoint/api.py, state_dict_io.py, safe_unpickle.py"),
     ("torch.distributed._shard.sharded_tensor", "ShardedTensor", "checkpoint/convert.py _is_sharded_tensor"),
     ("torch._subclasses.fake_tensor", "FakeTensorMode", "checkpoint/torchfile_io.py"),
