@@ -51,6 +51,14 @@ def _target() -> dict:
     return {**_empty_target(), "dotted": {"a.b": torch.zeros(3)}}
 
 
+def _assert_loads_exactly_through_metadata(ck, unpickles: list) -> None:
+    """``ck`` loads exactly, having unpickled ``.metadata`` once (its index was not trusted)."""
+    target = _target()
+    checkpoint.load_state_dict(target, ck, no_dist=True)
+    _assert_exact(target)
+    assert unpickles == [1]
+
+
 def _assert_exact(target: dict) -> None:
     for key in ("w", "b", "v"):
         assert torch.equal(target[key], _SAVED[key]), key
@@ -144,10 +152,7 @@ def _flip_in_column(column: str, nth: int):
 )
 def test_a_flipped_digit_in_the_index_falls_back_to_metadata_and_loads_exactly(indexed, tmp_path, unpickles, edit):
     ck = _edited_manifest(indexed, tmp_path, edit)
-    target = _target()
-    checkpoint.load_state_dict(target, ck, no_dist=True)
-    _assert_exact(target)
-    assert unpickles == [1]
+    _assert_loads_exactly_through_metadata(ck, unpickles)
 
 
 def test_a_key_record_edited_under_the_index_falls_back_and_loads_exactly(indexed, tmp_path, unpickles):
@@ -162,10 +167,7 @@ def test_a_key_record_edited_under_the_index_falls_back_and_loads_exactly(indexe
             manifest, keys={**manifest.keys, "b": dataclasses.replace(manifest.keys["b"], dtype="int32")}
         ),
     )
-    target = _target()
-    checkpoint.load_state_dict(target, ck, no_dist=True)
-    _assert_exact(target)
-    assert unpickles == [1]
+    _assert_loads_exactly_through_metadata(ck, unpickles)
 
 
 def test_a_pin_that_does_not_match_metadata_falls_back_and_loads_exactly(indexed, tmp_path, unpickles):
@@ -175,10 +177,7 @@ def test_a_pin_that_does_not_match_metadata_falls_back_and_loads_exactly(indexed
     pin = manifest.keys_from_metadata_crc32
     assert pin is not None
     write_manifest(ck, dataclasses.replace(manifest, keys_from_metadata_crc32=pin ^ 1))
-    target = _target()
-    checkpoint.load_state_dict(target, ck, no_dist=True)
-    _assert_exact(target)
-    assert unpickles == [1]
+    _assert_loads_exactly_through_metadata(ck, unpickles)
 
 
 def _index_columns_edited(src: Path, root: Path, edit) -> Path:
@@ -213,10 +212,7 @@ def _into_metadata(columns, keys) -> None:
 @pytest.mark.parametrize("edit", [_past_the_file_end, _onto_another_piece, _into_metadata])
 def test_an_index_pointing_outside_its_pieces_falls_back_and_loads_exactly(indexed, tmp_path, unpickles, edit):
     ck = _index_columns_edited(indexed, tmp_path, edit)
-    target = _target()
-    checkpoint.load_state_dict(target, ck, no_dist=True)
-    _assert_exact(target)
-    assert unpickles == [1]
+    _assert_loads_exactly_through_metadata(ck, unpickles)
 
 
 _REWRITES = {
